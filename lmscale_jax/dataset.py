@@ -117,6 +117,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
   d = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
   try:
+    os.fchmod(fd, 0o644)  # mkstemp creates 0600; datasets are shared between users/nodes
     with os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()
@@ -174,6 +175,8 @@ def write_tfds_metadata(directory: str, name: str, seq_len: int, splits: dict) -
 
   infos = []
   for split, info in splits.items():
+    if not info["shards"]:  # TFDS has no notion of an empty split; metadata.json keeps it
+      continue
     infos.append(tfds.core.SplitInfo(
         name=split,
         shard_lengths=[s["records"] for s in info["shards"]],

@@ -1,0 +1,74 @@
+"""Token streams of whole functions/documents → fixed-length ``[CLS] a [SEP] b [SEP] … [PAD]…``.
+
+``greedy``: best-fit over a bounded window of open sequences: each piece goes into the open
+sequence it fills most tightly; when more than ``window`` are open, the fullest is emitted. This
+keeps pieces whole (a function is only split when it is longer than a sequence), memory bounded,
+the output a pure function of the input order, and padding low (a simple next-fit wastes the
+tail of every sequence; best-fit nearly fills them).
+``none``: one piece per sequence, padded — the paper's layout, kept to measure the difference.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+
+class Packer:
+
+  def __init__(self, seq_len: int, cls_id: int, sep_id: int, pad_id: int, mode: str = "greedy",
+               window: int = 64):
+    if mode not in ("greedy", "none"):
+      raise ValueError(f"packing {mode!r}: expected 'greedy' or 'none'")
+    if seq_len < 4:
+      raise ValueError(f"seq_len {seq_len} too short: need room for [CLS] x [SEP]")
+    self.seq_len, self.cls, self.sep, self.pad = seq_len, cls_id, sep_id, pad_id
+    self.mode, self.window = mode, window
+    self._open: list[list] = []  # each: [free slots, list of piece arrays]
+
+  def _sequence(self, pieces) -> np.ndarray:
+    out = np.full(self.seq_len, self.pad, np.uint16)
+    out[0] = self.cls
+    i = 1
+    for p in pieces:
+      out[i:i + len(p)] = p
+      out[i + len(p)] = self.sep
+      i += len(p) + 1
+    return out
+
+  def add(self, ids: np.ndarray) -> Iterator[np.ndarray]:
+    """Adds one function/document's token ids; yields the sequences completed by it."""
+    room = self.seq_len - 2  # [CLS] and one [SEP]
+    for start in range(0, max(len(ids), 1), room):
+      piece = ids[start:start + room]
+      if len(piece) == 0:
+        return
+      if self.mode == "none" or len(piece) == room:
+        yield self._sequence([piece])
+        continue
+      yield from self._place(piece)
+
+  def _place(self, piece: np.ndarray) -> Iterator[np.ndarray]:
+    need = len(piece) + 1  # the piece and its [SEP]
+    best = None
+    for b in self._open:
+      if b[0] >= need and (best is None or b[0] < best[0]):
+        best = b
+    if best is None:
+      best = [self.seq_len - 1, []]  # minus [CLS]
+      self._open.append(best)
+    best[0] -= need
+    best[1].append(piece)
+    if best[0] < 2:  # nothing more fits
+      self._open.remove(best)
+      yield self._sequence(best[1])
+    elif len(self._open) > self.window:
+      fullest = min(self._open, key=lambda b: b[0])
+      self._open.remove(fullest)
+      yield self._sequence(fullest[1])
+
+  def flush(self) -> Iterator[np.ndarray]:
+    for b in self._open:
+      yield self._sequence(b[1])
+    self._open = []

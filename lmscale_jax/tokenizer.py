@@ -1,0 +1,115 @@
+"""Tokenizers (Hugging Face ``tokenizers``): train on a corpus, or load and validate a given one.
+
+Binary code: the corpus is already split into pretokens by whitespace, so the tokenizer is a
+WordPiece model over whitespace-split words whose vocabulary is the most frequent pretokens plus
+every character as a piece: frequent pretokens are single tokens and a rare or unseen one (a new
+mnemonic) decomposes into characters instead of ``[UNK]``. We build that vocabulary ourselves
+because ``tokenizers``' trainers break frequency ties in hash order, so two runs on the same
+corpus give different vocabularies, and preparation promises byte-identical output.
+Text: BERT normalisation and pre-tokenisation, WordPiece (default) or byte-level BPE, trained by
+``tokenizers`` (not bit-reproducible between runs for that reason; pass ``--tokenizer`` to fix it).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from typing import Iterable
+
+from lmscale_jax import dataset as ds
+
+
+class TokenizerError(ValueError):
+  pass
+
+
+def check_vocab_size(vocab_size: int) -> None:
+  if not len(ds.SPECIAL_TOKENS) < vocab_size <= ds.MAX_VOCAB:
+    raise TokenizerError(
+        f"--vocab-size {vocab_size}: must be in {len(ds.SPECIAL_TOKENS) + 1}..{ds.MAX_VOCAB} "
+        "(token ids are stored as uint16)")
+
+
+def train(texts: Iterable[str], *, vocab_size: int, kind: str, model: str = "wordpiece",
+          lowercase: bool = False):
+  """Trains a tokenizer whose specials get ids 0..5 in ``dataset.SPECIAL_TOKENS`` order."""
+  from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+  check_vocab_size(vocab_size)
+  specials = list(ds.SPECIAL_TOKENS)
+  if kind == "binary":
+    return _pretoken_wordpiece(texts, vocab_size)
+  if model == "wordpiece":
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                        min_frequency=2, show_progress=False)
+    tok.decoder = decoders.WordPiece()
+  elif model == "bpe":
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=2,
+                                  show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.decoder = decoders.ByteLevel()
+  else:
+    raise TokenizerError(f"tokenizer model {model!r}: expected 'wordpiece' or 'bpe'")
+  tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, clean_text=True,
+                                                handle_chinese_chars=True, strip_accents=None)
+  tok.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+                       if model == "bpe" else pre_tokenizers.BertPreTokenizer())
+  tok.train_from_iterator(texts, trainer=trainer)
+  validate(tok, "trained tokenizer")
+  return tok
+
+
+def _pretoken_wordpiece(texts: Iterable[str], vocab_size: int):
+  """Deterministic WordPiece over pretokens: specials, character pieces, then frequent words."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+  counts = collections.Counter()
+  for t in texts:
+    counts.update(t.split())
+  for sp in ds.SPECIAL_TOKENS:
+    counts.pop(sp, None)
+  chars = sorted({c for w in counts for c in w})
+  vocab = list(ds.SPECIAL_TOKENS) + chars + ["##" + c for c in chars]
+  if len(vocab) > vocab_size:
+    raise TokenizerError(f"--vocab-size {vocab_size} is smaller than the corpus alphabet "
+                         f"({len(vocab)} specials and character pieces)")
+  taken = set(vocab)
+  words = sorted((w for w, n in counts.items() if n >= 2 and w not in taken),
+                 key=lambda w: (-counts[w], w))
+  vocab += words[:vocab_size - len(vocab)]
+  tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]",
+                                   max_input_chars_per_word=100))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.decoder = decoders.WordPiece()
+  tok.add_special_tokens(list(ds.SPECIAL_TOKENS))
+  validate(tok, "trained tokenizer")
+  return tok
+
+
+def load(path: str):
+  from tokenizers import Tokenizer
+
+  try:
+    tok = Tokenizer.from_file(path)
+  except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+    raise TokenizerError(f"{path}: not a Hugging Face tokenizer.json: {e}") from e
+  validate(tok, path)
+  return tok
+
+
+def validate(tok, where: str) -> dict:
+  """Checks the special tokens ([PAD] must be 0) and the uint16 vocab limit; returns special ids."""
+  size = tok.get_vocab_size(with_added_tokens=True)
+  if size > ds.MAX_VOCAB:
+    raise TokenizerError(f"{where}: vocabulary of {size} tokens > {ds.MAX_VOCAB}; ids are "
+                         "stored as uint16")
+  ids = {t: tok.token_to_id(t) for t in ds.SPECIAL_TOKENS}
+  missing = [t for t, i in ids.items() if i is None]
+  if missing:
+    raise TokenizerError(f"{where}: lacks special tokens {missing} (need all of "
+                         f"{list(ds.SPECIAL_TOKENS)})")
+  if ids["[PAD]"] != 0:
+    raise TokenizerError(f"{where}: [PAD] has id {ids['[PAD]']}, expected 0")
+  return ids

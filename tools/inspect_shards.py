@@ -1,0 +1,75 @@
+"""Summarise, verify or decode a prepared dataset directory.
+
+  python tools/inspect_shards.py DIR [--verify] [--show N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from lmscale_jax import dataset as ds  # noqa: E402
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("dir")
+  p.add_argument("--verify", action="store_true", help="re-check record counts and sha256")
+  p.add_argument("--show", type=int, default=0, metavar="N",
+                 help="decode N random sequences back to pretokens/text")
+  p.add_argument("--seed", type=int, default=0)
+  a = p.parse_args(argv)
+  try:
+    meta = ds.DatasetMeta.load(a.dir)
+  except ds.DatasetError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"dataset {a.dir}: {meta.name}, seq_len {meta.seq_len}, vocab {meta.vocab_size}, "
+        f"kind {meta.raw.get('kind')}, packing {meta.raw.get('packing')}")
+  for split, info in meta.splits.items():
+    size = sum(s["bytes"] for s in info["shards"])
+    print(f"  {split:<10} {info['records']:>10,} sequences in {len(info['shards'])} shards, "
+          f"{size / 1e6:,.1f} MB")
+  spath = os.path.join(a.dir, ds.STATS)
+  if os.path.exists(spath):
+    with open(spath) as f:
+      st = json.load(f)
+    keys = ("input_bytes", "output_bytes", "reduction_pct", "tokens", "pad_fraction",
+            "unk_rate_validation", "wall_seconds", "mb_per_s_per_core")
+    print("  stats: " + ", ".join(f"{k}={st[k]}" for k in keys if k in st))
+  rc = 0
+  if a.verify:
+    problems = meta.verify(checksums=True)
+    for prob in problems:
+      print(f"FAIL {prob}")
+    n = sum(len(i["shards"]) for i in meta.splits.values())
+    print(f"verify: {n - len(problems)}/{n} shards OK" if not problems else
+          f"verify: {len(problems)} problem(s)")
+    rc = 1 if problems else 0
+  if a.show:
+    from array_record.python import array_record_module
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(a.dir, ds.TOKENIZER))
+    rng = np.random.default_rng(a.seed)
+    paths = meta.shard_paths("train")
+    for _ in range(a.show):
+      path = paths[rng.integers(len(paths))]
+      reader = array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0")
+      i = int(rng.integers(reader.num_records()))
+      ids = ds.decode_record(reader.read([i])[0], meta.seq_len, f"{path}[{i}]")
+      reader.close()
+      n = int(np.count_nonzero(ids != meta.pad_id))
+      print(f"--- {os.path.basename(path)} record {i}: {n} tokens")
+      print(tok.decode(ids[:n].tolist(), skip_special_tokens=False))
+  return rc
+
+
+if __name__ == "__main__":
+  sys.exit(main())
