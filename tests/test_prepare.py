@@ -302,3 +302,15 @@ def test_text_corpora_and_unk_counting(tmp_path):
   bad.write_text('{"body": "ok"}\n{oops\n')
   with pytest.raises(prepare.PrepareError, match=r"bad.jsonl:2: not valid JSON"):
     prepare.prepare(opts(tmp_path / "t3", [str(bad)], kind="text", text_field="body", workers=1))
+
+
+def test_pretoken_memo_matches_the_tokenizer(built):
+  """The fast binary path gives exactly what tokenizers' own encode gives."""
+  from tokenizers import Tokenizer
+
+  tok = Tokenizer.from_file(str(built[0] / ds.TOKENIZER))
+  memo = prepare._PretokenIds(tok)
+  texts = [t for p in small_elves(2) for _, t in elf_corpus.extract_file(p)[1]]
+  texts.append("mov rax qword [ rbp - 0x18 ] [NEXT] vfrobnicate zmm31 [NEXT] ret")  # unseen word
+  for t in texts:
+    np.testing.assert_array_equal(memo.encode(t), tok.encode(t, add_special_tokens=False).ids)

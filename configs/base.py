@@ -1,0 +1,65 @@
+"""Defaults shared by every config; each ``configs/<name>.py`` overrides what differs.
+
+ml_collections' ``config_flags`` loads config files by path, so ``configs/`` need not be an
+importable package: the configs load this file by path, relative to their own ``__file__``.
+"""
+
+import ml_collections
+
+
+def get_base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  c.data = ml_collections.ConfigDict()
+  c.data.path = ""              # dataset directory; give it on the command line
+  c.data.workers = 0            # Grain worker processes (0 = in-process)
+  c.data.seed = 0               # shuffle / masking seed
+  c.data.mask_prob = 0.15
+  c.data.max_predictions = 0    # P; 0 = ceil(mask_prob * seq_len)
+  c.data.prefetch_buffer = 500  # Grain ReadOptions
+  c.data.read_threads = 16
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 0        # 0 = from the dataset's metadata.json
+  c.model.seq_len = 0           # 0 = from the dataset's metadata.json (also max positions)
+  c.model.layers = 12
+  c.model.hidden = 768
+  c.model.heads = 12
+  c.model.ffn = 3072
+  c.model.dropout = 0.1
+  c.model.attention_dropout = 0.0  # > 0 leaves the fused attention kernel for an explicit one
+  c.model.type_vocab_size = 2
+  c.model.layer_norm_eps = 1e-12
+  c.model.initializer_range = 0.02
+  c.model.pre_ln = False
+  c.model.dtype = "bfloat16"    # compute dtype; params are always float32
+  c.model.attention_impl = "auto"  # auto | xla | cudnn (auto = cuDNN on GPU in bfloat16)
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 256      # global sequences per step
+  c.train.steps = 1_000_000
+  c.train.learning_rate = 1e-4
+  c.train.warmup_steps = 10_000
+  c.train.schedule = "linear"   # linear | cosine
+  c.train.end_lr_frac = 0.0
+  c.train.weight_decay = 0.01
+  c.train.b1 = 0.9
+  c.train.b2 = 0.999
+  c.train.eps = 1e-6
+  c.train.clip_norm = 1.0
+  c.train.seed = 0
+  c.train.log_every = 100
+  c.train.eval_every = 10_000
+  c.train.eval_batches = 50
+  c.train.remat = "none"        # none | dots | full
+  c.train.grad_accum_steps = 1
+  c.train.nonfinite = "error"   # a non-finite loss or gradient norm stops the run
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 10_000
+  c.checkpoint.keep = 3
+  c.checkpoint["async"] = True  # `async` is a keyword: read it as checkpoint["async"]
+
+  c.metrics = ml_collections.ConfigDict()
+  c.metrics.peak_tflops = 0.0   # 0 = from the device table (lmscale_jax/flops.py)
+  return c

@@ -1,0 +1,40 @@
+"""A 2-layer, 128-wide BERT that trains on a 2-core CPU in minutes (float32 compute).
+
+  python -m lmscale_jax.main --config=configs/tiny.py --config.data.path=DATASET --workdir=W
+"""
+
+import importlib.util
+import os
+
+
+def _base_config():
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py")
+  spec = importlib.util.spec_from_file_location("lmscale_configs_base", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_base_config()
+
+
+def get_config():
+  c = _base_config()
+  c.data.workers = 0
+  c.data.prefetch_buffer = 64
+  c.data.read_threads = 2
+
+  c.model.layers = 2
+  c.model.hidden = 128
+  c.model.heads = 2
+  c.model.ffn = 512
+  c.model.dtype = "float32"  # CPUs have no fast bfloat16 matmuls
+
+  c.train.batch_size = 32
+  c.train.steps = 300
+  c.train.learning_rate = 1e-3
+  c.train.warmup_steps = 30
+  c.train.log_every = 10
+  c.train.eval_every = 100
+  c.train.eval_batches = 4
+
+  c.checkpoint.every = 100
+  c.checkpoint.keep = 2
+  return c

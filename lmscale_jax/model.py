@@ -1,0 +1,338 @@
+"""BERT encoder + masked-LM head (Flax linen), and its Hugging Face ``BertForMaskedLM`` mapping.
+
+``BertForMLM(cfg)`` takes the *resolved* model config (:func:`resolve_model_config`): vocab and
+sequence length filled in from the dataset, plus ``pad_id``, ``remat`` and ``attention_impl``.
+
+  logits = BertForMLM(cfg).apply({"params": p}, input_ids, mlm_positions,
+                                 deterministic=False, rngs={"dropout": key})
+
+``input_ids`` [B,S] int32, ``mlm_positions`` [B,P] int32 → logits [B,P,V] float32. The
+vocabulary projection, the most expensive matmul for small models, runs only at the P gathered
+positions, never at all S.
+
+Precision: parameters are float32; matmuls, GELU and the residual stream run in ``cfg.dtype``;
+LayerNorm statistics and normalization run in float32 (flax's ``force_float32_reductions``) and
+cast back; attention softmax runs in float32; the decoder accumulates and returns float32 logits.
+
+Attention: ``jax.nn.dot_product_attention`` with a key padding mask (``input_ids != pad_id``).
+``implementation=None`` in jax 0.10 always means XLA (it does not pick cuDNN by itself), so
+``cfg.attention_impl`` chooses: "auto" = cuDNN flash attention on GPU for bfloat16/float16
+compute with a supported head size, XLA otherwise; "xla"; "cudnn". The fused call has no
+attention-probability dropout, so when ``cfg.attention_dropout > 0`` and not deterministic an
+explicit softmax path runs instead (materializing [B,N,S,S]); the shipped configs use
+``attention_dropout = 0.0`` so training takes the fused path.
+
+Parameter tree (names chosen so that :func:`to_hf_state_dict` is a 1:1 renaming)::
+
+  embeddings/{word_embeddings,position_embeddings,token_type_embeddings}/embedding, LayerNorm
+  layer_{i}/{query,key,value,attention_output,intermediate,output}/{kernel,bias},
+  layer_{i}/{attention_LayerNorm,output_LayerNorm}/{scale,bias}
+  final_LayerNorm                      (pre-LN only; the embedding LayerNorm stays)
+  mlm_transform/{kernel,bias}, mlm_LayerNorm/{scale,bias}, mlm_bias [V]
+The decoder has no parameter of its own: it is the transposed word-embedding matrix.
+"""
+
+from __future__ import annotations
+
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from lmscale_jax import dataset as ds
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+REMAT_POLICIES = {
+    "none": None,
+    # Keeps the projection/FFN matmul outputs and recomputes the cheap elementwise ops and the
+    # attention (its score/value einsums have batch dimensions, so they are not saved).
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # Keeps only each block's input; the whole block is recomputed in the backward pass.
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+# --------------------------------------------------------------------------- config
+def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: ds.DatasetMeta, *,
+                         remat: str = "none") -> ml_collections.ConfigDict:
+  """``config.model`` + the dataset's metadata → the config :class:`BertForMLM` takes.
+
+  ``vocab_size``/``seq_len`` of 0 are taken from the dataset; a non-zero value must agree with
+  it. Adds ``pad_id`` (from the dataset's special ids) and ``remat`` (``config.train.remat``).
+  """
+  cfg = ml_collections.ConfigDict(model_cfg.to_dict())
+  mpath = os.path.join(meta.path, ds.METADATA)
+  for key, meta_value in (("vocab_size", meta.vocab_size), ("seq_len", meta.seq_len)):
+    value = cfg[key]
+    if value and value != meta_value:
+      raise ValueError(
+          f"model.{key}={value} disagrees with the dataset's {key}={meta_value} ({mpath}); set "
+          f"model.{key}=0 to take it from the dataset")
+    cfg[key] = meta_value
+  cfg.pad_id = meta.pad_id
+  cfg.remat = remat
+  cfg.attention_impl = cfg.get("attention_impl", "auto")
+  if cfg.hidden % cfg.heads:
+    raise ValueError(f"model.hidden={cfg.hidden} is not divisible by model.heads={cfg.heads}")
+  if cfg.dtype not in DTYPES:
+    raise ValueError(f"model.dtype={cfg.dtype!r}: expected one of {sorted(DTYPES)}")
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"train.remat={remat!r}: expected one of {sorted(REMAT_POLICIES)}")
+  if cfg.attention_impl not in ATTENTION_IMPLS:
+    raise ValueError(f"model.attention_impl={cfg.attention_impl!r}: expected one of "
+                     f"{list(ATTENTION_IMPLS)}")
+  return cfg
+
+
+def attention_impl(cfg: ml_collections.ConfigDict, deterministic: bool) -> str:
+  """The attention path the model takes on this process's backend: xla | cudnn | explicit."""
+  if cfg.attention_dropout > 0 and not deterministic:
+    return "explicit"
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  head_dim = cfg.hidden // cfg.heads
+  # cuDNN flash attention takes only half-precision inputs and head sizes that are multiples of
+  # 8 up to 128 (256 on Hopper; 128 is the portable bound).
+  if (jax.default_backend() == "gpu" and cfg.dtype == "bfloat16"
+      and head_dim % 8 == 0 and head_dim <= 128):
+    return "cudnn"
+  return "xla"
+
+
+# --------------------------------------------------------------------------- layers
+def dot_product_attention(q, k, v, key_mask, *, impl: str, dropout_rate: float = 0.0,
+                          dropout_rng=None):
+  """Multi-head attention core. q/k/v [B,S,N,D] (BTNH), key_mask [B,S] bool → [B,S,N,D]."""
+  if impl == "explicit":
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    scores = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if dropout_rate > 0:
+      keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+      probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+    return jnp.einsum("bnts,bsnd->btnd", probs.astype(v.dtype), v)
+  b, s = key_mask.shape
+  if impl == "cudnn":
+    # cuDNN adds the mask as a bias, which it requires as [B,1,T,S] (no broadcast over T).
+    mask = jnp.broadcast_to(key_mask[:, None, None, :], (b, 1, s, s))
+  else:
+    mask = key_mask[:, None, None, :]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+
+
+def _dense(cfg, features: int, name: str) -> nn.Dense:
+  return nn.Dense(features, dtype=DTYPES[cfg.dtype], param_dtype=jnp.float32,
+                  kernel_init=nn.initializers.normal(cfg.initializer_range),
+                  bias_init=nn.initializers.zeros, name=name)
+
+
+def _layer_norm(cfg, name: str) -> nn.LayerNorm:
+  # Reductions and normalization happen in float32 (force_float32_reductions); `dtype` is only
+  # the output dtype.
+  return nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=DTYPES[cfg.dtype],
+                      param_dtype=jnp.float32, name=name)
+
+
+class BertEmbeddings(nn.Module):
+  cfg: ml_collections.ConfigDict
+
+  def setup(self):
+    cfg = self.cfg
+    embed = lambda n, name: nn.Embed(n, cfg.hidden, dtype=DTYPES[cfg.dtype],
+                                     param_dtype=jnp.float32, name=name,
+                                     embedding_init=nn.initializers.normal(cfg.initializer_range))
+    self.word_embeddings = embed(cfg.vocab_size, "word_embeddings")
+    self.position_embeddings = embed(cfg.seq_len, "position_embeddings")
+    self.token_type_embeddings = embed(cfg.type_vocab_size, "token_type_embeddings")
+    self.LayerNorm = _layer_norm(cfg, "LayerNorm")
+    self.dropout = nn.Dropout(cfg.dropout)
+
+  def __call__(self, input_ids, deterministic: bool):
+    s = input_ids.shape[1]
+    if s > self.cfg.seq_len:
+      raise ValueError(f"input length {s} exceeds model.seq_len={self.cfg.seq_len}")
+    x = self.word_embeddings(input_ids)
+    x = x + self.position_embeddings(jnp.arange(s))[None]
+    # Single-segment pretraining: every token has type 0 (the table exists for HF parity).
+    x = x + self.token_type_embeddings(jnp.zeros((1, 1), jnp.int32))
+    return self.dropout(self.LayerNorm(x), deterministic=deterministic)
+
+  def decode(self, h):
+    """Tied decoder: h [...,H] @ word_embeddings^T, float32 accumulation and result."""
+    table = self.word_embeddings.embedding.astype(h.dtype)
+    return jnp.einsum("...h,vh->...v", h, table, preferred_element_type=jnp.float32)
+
+
+class BertLayer(nn.Module):
+  cfg: ml_collections.ConfigDict
+
+  @nn.compact
+  def __call__(self, x, key_mask, deterministic: bool):
+    cfg = self.cfg
+    b, s, h = x.shape
+    n = cfg.heads
+    dropout = lambda y: nn.Dropout(cfg.dropout)(y, deterministic=deterministic)
+    attn_ln = _layer_norm(cfg, "attention_LayerNorm")
+    out_ln = _layer_norm(cfg, "output_LayerNorm")
+
+    def attention(y):
+      heads = lambda name: _dense(cfg, h, name)(y).reshape(b, s, n, h // n)
+      impl = attention_impl(cfg, deterministic)
+      ctx = dot_product_attention(
+          heads("query"), heads("key"), heads("value"), key_mask, impl=impl,
+          dropout_rate=cfg.attention_dropout,
+          dropout_rng=self.make_rng("dropout") if impl == "explicit" else None)
+      return dropout(_dense(cfg, h, "attention_output")(ctx.reshape(b, s, h)))
+
+    def mlp(y):
+      y = jax.nn.gelu(_dense(cfg, cfg.ffn, "intermediate")(y), approximate=False)
+      return dropout(_dense(cfg, h, "output")(y))
+
+    if cfg.pre_ln:  # same parameters, LayerNorms moved onto the branch inputs
+      x = x + attention(attn_ln(x))
+      return x + mlp(out_ln(x))
+    x = attn_ln(x + attention(x))
+    return out_ln(x + mlp(x))
+
+
+class BertForMLM(nn.Module):
+  cfg: ml_collections.ConfigDict
+
+  @nn.compact
+  def __call__(self, input_ids, mlm_positions, deterministic: bool = True):
+    cfg = self.cfg
+    key_mask = input_ids != cfg.pad_id
+    embeddings = BertEmbeddings(cfg, name="embeddings")
+    x = embeddings(input_ids, deterministic)
+    layer_cls = BertLayer
+    if REMAT_POLICIES[cfg.remat] is not None:
+      # static_argnums counts `self` as 0: `deterministic` is a Python bool.
+      layer_cls = nn.remat(BertLayer, policy=REMAT_POLICIES[cfg.remat], static_argnums=(3,))
+    for i in range(cfg.layers):
+      x = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic)
+    if cfg.pre_ln:
+      x = _layer_norm(cfg, "final_LayerNorm")(x)
+
+    h = jnp.take_along_axis(x, mlm_positions[..., None], axis=1)  # [B,P,H]
+    h = jax.nn.gelu(_dense(cfg, cfg.hidden, "mlm_transform")(h), approximate=False)
+    h = _layer_norm(cfg, "mlm_LayerNorm")(h)
+    bias = self.param("mlm_bias", nn.initializers.zeros, (cfg.vocab_size,), jnp.float32)
+    return embeddings.decode(h) + bias
+
+
+def init_params(cfg: ml_collections.ConfigDict, rng, batch: int = 1, predictions: int = 1):
+  """Fresh float32 parameters (shapes do not depend on ``batch``/``predictions``).
+
+  Pure, so ``jax.eval_shape(lambda r: init_params(cfg, r), rng)`` gives the shapes without
+  allocating, and ``jax.jit`` (with ``out_shardings``) places them; call it under jit: eager
+  initialization dispatches one random-number kernel per parameter and is slow.
+  """
+  ids = jnp.zeros((batch, cfg.seq_len), jnp.int32)
+  positions = jnp.zeros((batch, predictions), jnp.int32)
+  return BertForMLM(cfg).init({"params": rng}, ids, positions, deterministic=True)["params"]
+
+
+# --------------------------------------------------------------------------- HF mapping
+_HF_LAYER = {  # our per-layer module → BertLayer submodule in transformers
+    "query": "attention.self.query",
+    "key": "attention.self.key",
+    "value": "attention.self.value",
+    "attention_output": "attention.output.dense",
+    "attention_LayerNorm": "attention.output.LayerNorm",
+    "intermediate": "intermediate.dense",
+    "output": "output.dense",
+    "output_LayerNorm": "output.LayerNorm",
+}
+_HF_TOP = {
+    ("embeddings", "word_embeddings"): "bert.embeddings.word_embeddings",
+    ("embeddings", "position_embeddings"): "bert.embeddings.position_embeddings",
+    ("embeddings", "token_type_embeddings"): "bert.embeddings.token_type_embeddings",
+    ("embeddings", "LayerNorm"): "bert.embeddings.LayerNorm",
+    ("mlm_transform",): "cls.predictions.transform.dense",
+    ("mlm_LayerNorm",): "cls.predictions.transform.LayerNorm",
+}
+# flax leaf → (torch leaf, whether the array is transposed: Linear stores weight as (out, in)).
+_HF_LEAF = {"kernel": ("weight", True), "bias": ("bias", False), "scale": ("weight", False),
+            "embedding": ("weight", False)}
+# Aliases of tied tensors that HF's state_dict also lists; checked on load, not stored twice.
+_HF_TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+            "cls.predictions.decoder.bias": "cls.predictions.bias"}
+# Non-parameter buffer older transformers versions persist.
+_HF_IGNORED = ("bert.embeddings.position_ids",)
+
+
+def _module_map(cfg) -> dict[tuple[str, ...], str]:
+  if cfg.pre_ln:
+    raise ValueError("model.pre_ln=True has no BertForMaskedLM equivalent (HF BERT is post-LN "
+                     "and has no final LayerNorm)")
+  mapping = dict(_HF_TOP)
+  for i in range(cfg.layers):
+    for ours, theirs in _HF_LAYER.items():
+      mapping[(f"layer_{i}", ours)] = f"bert.encoder.layer.{i}.{theirs}"
+  return mapping
+
+
+def to_hf_state_dict(params, cfg: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """Parameters → ``BertForMaskedLM.state_dict()`` names and layouts (float32 numpy)."""
+  sd = {}
+  for path, modname in _module_map(cfg).items():
+    node = params
+    for p in path:
+      node = node[p]
+    for leaf, value in node.items():
+      name, transpose = _HF_LEAF[leaf]
+      a = np.asarray(value, np.float32)
+      sd[f"{modname}.{name}"] = np.ascontiguousarray(a.T if transpose else a)
+  sd["cls.predictions.bias"] = np.asarray(params["mlm_bias"], np.float32)
+  for alias, source in _HF_TIED.items():
+    sd[alias] = sd[source]
+  return sd
+
+
+def from_hf_state_dict(sd, cfg: ml_collections.ConfigDict) -> dict:
+  """``BertForMaskedLM`` state dict (numpy or CPU torch tensors) → parameters (float32 numpy).
+
+  Every parameter must be present with the shape ``cfg`` implies; the decoder must be tied to
+  the word embeddings (this model has no separate decoder matrix); unknown keys are an error.
+  """
+  sd = {k: np.asarray(v, np.float32) for k, v in sd.items()}
+  expected = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  used = set()
+
+  def take(key, shape):
+    if key not in sd:
+      raise ValueError(f"HF state dict lacks {key!r}")
+    if sd[key].shape != tuple(shape):
+      raise ValueError(f"HF {key!r} has shape {sd[key].shape}, model config implies "
+                       f"{tuple(shape)}")
+    used.add(key)
+    return sd[key]
+
+  params: dict = {}
+  for path, modname in _module_map(cfg).items():
+    want = expected
+    for p in path:
+      want = want[p]
+    node = params
+    for p in path:
+      node = node.setdefault(p, {})
+    for leaf, spec in want.items():
+      name, transpose = _HF_LEAF[leaf]
+      shape = spec.shape[::-1] if transpose else spec.shape
+      a = take(f"{modname}.{name}", shape)
+      node[leaf] = np.ascontiguousarray(a.T if transpose else a)
+  params["mlm_bias"] = take("cls.predictions.bias", (cfg.vocab_size,))
+  for alias, source in _HF_TIED.items():
+    if alias in sd:
+      if not np.array_equal(sd[alias], sd[source]):
+        raise ValueError(f"HF {alias!r} differs from {source!r}: this model ties them")
+      used.add(alias)
+  unexpected = sorted(set(sd) - used - set(_HF_IGNORED))
+  if unexpected:
+    raise ValueError(f"HF state dict has keys BertForMLM does not map: {unexpected}")
+  return params
