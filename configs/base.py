@@ -16,8 +16,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.data.seed = 0               # shuffle / masking seed
   c.data.mask_prob = 0.15
   c.data.max_predictions = 0    # P; 0 = ceil(mask_prob * seq_len)
-  c.data.prefetch_buffer = 500  # Grain ReadOptions
-  c.data.read_threads = 16
+  c.data.prefetch_buffer = 4    # Grain ReadOptions, in batches (per worker process)
+  c.data.read_threads = 2       # batch builders per process (see lmscale_jax/data.py)
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 0        # 0 = from the dataset's metadata.json

@@ -18,7 +18,7 @@ def _base_config():
 def get_config():
   c = _base_config()
   c.data.workers = 0
-  c.data.prefetch_buffer = 64
+  c.data.prefetch_buffer = 4
   c.data.read_threads = 2
 
   c.model.layers = 2

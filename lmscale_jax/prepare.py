@@ -479,6 +479,7 @@ def _finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: floa
       "unk_rate_train": round(st["train"]["unk"] / max(1, st["train"]["content_tokens"]), 6),
       "files_skipped": extract_stats["files_skipped"],
       "wall_seconds": round(wall, 2),
+      "stage_seconds": result["stage_seconds"],  # of this run (a resume skips finished work)
       "workers": workers,
       "mb_per_s_per_core": round(measured / 1e6 / wall / workers, 3),
   }
@@ -503,8 +504,14 @@ def prepare(o: Options) -> dict:
   work = os.path.join(o.output, WORK)
   if resumed and o.progress:
     print(f"resuming the unfinished preparation in {o.output}")
+  stages = {}
+  t = time.time()
   chunks = _extract(o, work)
   extract_stats = _chunks(work)[-1][1]["stats"]
+  stages["extract"], t = round(time.time() - t, 2), time.time()
   tok = _tokenizer(o, work, chunks)
+  stages["tokenizer"], t = round(time.time() - t, 2), time.time()
   result = _write_shards(o, work, chunks, tok)
+  stages["tokenize_pack_write"] = round(time.time() - t, 2)
+  result["stage_seconds"] = stages
   return _finalize(o, work, result, extract_stats, t0, workers)

@@ -1,0 +1,395 @@
+"""lmscale_jax.data: MLM masking, the Grain loader, checkpointing, device prefetch, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import ml_collections
+import numpy as np
+import pytest
+
+from lmscale_jax import data as data_lib
+from lmscale_jax import dataset as ds
+from tests.helpers import SPECIAL_IDS, make_synthetic_dataset
+
+SEQ, VOCAB, N_TRAIN, N_VAL = 64, 128, 256, 32
+VOCAB_BIG = 30000  # for masking statistics: random replacements rarely equal the original
+MASK = SPECIAL_IDS["[MASK]"]
+SPECIAL = np.array(sorted(SPECIAL_IDS.values()))
+
+
+def make_config(path, **data_overrides) -> ml_collections.ConfigDict:
+  """The config fields data.py reads (docs/design.md), independent of configs/*.py."""
+  c = ml_collections.ConfigDict()
+  c.data = ml_collections.ConfigDict(dict(
+      path=str(path), workers=0, seed=0, mask_prob=0.15, max_predictions=0,
+      prefetch_buffer=4, read_threads=2))
+  c.data.update(data_overrides)
+  c.train = ml_collections.ConfigDict(dict(batch_size=8, eval_batches=3))
+  return c
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("data")
+  make_synthetic_dataset(str(d), seq_len=SEQ, vocab_size=VOCAB, n_train=N_TRAIN, n_val=N_VAL,
+                         shards=2)
+  return d
+
+
+@pytest.fixture
+def dataset_copy(dataset_dir, tmp_path):
+  """A private copy the test may damage."""
+  d = tmp_path / "copy"
+  shutil.copytree(dataset_dir, d)
+  return d
+
+
+def read_split(path, split) -> np.ndarray:
+  """All records of a split in file order, read independently of data.py."""
+  from array_record.python import array_record_module
+
+  meta = ds.DatasetMeta.load(str(path))
+  out = []
+  for p in meta.shard_paths(split):
+    r = array_record_module.ArrayRecordReader(p)
+    out += [ds.decode_record(x, meta.seq_len) for x in r.read_all()]
+    r.close()
+  return np.stack(out).astype(np.int32)
+
+
+def unmask(batch) -> np.ndarray:
+  """The original sequences of a batch: labels put back at the predicted positions."""
+  ids = batch["input_ids"].copy()
+  rows, slots = np.nonzero(batch["mlm_weights"])
+  ids[rows, batch["mlm_positions"][rows, slots]] = batch["mlm_labels"][rows, slots]
+  return ids
+
+
+def take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def assert_batches_equal(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(np.asarray(x[k]), np.asarray(y[k]), err_msg=k)
+
+
+# --------------------------------------------------------------------------- masking
+def random_sequences(rng, n, seq, vocab):
+  """[CLS] body [SEP] [PAD]... with a few special ids ([UNK], [MASK]) sprinkled in the body."""
+  x = rng.integers(len(SPECIAL), vocab, (n, seq))
+  lengths = rng.integers(seq // 2, seq + 1, n)
+  x[rng.random((n, seq)) < 0.02] = SPECIAL_IDS["[UNK]"]
+  x[rng.random((n, seq)) < 0.01] = MASK
+  x[:, 0] = SPECIAL_IDS["[CLS]"]
+  for i, length in enumerate(lengths):
+    x[i, length - 1] = SPECIAL_IDS["[SEP]"]
+    x[i, length:] = SPECIAL_IDS["[PAD]"]
+  return x.astype(np.uint16)
+
+
+def check_masking(ids, out, p, vocab, mask_prob=0.15):
+  """Invariants of one masked batch [B, S] -> counts (chosen, maskable, mask, kept, random)."""
+  ids = ids.astype(np.int32)
+  b, s = ids.shape
+  assert out["input_ids"].dtype == np.int32 and out["input_ids"].shape == (b, s)
+  for k, dt in (("mlm_positions", np.int32), ("mlm_labels", np.int32),
+                ("mlm_weights", np.float32)):
+    assert out[k].dtype == dt and out[k].shape == (b, p), k
+  maskable = ~np.isin(ids, SPECIAL)
+  n = maskable.sum(1)
+  k = np.where(n > 0, np.clip(np.floor(mask_prob * n + 0.5), 1, p), 0).astype(int)
+  w, pos, lab = out["mlm_weights"], out["mlm_positions"], out["mlm_labels"]
+  inp = out["input_ids"]
+  np.testing.assert_array_equal(w.sum(1), k)  # round(15% of maskable), >= 1, <= P
+  np.testing.assert_array_equal(w, np.arange(p)[None] < k[:, None])  # real slots first
+  counts = np.zeros(5, np.int64)
+  for r in range(b):
+    real = pos[r, :k[r]]
+    assert np.all(np.diff(real) > 0), "positions ascending and distinct"
+    assert np.all(pos[r, k[r]:] == 0) and np.all(lab[r, k[r]:] == 0), "padding slots are 0"
+    assert maskable[r, real].all(), "a special/pad token was chosen"
+    np.testing.assert_array_equal(lab[r, :k[r]], ids[r, real])  # labels = original ids
+    other = np.ones(s, bool)
+    other[real] = False
+    np.testing.assert_array_equal(inp[r, other], ids[r, other])  # nothing else changed
+    new = inp[r, real]
+    is_mask = new == MASK
+    kept = ~is_mask & (new == ids[r, real])
+    rand = ~is_mask & ~kept
+    assert not np.isin(new[rand], SPECIAL).any(), "random replacement must be non-special"
+    assert (new[rand] < vocab).all()
+    counts += [k[r], n[r], is_mask.sum(), kept.sum(), rand.sum()]
+  return counts
+
+
+def test_mask_tokens_rates_and_invariants():
+  rng = np.random.default_rng(0)
+  seqs = random_sequences(rng, 1500, 128, VOCAB_BIG)
+  p = 20
+  outs = [data_lib.mask_tokens(x, rng, special_ids=SPECIAL_IDS, vocab_size=VOCAB_BIG,
+                               mask_prob=0.15, max_predictions=p) for x in seqs]
+  batch = {k: np.stack([o[k] for o in outs]) for k in outs[0]}
+  chosen, maskable, n_mask, n_kept, n_rand = check_masking(seqs, batch, p, VOCAB_BIG)
+  assert abs(chosen / maskable - 0.15) < 0.01
+  assert abs(n_mask / chosen - 0.8) < 0.02
+  assert abs(n_kept / chosen - 0.1) < 0.02
+  assert abs(n_rand / chosen - 0.1) < 0.02
+  seqs_in = seqs.copy()
+  data_lib.mask_tokens(seqs[0], rng, special_ids=SPECIAL_IDS, vocab_size=VOCAB_BIG)
+  np.testing.assert_array_equal(seqs, seqs_in)  # the input is not modified
+
+
+def test_mask_tokens_limits():
+  rng = np.random.default_rng(1)
+  kw = dict(special_ids=SPECIAL_IDS, vocab_size=VOCAB_BIG)
+  body = np.arange(10, 110, dtype=np.uint16)  # 100 maskable tokens
+  out = data_lib.mask_tokens(body, rng, max_predictions=5, **kw)  # 15 wanted, capped at P=5
+  assert out["mlm_weights"].sum() == 5 and out["mlm_positions"].shape == (5,)
+  specials = np.array([2, 3, 0, 0, 0], np.uint16)  # nothing maskable
+  out = data_lib.mask_tokens(specials, rng, max_predictions=3, **kw)
+  assert out["mlm_weights"].sum() == 0
+  np.testing.assert_array_equal(out["input_ids"], specials)
+  np.testing.assert_array_equal(out["mlm_positions"], 0)
+  one = np.array([2, 50, 3, 0], np.uint16)  # 0.15 * 1 rounds to 0: still predict one token
+  out = data_lib.mask_tokens(one, rng, max_predictions=2, **kw)
+  np.testing.assert_array_equal(out["mlm_weights"], [1, 0])
+  np.testing.assert_array_equal(out["mlm_positions"], [1, 0])
+  np.testing.assert_array_equal(out["mlm_labels"], [50, 0])
+  # Default P = ceil(0.15 * S).
+  assert data_lib.mask_tokens(body, rng, **kw)["mlm_positions"].shape == (15,)
+
+
+def test_batch_masking_rates_and_keying():
+  """The loader's batched, position-keyed masking has the same invariants and rates, and a
+  row's mask depends only on (seed, its global position), not on the rest of its batch."""
+  rng = np.random.default_rng(2)
+  ids = random_sequences(rng, 1500, 128, VOCAB_BIG).astype(np.int32)
+  masker = data_lib._Masker(SPECIAL_IDS, VOCAB_BIG, 0.15, 20, 128)
+  positions = np.arange(1500, dtype=np.int64) * 7 + 11
+  out = masker.keyed(ids, positions, seed=5)
+  chosen, maskable, n_mask, n_kept, n_rand = check_masking(ids, out, 20, VOCAB_BIG)
+  assert abs(chosen / maskable - 0.15) < 0.01
+  assert abs(n_mask / chosen - 0.8) < 0.02
+  assert abs(n_kept / chosen - 0.1) < 0.02
+  assert abs(n_rand / chosen - 0.1) < 0.02
+  perm = rng.permutation(1500)[:100]
+  sub = masker.keyed(ids[perm], positions[perm], seed=5)
+  for k in out:
+    np.testing.assert_array_equal(sub[k], out[k][perm], err_msg=k)
+  other = masker.keyed(ids, positions, seed=6)
+  assert not np.array_equal(other["mlm_positions"], out["mlm_positions"])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097, 20011])
+def test_feistel_permute_is_a_permutation(n):
+  k = np.arange(n)
+  p0 = data_lib.feistel_permute(k, n, seed=3, epoch=np.zeros(n, np.int64))
+  assert sorted(p0.tolist()) == list(range(n))
+  if n >= 64:
+    p1 = data_lib.feistel_permute(k, n, seed=3, epoch=np.ones(n, np.int64))
+    q0 = data_lib.feistel_permute(k, n, seed=4, epoch=np.zeros(n, np.int64))
+    assert sorted(p1.tolist()) == list(range(n))
+    assert (p0 != p1).mean() > 0.9 and (p0 != q0).mean() > 0.9  # epochs and seeds reshuffle
+    assert (p0 != k).mean() > 0.9  # not the identity
+
+
+# --------------------------------------------------------------------------- loader
+def test_batches_follow_the_contract_and_are_deterministic(dataset_dir):
+  cfg = make_config(dataset_dir)
+  a = take(iter(data_lib.make_dataset(cfg, "train", train=True)), 5)
+  b = take(iter(data_lib.make_dataset(cfg, "train", train=True)), 5)
+  assert_batches_equal(a, b)
+  p = int(np.ceil(0.15 * SEQ))
+  for batch in a:
+    check_masking(unmask(batch), batch, p, VOCAB)
+    assert batch["input_ids"].shape == (8, SEQ)
+  c = take(iter(data_lib.make_dataset(make_config(dataset_dir, seed=1), "train", train=True)), 5)
+  assert not np.array_equal(unmask(a[0]), unmask(c[0]))  # another seed, another order
+
+
+def test_train_order_is_a_fresh_permutation_every_epoch(dataset_dir):
+  records = read_split(dataset_dir, "train")
+  it = iter(data_lib.make_dataset(make_config(dataset_dir), "train", train=True))
+  per_epoch = N_TRAIN // 8
+  rows = np.concatenate([unmask(b) for b in take(it, 2 * per_epoch)])
+  epochs = rows[:N_TRAIN], rows[N_TRAIN:]
+  for epoch in epochs:  # each epoch visits every record exactly once
+    assert len(np.unique(epoch, axis=0)) == N_TRAIN
+    assert sorted(map(bytes, epoch)) == sorted(map(bytes, records))
+  assert not np.array_equal(epochs[0], epochs[1])  # reshuffled
+  assert not np.array_equal(epochs[0], records)  # shuffled at all
+
+
+def test_process_slices_interleave_to_the_global_stream(dataset_dir):
+  """Process i of 2 gets global positions i, i+2, ...: the slices are disjoint, together cover
+  the single-process stream, and (masking keyed by global position) are identical to it."""
+  cfg = make_config(dataset_dir)
+  whole = np.concatenate([b["input_ids"] for b in
+                          take(iter(data_lib.make_dataset(cfg, "train", train=True)), 24)])
+  parts = [np.concatenate([b["input_ids"] for b in take(iter(data_lib.make_dataset(
+      cfg, "train", train=True, process_index=i, process_count=2)), 24)]) for i in range(2)]
+  assert parts[0].shape == (96, SEQ)
+  np.testing.assert_array_equal(parts[0], whole[0::2])
+  np.testing.assert_array_equal(parts[1], whole[1::2])
+  loader = [data_lib.make_batch_loader(cfg, "train", train=True, process_index=i,
+                                       process_count=2) for i in range(2)]
+  pos = [np.concatenate([l.positions(b) for b in range(24)]) for l in loader]
+  assert not set(pos[0]) & set(pos[1])
+  assert set(pos[0]) | set(pos[1]) == set(range(96 * 2))
+
+
+def test_eval_is_fixed_finite_and_wraps_a_small_split(dataset_dir):
+  cfg = make_config(dataset_dir)
+  cfg.train.eval_batches = 6  # 48 rows from a 32-record split
+  eval_ds = data_lib.make_dataset(cfg, "validation", train=False)
+  first, second = list(iter(eval_ds)), list(iter(eval_ds))
+  assert len(first) == 6
+  assert_batches_equal(first, second)  # every evaluation sees the same batches
+  cfg.data.seed = 9  # and they do not depend on the training seed
+  assert_batches_equal(first, list(iter(data_lib.make_dataset(cfg, "validation", train=False))))
+  rows = np.concatenate([unmask(b) for b in first])
+  records = read_split(dataset_dir, "validation")
+  np.testing.assert_array_equal(rows, records[np.arange(48) % N_VAL])  # file order, wrapped
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_iterator_checkpoint_restores_identical_batches(dataset_dir, workers):
+  ds_ = data_lib.make_dataset(make_config(dataset_dir, workers=workers), "train", train=True)
+  it = iter(ds_)
+  take(it, 3)
+  state = it.get_state()
+  json.dumps(state)  # Grain's Orbax handler stores it as JSON
+  expected = take(it, 4)
+  fresh = iter(ds_)
+  fresh.set_state(state)
+  assert_batches_equal(take(fresh, 4), expected)
+  for x in (it, fresh):
+    x.close()
+
+
+# --------------------------------------------------------------------------- device prefetch
+def _prefetcher(dataset_dir, split="train", train=True, **data_overrides):
+  import jax
+
+  cfg = make_config(dataset_dir, **data_overrides)
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  it = iter(data_lib.make_dataset(cfg, split, train=train))
+  return data_lib.DevicePrefetcher(it, data_lib.batch_sharding(mesh)), cfg
+
+
+def test_device_prefetcher_state_matches_consumed_batches(dataset_dir):
+  import jax
+
+  pf, cfg = _prefetcher(dataset_dir)
+  host = take(iter(data_lib.make_dataset(cfg, "train", train=True)), 8)
+  got = take(pf, 3)
+  assert all(isinstance(v, jax.Array) for v in got[0].values())
+  assert got[0]["input_ids"].sharding == pf.sharding
+  assert_batches_equal(got, host[:3])
+  # The host iterator already produced batch 4 (index 3); the saved state must not skip it.
+  state = pf.get_state()
+  assert state != pf.iterator.get_state()
+  restored, _ = _prefetcher(dataset_dir)
+  restored.set_state(state)
+  assert_batches_equal(take(restored, 5), host[3:8])
+  assert_batches_equal(take(pf, 5), host[3:8])  # the original continues unaffected
+
+
+def test_device_prefetcher_through_grains_orbax_handler(dataset_dir, tmp_path):
+  """What checkpoint.py does: grain.checkpoint.CheckpointSave/Restore of the prefetcher."""
+  import grain
+  from etils import epath
+
+  pf, cfg = _prefetcher(dataset_dir)
+  host = take(iter(data_lib.make_dataset(cfg, "train", train=True)), 6)
+  take(pf, 2)
+  handler = grain.checkpoint.CheckpointHandler()
+  handler.save(epath.Path(tmp_path), args=grain.checkpoint.CheckpointSave(pf))
+  restored, _ = _prefetcher(dataset_dir)
+  handler.restore(epath.Path(tmp_path), args=grain.checkpoint.CheckpointRestore(restored))
+  assert_batches_equal(take(restored, 4), host[2:6])
+
+
+def test_device_prefetcher_wait_and_end(dataset_dir):
+  pf, cfg = _prefetcher(dataset_dir, split="validation", train=False)
+  batches = list(pf)
+  assert len(batches) == cfg.train.eval_batches  # finite iterators end cleanly
+  with pytest.raises(StopIteration):
+    next(pf)
+  assert pf.wait_seconds > 0
+  waited = pf.reset_wait()
+  assert waited > 0 and pf.wait_seconds == 0.0
+
+
+# --------------------------------------------------------------------------- errors
+def _drain(cfg, split="train", batches=N_TRAIN // 8):
+  it = iter(data_lib.make_dataset(cfg, split, train=split == "train"))
+  try:
+    take(it, batches)
+  finally:
+    it.close()
+
+
+@pytest.mark.parametrize("damage,workers", [("flip_record_bytes", 0), ("truncate", 0),
+                                            ("flip_record_bytes", 1)])
+def test_corrupt_shard_names_the_file(dataset_copy, damage, workers):
+  """Also through a Grain worker process: the error reaches the trainer with its message."""
+  meta = ds.DatasetMeta.load(str(dataset_copy))
+  shard = meta.shard_paths("train")[1]
+  if damage == "truncate":  # e.g. an interrupted copy: the footer is gone
+    os.truncate(shard, os.path.getsize(shard) // 3)
+    expected = rf"{os.path.basename(shard)}: cannot open ArrayRecord shard"
+  else:  # flip bytes inside record 20's chunk: its hash check fails
+    offset = 20 * len(ds.encode_record(np.zeros(SEQ, np.uint16)))
+    with open(shard, "r+b") as f:
+      f.seek(offset)
+      chunk = f.read(16)
+      f.seek(offset)
+      f.write(bytes(b ^ 0xFF for b in chunk))
+    expected = rf"{os.path.basename(shard)}: record \d+ \(split record \d+\): unreadable"
+  with pytest.raises(ds.DatasetError, match=expected):
+    _drain(make_config(dataset_copy, workers=workers))
+
+
+def test_malformed_record_names_file_and_record(dataset_copy):
+  meta = ds.DatasetMeta.load(str(dataset_copy))
+  shard = meta.shard_paths("train")[0]
+  n = meta.splits["train"]["shards"][0]["records"]
+  recs = [ds.encode_record(np.full(SEQ, 7, np.uint16))] * n
+  recs[5] = ds.encode_record(np.full(SEQ // 2, 7, np.uint16))  # a record of the wrong length
+  os.remove(shard)
+  ds.write_array_record(shard, recs)
+  with pytest.raises(ds.DatasetError, match=rf"{os.path.basename(shard)}: record 5 .*malformed"):
+    _drain(make_config(dataset_copy))
+
+
+def test_token_id_beyond_vocab_is_reported(dataset_copy):
+  mpath = dataset_copy / ds.METADATA
+  raw = json.loads(mpath.read_text())
+  raw["vocab_size"] = 64  # the shards hold ids up to 127
+  mpath.write_text(json.dumps(raw))
+  with pytest.raises(ds.DatasetError, match=r"array_record.*record \d+.*token id \d+.*"
+                                            r">= vocab_size 64"):
+    _drain(make_config(dataset_copy))
+
+
+def test_config_and_dataset_errors(dataset_dir, dataset_copy, tmp_path):
+  with pytest.raises(ValueError, match="batch_size 8 is not a positive multiple of the process "
+                                       "count 3"):
+    data_lib.make_dataset(make_config(dataset_dir), "train", train=True, process_index=0,
+                          process_count=3)
+  with pytest.raises(ds.DatasetError, match="does not exist"):
+    data_lib.make_dataset(make_config(tmp_path / "nope"), "train", train=True)
+  mpath = dataset_copy / ds.METADATA
+  raw = json.loads(mpath.read_text())
+  raw["splits"]["validation"] = {"records": 0, "shards": []}
+  mpath.write_text(json.dumps(raw))
+  with pytest.raises(ds.DatasetError, match="'validation' has zero shards"):
+    data_lib.make_dataset(make_config(dataset_copy), "validation", train=False)
