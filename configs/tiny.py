@@ -26,15 +26,16 @@ def get_config():
   c.model.heads = 2
   c.model.ffn = 512
   c.model.dtype = "float32"  # CPUs have no fast bfloat16 matmuls
+  c.model.dropout = 0.0      # a few hundred steps on a small corpus: nothing to regularise yet
 
   c.train.batch_size = 32
-  c.train.steps = 300
-  c.train.learning_rate = 1e-3
-  c.train.warmup_steps = 30
-  c.train.log_every = 10
-  c.train.eval_every = 100
-  c.train.eval_batches = 4
+  c.train.steps = 800
+  c.train.learning_rate = 2e-3
+  c.train.warmup_steps = 60
+  c.train.log_every = 20
+  c.train.eval_every = 200
+  c.train.eval_batches = 8
 
-  c.checkpoint.every = 100
+  c.checkpoint.every = 200
   c.checkpoint.keep = 2
   return c
