@@ -52,8 +52,9 @@ def capstone_only(files: list[str]) -> tuple[float, int]:
         elf = ELFFile(fh)
         if elf["e_machine"] != "EM_X86_64":
           continue
-        secs = [(s["sh_addr"], s["sh_offset"], s["sh_size"]) for s in elf.iter_sections()]
-        funcs = elf_corpus._function_symbols(elf, data)
+        shdrs = elf_corpus.section_headers(elf, data)
+        secs = list(zip(shdrs["addr"].tolist(), shdrs["offset"].tolist(), shdrs["size"].tolist()))
+        funcs = elf_corpus.function_symbols(shdrs, data)
       except Exception:  # skipped the same way by the pipeline
         continue
       blobs = []

@@ -16,6 +16,8 @@ ordered and every decision depends only on the input order.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -133,11 +135,20 @@ def _open_output(o: Options) -> bool:
 
 
 # ----------------------------------------------------------------------------- pass 1
+PART_BYTES = 8 << 20  # ELF files larger than this are split over several tasks
+
+
+def _parts(kind: str, size: int) -> int:
+  # Depends only on the file size, so the task list (and the output) is the same for any
+  # number of workers; big libraries (libLLVM: 110 MB) no longer serialize the whole pool.
+  return 1 if kind != "binary" else max(1, min(64, -(-size // PART_BYTES)))
+
+
 def _extract_worker(args) -> tuple[FileResult, str]:
-  """Pool task: one input file → its lines streamed to a temp file (bounded memory)."""
-  kind, path, tmp, txt_docs, text_field = args
+  """Pool task: one part of an input file → its lines streamed to a temp file (bounded memory)."""
+  kind, path, part, parts, tmp, txt_docs, text_field = args
   res = FileResult(path=path, file_bytes=os.path.getsize(path))
-  it = (elf_corpus.iter_functions(path, res) if kind == "binary"
+  it = (elf_corpus.iter_functions(path, res, part, parts) if kind == "binary"
         else text_corpus.iter_documents(path, res, txt_docs, text_field))
   with open(tmp, "w", encoding="utf-8") as f:
     for digest, text in it:
@@ -147,7 +158,12 @@ def _extract_worker(args) -> tuple[FileResult, str]:
 
 @contextlib.contextmanager
 def _pool(workers: int, initializer=None, initargs=()):
-  """An ordered map over tasks: a process pool, or in-process for one worker."""
+  """An ordered, bounded map over tasks: a process pool, or in-process for one worker.
+
+  At most ``2 × workers`` tasks are in flight, so results (token arrays of whole chunks) never
+  pile up in the parent. A worker that dies (killed, out of memory) ends the run with an error
+  instead of the endless wait of ``multiprocessing.Pool``.
+  """
   if workers <= 1:
     if initializer:
       initializer(*initargs)
@@ -155,8 +171,25 @@ def _pool(workers: int, initializer=None, initargs=()):
     return
   # spawn, not fork: the parent may hold threads (tokenizers, tqdm) that fork would copy.
   ctx = multiprocessing.get_context("spawn")
-  with ctx.Pool(workers, initializer=initializer, initargs=initargs) as pool:
-    yield lambda fn, it: pool.imap(fn, it, chunksize=1)
+  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=initializer,
+                                              initargs=initargs) as ex:
+
+    def ordered(fn, items):
+      pending = collections.deque()
+      try:
+        for item in items:
+          pending.append(ex.submit(fn, item))
+          if len(pending) >= 2 * workers:
+            yield pending.popleft().result()
+        while pending:
+          yield pending.popleft().result()
+      except concurrent.futures.process.BrokenProcessPool as e:
+        raise PrepareError(f"a worker process died ({e}); rerun to resume") from None
+      finally:
+        for f in pending:
+          f.cancel()
+
+    yield ordered
 
 
 @contextlib.contextmanager
@@ -216,9 +249,10 @@ def _extract(o: Options, work: str) -> list[str]:
   os.makedirs(tmpdir, exist_ok=True)
   chunk_path = os.path.join(work, f"corpus-{index:05d}.txt")
   chunk = open(chunk_path + ".partial", "w", encoding="utf-8")
-  tasks = ((o.kind, p, os.path.join(tmpdir, f"{i:06d}.tsv"), o.txt_docs, o.text_field)
-           for i, p in enumerate(files[start:], start))
   sizes = [os.path.getsize(p) for p in files]
+  tasks = [(i, (o.kind, files[i], part, _parts(o.kind, sizes[i]),
+                 os.path.join(tmpdir, f"{i:06d}-{part:02d}.tsv"), o.txt_docs, o.text_field))
+           for i in range(start, len(files)) for part in range(_parts(o.kind, sizes[i]))]
   bar = tqdm(total=sum(sizes), initial=sum(sizes[:start]), unit="B", unit_scale=True,
              desc="extract", disable=not o.progress)
 
@@ -236,18 +270,15 @@ def _extract(o: Options, work: str) -> list[str]:
       chunk = open(chunk_path + ".partial", "w", encoding="utf-8")
 
   with _pool(o.workers) as pmap, _input_errors():
-    for i, (res, tmp) in enumerate(pmap(_extract_worker, tasks), start):
-      bar.update(res.file_bytes)
-      stats["input_files"] += 1
-      if res.skip:
-        stats["files_skipped"][res.skip] = stats["files_skipped"].get(res.skip, 0) + 1
-      if res.skip and not res.functions:
-        os.unlink(tmp)
-        continue
-      stats["input_bytes"] += res.file_bytes
-      stats["code_bytes"] += res.code_bytes
-      stats["seen"] += res.functions
-      stats["partially_decoded"] += res.partial
+    for (i, args), (res, tmp) in zip(tasks, pmap(_extract_worker, [a for _, a in tasks])):
+      part, parts = args[2], args[3]
+      if part == 0:
+        whole = FileResult(path=res.path, file_bytes=res.file_bytes)
+      whole.functions += res.functions
+      whole.code_bytes += res.code_bytes
+      whole.partial += res.partial
+      if res.skip and res.skip not in ("no_functions", "no_documents"):
+        whole.skip = whole.skip or res.skip  # corrupt / other machine: said by every part
       with open(tmp, encoding="utf-8") as f:
         for line in f:
           digest = bytes.fromhex(line[:32])
@@ -258,6 +289,20 @@ def _extract(o: Options, work: str) -> list[str]:
           stats["kept"] += 1
           chunk.write(line)
       os.unlink(tmp)
+      bar.update(res.file_bytes / parts)
+      if part + 1 < parts:
+        continue
+      # The whole file is in: count it once.
+      stats["input_files"] += 1
+      skip = whole.skip or ("" if whole.functions else
+                            "no_functions" if o.kind == "binary" else "no_documents")
+      if skip:
+        stats["files_skipped"][skip] = stats["files_skipped"].get(skip, 0) + 1
+      if whole.functions:
+        stats["input_bytes"] += whole.file_bytes
+        stats["code_bytes"] += whole.code_bytes
+        stats["seen"] += whole.functions
+        stats["partially_decoded"] += whole.partial
       if chunk.tell() >= o.chunk_mb * (1 << 20) and i + 1 < len(files):
         close_chunk(i + 1, last=False)
   bar.close()

@@ -314,3 +314,14 @@ def test_pretoken_memo_matches_the_tokenizer(built):
   texts.append("mov rax qword [ rbp - 0x18 ] [NEXT] vfrobnicate zmm31 [NEXT] ret")  # unseen word
   for t in texts:
     np.testing.assert_array_equal(memo.encode(t), tok.encode(t, add_special_tokens=False).ids)
+
+
+def test_file_parts_concatenate_to_the_whole_file():
+  """A large file is split over workers by address ranges; the parts in order are the file."""
+  path = small_elves(2)[1]
+  whole = elf_corpus.extract_file(path)[1]
+  parts = []
+  for p in range(3):
+    res = elf_corpus.FileResult(path=path, file_bytes=0)
+    parts += list(elf_corpus.iter_functions(path, res, p, 3))
+  assert parts == whole and len(whole) > 100
