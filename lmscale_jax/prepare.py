@@ -348,7 +348,7 @@ def _tokenizer(o: Options, work: str, chunks: list[str]):
 
 
 # ----------------------------------------------------------------------------- pass 3
-_worker_encode = None
+_worker: dict = {}  # the tokenize worker's tokenizer and packing settings
 
 
 class _PretokenIds(dict):
@@ -374,29 +374,46 @@ class _PretokenIds(dict):
                        np.uint16)
 
 
-def _init_tokenize_worker(path: str, kind: str) -> None:
-  global _worker_encode
+def _init_tokenize_worker(path: str, kind: str, seq_len: int, packing: str,
+                          val_fraction: float) -> None:
+  global _worker
   from tokenizers import Tokenizer
 
   tok = Tokenizer.from_file(path)
   if kind == "binary":
     memo = _PretokenIds(tok)
-    _worker_encode = lambda texts: [memo.encode(t) for t in texts]  # noqa: E731
+    encode = lambda texts: [memo.encode(t) for t in texts]  # noqa: E731
   else:
-    _worker_encode = lambda texts: [  # noqa: E731
+    encode = lambda texts: [  # noqa: E731
         np.asarray(e.ids, np.uint16) for e in tok.encode_batch(texts, add_special_tokens=False)]
+  special = toklib.validate(tok, path)
+  _worker = {"encode": encode, "seq_len": seq_len, "packing": packing,
+             "val_fraction": val_fraction, "special": special}
 
 
-def _tokenize_chunk(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Pool task: a corpus chunk → (concatenated uint16 ids, lengths, split-hash values)."""
-  ids, hashes = [], []
+def _tokenize_chunk(path: str) -> dict:
+  """Pool task: a corpus chunk → per split, its packed sequences ([n, seq_len] uint16).
+
+  Each chunk is packed on its own (its open sequences are flushed at its end) so packing runs
+  in the workers, in parallel; the cost is at most a window of part-filled sequences per chunk.
+  """
+  w, sp = _worker, _worker["special"]
+  packers = {s: Packer(w["seq_len"], sp["[CLS]"], sp["[SEP]"], sp["[PAD]"], w["packing"])
+             for s in ds.SPLITS}
+  out = {s: {"seqs": [], "items": 0, "content_tokens": 0} for s in ds.SPLITS}
   with open(path, encoding="utf-8") as f:
     while batch := [line for _, line in zip(range(TOKENIZE_BATCH), f)]:
-      hashes.extend(int(line[:16], 16) for line in batch)
-      ids.extend(_worker_encode([line[33:-1] for line in batch]))
-  lengths = np.asarray([len(x) for x in ids], np.int64)
-  return (np.concatenate(ids) if ids else np.zeros(0, np.uint16), lengths,
-          np.asarray(hashes, np.uint64))
+      for line, ids in zip(batch, w["encode"]([line[33:-1] for line in batch])):
+        split = _split_of(int(line[:16], 16), w["val_fraction"])
+        o = out[split]
+        o["items"] += 1
+        o["content_tokens"] += len(ids)
+        o["seqs"].extend(packers[split].add(ids))
+  for split, o in out.items():
+    o["seqs"].extend(packers[split].flush())
+    o["seqs"] = (np.stack(o["seqs"]) if o["seqs"] else
+                 np.zeros((0, w["seq_len"]), np.uint16))
+  return out
 
 
 class _ShardSink:
@@ -446,37 +463,25 @@ def _write_shards(o: Options, work: str, chunks: list[str], tok) -> dict:
   per = max(1, int(o.shard_size_mb * (1 << 20))
             // (len(ds.record_prefix(o.seq_len)) + 2 * o.seq_len))
   sinks = {s: _ShardSink(work, s, per) for s in ds.SPLITS}
-  packers = {s: Packer(o.seq_len, special["[CLS]"], special["[SEP]"], special["[PAD]"],
-                       o.packing) for s in ds.SPLITS}
   st = {s: {"sequences": 0, "tokens": 0, "content_tokens": 0, "unk": 0, "items": 0}
         for s in ds.SPLITS}
   pad, unk = special["[PAD]"], special["[UNK]"]
-
-  def emit(split: str, seq: np.ndarray) -> None:
-    n = int(np.count_nonzero(seq != pad))
-    s = st[split]
-    s["sequences"] += 1
-    s["tokens"] += n
-    s["unk"] += int(np.count_nonzero(seq == unk))
-    sinks[split].add(seq)
-
   bar = tqdm(total=len(chunks), unit="chunk", desc="tokenize+pack", disable=not o.progress)
-  tok_path = os.path.join(work, ds.TOKENIZER)
-  with _pool(o.workers, _init_tokenize_worker, (tok_path, o.kind)) as pmap:
-    for ids, lengths, hashes in pmap(_tokenize_chunk, chunks):
-      offsets = np.concatenate([[0], np.cumsum(lengths)])
-      for j, h in enumerate(hashes.tolist()):
-        split = _split_of(h, o.val_fraction)
-        piece = ids[offsets[j]:offsets[j + 1]]
-        st[split]["items"] += 1
-        st[split]["content_tokens"] += len(piece)
-        for seq in packers[split].add(piece):
-          emit(split, seq)
+  init = (os.path.join(work, ds.TOKENIZER), o.kind, o.seq_len, o.packing, o.val_fraction)
+  with _pool(o.workers, _init_tokenize_worker, init) as pmap:
+    for out in pmap(_tokenize_chunk, chunks):
+      for split, r in out.items():
+        s, seqs = st[split], r["seqs"]
+        s["items"] += r["items"]
+        s["content_tokens"] += r["content_tokens"]
+        s["sequences"] += len(seqs)
+        s["tokens"] += int(np.count_nonzero(seqs != pad))
+        s["unk"] += int(np.count_nonzero(seqs == unk))
+        for seq in seqs:
+          sinks[split].add(seq)
       bar.update(1)
   bar.close()
   for split in ds.SPLITS:
-    for seq in packers[split].flush():
-      emit(split, seq)
     sinks[split].flush()
   return {"splits": {s: sinks[s].shards for s in ds.SPLITS}, "special": special, "stats": st,
           "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
