@@ -18,6 +18,12 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.data.max_predictions = 0    # P; 0 = ceil(mask_prob * seq_len)
   c.data.prefetch_buffer = 4    # Grain ReadOptions, in batches (per worker process)
   c.data.read_threads = 2       # batch builders per process (see lmscale_jax/data.py)
+  c.data.stage_from = ""        # shared dataset to stage into data.path first (once per node)
+  c.data.stage_workers = 8      # parallel file copies when staging
+  c.data.stage_timeout = 7200   # seconds the job waits for every node's staging
+  c.data.autotune = False       # measure and pick data.workers (recorded in the workdir)
+  c.data.autotune_max_workers = 0  # 0 = the machine's CPU count
+  c.data.autotune_target = 0.02    # input wait / step time to reach
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 0        # 0 = from the dataset's metadata.json
@@ -52,7 +58,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.eval_every = 10_000
   c.train.eval_batches = 50
   c.train.remat = "none"        # none | dots | full
-  c.train.grad_accum_steps = 1
+  c.train.grad_accum_steps = 1  # microbatches per step (lax.scan in the jitted step)
+  c.train.fsdp = False          # shard params + optimizer state over the data axis (ZeRO-3)
+  c.train.grad_allreduce_dtype = "float32"  # float32 | bfloat16: dtype of the gradient reduction
+  c.train.dropout_rng = "threefry"  # threefry | rbg (RngBitGenerator: cheaper masks on GPU)
   c.train.nonfinite = "error"   # a non-finite loss or gradient norm stops the run
 
   c.checkpoint = ml_collections.ConfigDict()
@@ -62,4 +71,16 @@ def get_base_config() -> ml_collections.ConfigDict:
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0   # 0 = from the device table (lmscale_jax/flops.py)
+
+  # Multi-process start-up (lmscale_jax/distributed.py): unset fields come from LMSCALE_* env,
+  # then Slurm; nothing set = one process.
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.mode = "auto"          # auto | single (ignore env and Slurm)
+  c.distributed.coordinator = ""       # host:port of process 0
+  c.distributed.num_processes = 0      # 0 = from env / Slurm
+  c.distributed.process_id = -1        # -1 = from env / Slurm
+  c.distributed.local_device_ids = ""  # "0,1": devices of this process ("" = env / Slurm / all)
+  c.distributed.initialization_timeout = 300  # s for every process to join
+  c.distributed.heartbeat_timeout = 60        # s of silence before a process counts as dead
+  c.distributed.shutdown_timeout = 300        # s a finished process waits for the others
   return c

@@ -65,13 +65,20 @@ def train_flops_per_step(cfg: ml_collections.ConfigDict, global_batch: int, seq_
 
 
 def memory_estimate_bytes(cfg: ml_collections.ConfigDict, per_device_batch: int, seq_len: int,
-                          num_predictions: int) -> int:
+                          num_predictions: int, *, accum_steps: int = 1,
+                          fsdp_devices: int = 1) -> int:
   """Rough peak device memory of one training step, in bytes.
 
-  Assumptions (an estimate to choose batch size / remat with, not a guarantee):
-    * pure data parallelism: every device holds all parameters and optimizer state;
+  Assumptions (an estimate to choose batch size / levers with, not a guarantee; for the
+  compiler's own number see tools/max_batch.py):
     * state = 16 B/param: float32 params, float32 grads, Adam's two float32 moments; plus
       2 B/param for the bfloat16 copies of the weights when compute is bfloat16;
+    * ``fsdp_devices`` > 1 (train.fsdp): params, moments and reduced grads are split over
+      that many devices; each device still holds the gathered compute-dtype weights and its
+      local full-size gradients while the step runs;
+    * ``accum_steps`` > 1: activations are those of one microbatch
+      (``per_device_batch / accum_steps`` sequences), plus a float32 gradient accumulator
+      (4 B/param) beside the microbatch's own gradients;
     * activations kept for the backward pass, per token and layer, in the compute dtype:
       block input, q, k, v, attention context, pre-LN residual sum, post-LN output, FFN
       pre-GELU and post-GELU, second pre-LN sum = 8·H + 2·F values; one byte per H for each of
@@ -85,7 +92,15 @@ def memory_estimate_bytes(cfg: ml_collections.ConfigDict, per_device_batch: int,
   """
   compute = _BYTES[cfg.dtype]
   n = count_params_from_config(cfg)
-  state = 16 * n + (2 * n if cfg.dtype != "float32" else 0)
+  d = max(1, int(fsdp_devices))
+  k = max(1, int(accum_steps))
+  copies = 2 * n if cfg.dtype != "float32" else 0
+  if d == 1 and k == 1:
+    state = 16 * n + copies
+  else:
+    # sharded params + moments + reduced grads; gathered compute weights; local gradients
+    # (compute dtype) and, with accumulation, their float32 running sum.
+    state = 16 * n // d + compute * n + compute * n + (4 * n if k > 1 else 0)
 
   h, f = cfg.hidden, cfg.ffn
   impl = model_lib.attention_impl(cfg, deterministic=False)
@@ -99,8 +114,9 @@ def memory_estimate_bytes(cfg: ml_collections.ConfigDict, per_device_batch: int,
   kept = {"none": full_layer, "dots": (6 * h + f) * compute, "full": h * compute}[cfg.remat]
   recompute = full_layer if cfg.remat != "none" else 0
 
-  tokens = per_device_batch * seq_len
-  predictions = per_device_batch * num_predictions
+  micro = max(1, per_device_batch // k)
+  tokens = micro * seq_len
+  predictions = micro * num_predictions
   activations = (tokens * (cfg.layers * kept + recompute + 2 * h * compute)
                  + predictions * (4 * h * compute + 3 * 4 * cfg.vocab_size))
   return state + activations

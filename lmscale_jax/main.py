@@ -2,6 +2,11 @@
 
   python -m lmscale_jax.main --config=configs/bert350m.py --workdir=DIR \
       --config.data.path=DATASET [--config.train.batch_size=256 …] [--dry_run]
+
+Several processes (launch/local.sh, launch/node.sh, launch/slurm.sbatch) find each other
+through ``lmscale_jax.distributed`` (config ``distributed.*``, ``LMSCALE_*`` or Slurm
+variables); ``--config.data.stage_from=SHARED`` first copies the dataset to ``data.path`` on
+every node (``lmscale_jax.staging``).
 """
 
 import logging as std_logging
@@ -32,16 +37,37 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_QuietLibraries())
   # Imported here, not at module level: Grain's worker processes re-import __main__.
-  from lmscale_jax import train
+  import jax
+
+  from lmscale_jax import distributed, staging, train
 
   config = FLAGS.config
-  if FLAGS.dry_run:
+  if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage
     setup = train.build_setup(config)
     print(config)
     print(train.describe(setup))
     return
-  logging.info("workdir %s", FLAGS.workdir)
-  train.train_and_evaluate(config, FLAGS.workdir)
+  distributed.install_signal_handlers()
+  try:
+    distributed.initialize(config)  # before anything touches a JAX backend
+    distributed.preflight(config, FLAGS.workdir)
+    if config.data.stage_from:
+      staging.stage_per_node(config.data.stage_from, config.data.path,
+                             workers=int(config.data.stage_workers),
+                             timeout_s=float(config.data.stage_timeout), log=logging.info)
+    distributed.agree("dataset check", lambda: staging.check_dataset_dir(config.data.path))
+    logging.info("workdir %s", FLAGS.workdir)
+    train.train_and_evaluate(config, FLAGS.workdir)
+  except Exception as e:
+    if jax.distributed.is_initialized():
+      # The other processes may be blocked in a collective with this one: report and leave
+      # now (see distributed.exit_now); they stop within distributed.heartbeat_timeout.
+      logging.exception("process %d failed", jax.process_index())
+      print(f"error: process {jax.process_index()}: {type(e).__name__}: {e}", file=sys.stderr)
+      distributed.exit_now(1)
+    if isinstance(e, (distributed.DistributedError, staging.StagingError)):
+      sys.exit(f"error: {e}")  # bad settings or data: one line, no traceback
+    raise
 
 
 def parse_flags(argv):

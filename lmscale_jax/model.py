@@ -14,7 +14,9 @@ Precision: parameters are float32; matmuls, GELU and the residual stream run in 
 LayerNorm statistics and normalization run in float32 (flax's ``force_float32_reductions``) and
 cast back; attention softmax runs in float32; the decoder accumulates and returns float32 logits.
 
-Attention: ``jax.nn.dot_product_attention`` with a key padding mask (``input_ids != pad_id``).
+Attention: ``jax.nn.dot_product_attention`` with a key padding mask (``input_ids != pad_id``;
+the cuDNN path passes it as per-row key lengths, cuDNN's own padding mask, see
+:func:`padding_lengths`).
 ``implementation=None`` in jax 0.10 always means XLA (it does not pick cuDNN by itself), so
 ``cfg.attention_impl`` chooses: "auto" = cuDNN flash attention on GPU for bfloat16/float16
 compute with a supported head size, XLA otherwise; "xla"; "cudnn". The fused call has no
@@ -54,6 +56,9 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# How the cuDNN path masks padding: "lengths" (key lengths, cuDNN's padding mask) or "bias"
+# (the [B,1,S,S] boolean mask turned into a bias, the earlier way; kept for A/B benchmarks).
+CUDNN_MASK = "lengths"
 
 
 # --------------------------------------------------------------------------- config
@@ -118,11 +123,25 @@ def dot_product_attention(q, k, v, key_mask, *, impl: str, dropout_rate: float =
     return jnp.einsum("bnts,bsnd->btnd", probs.astype(v.dtype), v)
   b, s = key_mask.shape
   if impl == "cudnn":
-    # cuDNN adds the mask as a bias, which it requires as [B,1,T,S] (no broadcast over T).
+    if CUDNN_MASK == "lengths":
+      # cuDNN's padding mask type: no [B,1,S,S] bias tensor is built, and the kernel skips
+      # fully padded key tiles. Exact because padding is trailing (see padding_lengths).
+      return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=padding_lengths(
+          key_mask), implementation="cudnn")
+    # cuDNN adds a boolean mask as a bias, which it requires as [B,1,T,S] (no broadcast).
     mask = jnp.broadcast_to(key_mask[:, None, None, :], (b, 1, s, s))
   else:
     mask = key_mask[:, None, None, :]
   return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+
+
+def padding_lengths(key_mask):
+  """Non-pad tokens per row, int32 [B]: the key length cuDNN's padding mask takes.
+
+  Equals the position of the first [PAD] because padding is always trailing: prepared
+  datasets pack ``[CLS] … [SEP] [PAD]…`` and MLM masking never writes [PAD].
+  """
+  return key_mask.sum(axis=-1, dtype=jnp.int32)
 
 
 def _dense(cfg, features: int, name: str) -> nn.Dense:

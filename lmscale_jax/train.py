@@ -7,7 +7,9 @@ waits on the device. Everything per-step runs inside ``train_step``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -20,6 +22,7 @@ from absl import logging
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lmscale_jax import autotune as autotune_lib
 from lmscale_jax import checkpoint as ckpt_lib
 from lmscale_jax import data as data_lib
 from lmscale_jax import dataset as ds
@@ -51,12 +54,21 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"train.schedule={t.schedule!r}: expected 'linear' or 'cosine'")
   if t.nonfinite not in ("error",):
     raise ValueError(f"train.nonfinite={t.nonfinite!r}: expected 'error'")
-  if int(t.grad_accum_steps) != 1:
-    raise ValueError("train.grad_accum_steps > 1 is not supported yet")
   devices = jax.device_count()
   if t.batch_size % devices:
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by the {devices} "
                      "devices of the data-parallel mesh")
+  accum = int(t.grad_accum_steps)
+  if accum < 1:
+    raise ValueError(f"train.grad_accum_steps={accum}: expected a positive integer")
+  if (t.batch_size // devices) % accum:
+    raise ValueError(f"train.batch_size={t.batch_size} gives {t.batch_size // devices} "
+                     f"sequences per device, not divisible by train.grad_accum_steps={accum}")
+  if t.grad_allreduce_dtype not in REDUCE_DTYPES:
+    raise ValueError(f"train.grad_allreduce_dtype={t.grad_allreduce_dtype!r}: expected one of "
+                     f"{sorted(REDUCE_DTYPES)}")
+  if t.dropout_rng not in DROPOUT_RNGS:
+    raise ValueError(f"train.dropout_rng={t.dropout_rng!r}: expected one of {list(DROPOUT_RNGS)}")
 
 
 def num_predictions(config, seq_len: int) -> int:
@@ -88,6 +100,13 @@ def make_optimizer(t) -> optax.GradientTransformation:
 
 
 # ----------------------------------------------------------------------------- steps
+REDUCE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# "threefry" is jax's default (bit-identical on any device count); "rbg" draws dropout masks
+# with XLA's RngBitGenerator, much cheaper on GPU but not partition-invariant.
+DROPOUT_RNGS = ("threefry", "rbg")
+AXIS = "data"
+
+
 def mlm_loss(logits, labels, weights):
   """Weighted mean cross-entropy over predicted positions, plus (correct, weight) sums."""
   ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
@@ -96,18 +115,56 @@ def mlm_loss(logits, labels, weights):
   return (ce * weights).sum() / wsum, (ce * weights).sum(), correct, weights.sum()
 
 
-def make_train_step(model, optimizer, schedule, seed: int, pad_id: int):
+def step_rng(seed: int, step, dropout_rng: str = "threefry"):
+  """Dropout key of a step: keyed by (seed, step), so identical after a resume."""
+  impl = None if dropout_rng == "threefry" else "unsafe_rbg"
+  return jax.random.fold_in(jax.random.key(seed, impl=impl), step)
+
+
+def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
+                    accum_steps: int = 1, mesh: Mesh | None = None, param_specs=None,
+                    reduce_dtype: str = "float32", compute_dtype: str = "float32",
+                    dropout_rng: str = "threefry", manual: bool | None = None):
+  """The training step ``(state, batch) -> (state, metrics)`` (to be jitted).
+
+  Two ways to get the gradients of the global batch:
+
+  * **plain** (``accum_steps == 1``, float32 reduction, replicated parameters): the
+    global-view step: XLA partitions it over the batch-sharded mesh and inserts the gradient
+    all-reduce itself.
+  * **manual** (anything else): :func:`make_grads_fn`, a ``shard_map`` over the ``data`` axis
+    in which each device gathers FSDP-sharded parameters, runs its microbatches with
+    ``lax.scan``, and reduces its float32-accumulated gradients once with ``psum`` (replicated
+    leaves) or ``psum_scatter`` (FSDP leaves) in ``reduce_dtype``.
+
+  The optimizer update runs in the global view either way, on parameters and moments sharded
+  like ``param_specs`` (elementwise, so no communication, except the scalar of the global-norm
+  clip).
+  """
+  if manual is None:
+    manual = needs_manual_grads(accum_steps, reduce_dtype, param_specs)
+  grads_fn = None
+  if manual:
+    if mesh is None:
+      raise ValueError("the manual gradient path needs the device mesh")
+    grads_fn = make_grads_fn(model, mesh, param_specs, accum_steps=accum_steps,
+                             reduce_dtype=reduce_dtype, compute_dtype=compute_dtype)
+
   def train_step(state: TrainState, batch):
-    # Dropout randomness keyed by (seed, step): identical after a resume.
-    rng = jax.random.fold_in(jax.random.key(seed), state.step)
+    rng = step_rng(seed, state.step, dropout_rng)
+    if grads_fn is None:
+      def loss_fn(params):
+        logits = model.apply({"params": params}, batch["input_ids"], batch["mlm_positions"],
+                             deterministic=False, rngs={"dropout": rng})
+        loss, _, correct, wsum = mlm_loss(logits, batch["mlm_labels"], batch["mlm_weights"])
+        return loss, (correct, wsum)
 
-    def loss_fn(params):
-      logits = model.apply({"params": params}, batch["input_ids"], batch["mlm_positions"],
-                           deterministic=False, rngs={"dropout": rng})
-      loss, _, correct, wsum = mlm_loss(logits, batch["mlm_labels"], batch["mlm_weights"])
-      return loss, (correct, wsum)
-
-    (loss, (correct, wsum)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+      (loss, (correct, wsum)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+      tokens = (batch["input_ids"] != pad_id).sum()
+    else:
+      grads, sums = grads_fn(state.params, batch, rng)
+      loss = sums["ce"] / jnp.maximum(sums["weight"], 1.0)
+      correct, wsum, tokens = sums["correct"], sums["weight"], sums["tokens"]
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
@@ -115,11 +172,112 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int):
         "mlm_accuracy": correct / jnp.maximum(wsum, 1.0),
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": schedule(state.step),
-        "tokens": (batch["input_ids"] != pad_id).sum(),
+        "tokens": tokens,
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step
+
+
+def needs_manual_grads(accum_steps: int, reduce_dtype: str, param_specs) -> bool:
+  """Whether the step takes the shard_map gradient path (anything but the plain step)."""
+  sharded = param_specs is not None and any(
+      s != PartitionSpec() for s in jax.tree.leaves(
+          param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+  return int(accum_steps) > 1 or reduce_dtype != "float32" or sharded
+
+
+def _to_varying(x):
+  """Marks ``x`` as differing across ``data`` inside shard_map: its gradients stay local (the
+  transpose of the implicit invariant->varying cast would otherwise psum them)."""
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, AXIS, to="varying")
+  return jax.lax.pvary(x, AXIS)  # jax releases before pcast
+
+
+def _sharded_dim(spec: PartitionSpec) -> int | None:
+  return next((i for i, a in enumerate(spec) if a is not None), None)
+
+
+def make_grads_fn(model, mesh: Mesh, param_specs, *, accum_steps: int, reduce_dtype: str,
+                  compute_dtype: str):
+  """``(params, batch, rng) -> (grads, sums)`` over the global batch, as a ``shard_map``.
+
+  Per device: all-gather the FSDP-sharded leaves (matrices cast to the compute dtype first:
+  the model casts them to it anyway, so this is exact and halves the bytes gathered in
+  bfloat16); split the local rows into ``accum_steps`` microbatches (row ``a*k + i`` goes to
+  microbatch ``i``, so every microbatch takes the same rows from every device and the split
+  needs no communication); ``lax.scan`` over them accumulating float32 gradients of
+  ``ce_sum(microbatch) / W`` with ``W`` the global batch's prediction count, whose sum is
+  exactly the gradient of the global mean loss; then one reduction per leaf in
+  ``reduce_dtype``. Peak activation memory is one microbatch's.
+
+  Dropout: the key is ``fold_in(step key, device index)`` and, with accumulation,
+  ``fold_in(·, microbatch)``: masks differ from the plain step's (statistically the same);
+  with ``dropout == 0`` the losses equal the plain step's to float32 rounding.
+  """
+  if param_specs is None:
+    param_specs = jax.tree.map(lambda _: PartitionSpec(),
+                               jax.eval_shape(lambda: model_lib.init_params(
+                                   model.cfg, jax.random.key(0))))
+  cdtype, rdtype = model_lib.DTYPES[compute_dtype], REDUCE_DTYPES[reduce_dtype]
+  k = int(accum_steps)
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+
+  def gather(p, spec):
+    if p.ndim > 1:
+      p = p.astype(cdtype)
+    d = _sharded_dim(spec)
+    if d is None:  # replicated: its gradient must stay this device's own until reduce()
+      return _to_varying(p)
+    return jax.lax.all_gather(p, AXIS, axis=d, tiled=True)
+
+  def reduce(g, spec):
+    g = g.astype(rdtype)
+    d = _sharded_dim(spec)
+    if d is None:
+      g = jax.lax.psum(g, AXIS)
+    else:
+      g = jax.lax.psum_scatter(g, AXIS, scatter_dimension=d, tiled=True)
+    return g.astype(jnp.float32)
+
+  def local(params, batch, rng):
+    full = jax.tree.map(gather, params, param_specs, is_leaf=is_spec)
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(AXIS))
+    total_w = jnp.maximum(jax.lax.psum(batch["mlm_weights"].sum(), AXIS), 1.0)
+
+    def micro_loss(p, mb, key):
+      logits = model.apply({"params": p}, mb["input_ids"], mb["mlm_positions"],
+                           deterministic=False, rngs={"dropout": key})
+      _, ce_sum, correct, _ = mlm_loss(logits, mb["mlm_labels"], mb["mlm_weights"])
+      return ce_sum / total_w, (ce_sum, correct)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    if k == 1:
+      (_, (ce, correct)), grads = grad_fn(full, batch, rng)
+    else:
+      micro = jax.tree.map(
+          lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+      def body(carry, xs):
+        i, mb = xs
+        (_, (ce_i, correct_i)), g = grad_fn(full, mb, jax.random.fold_in(rng, i))
+        acc, ce_acc, correct_acc = carry
+        acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+        return (acc, ce_acc + ce_i, correct_acc + correct_i), None
+
+      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), full)
+      zero = jnp.zeros((), jnp.float32)
+      init = _to_varying((zeros, zero, zero))  # the carry varies like the gradients
+      (grads, ce, correct), _ = jax.lax.scan(body, init, (jnp.arange(k), micro))
+    grads = jax.tree.map(reduce, grads, param_specs, is_leaf=is_spec)
+    sums = {"ce": ce, "correct": correct, "weight": batch["mlm_weights"].sum(),
+            "tokens": (batch["input_ids"] != model.cfg.pad_id).sum()}
+    return grads, jax.lax.psum(sums, AXIS)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, PartitionSpec(AXIS),
+                                                   PartitionSpec()),
+                       out_specs=(param_specs, PartitionSpec()))
 
 
 def make_eval_step(model):
@@ -130,6 +288,112 @@ def make_eval_step(model):
     return {"ce_sum": ce_sum, "correct": correct, "weight": wsum}
 
   return eval_step
+
+
+# ----------------------------------------------------------------------------- sharding
+# Leaves with fewer elements stay replicated under FSDP: sharding a bias or a LayerNorm scale
+# saves nothing worth a collective.
+FSDP_MIN_SIZE = 4096
+
+
+def fsdp_spec(shape, devices: int) -> PartitionSpec:
+  """ZeRO-3/FSDP placement of one parameter / optimizer-moment leaf over ``devices``.
+
+  Split along the largest dimension divisible by the device count (the first such on ties);
+  replicated when none divides, or the leaf is small. A parameter and its Adam moments have
+  the same shape, hence the same placement.
+  """
+  if devices <= 1 or math.prod(shape) < FSDP_MIN_SIZE:
+    return PartitionSpec()
+  dims = [i for i, d in enumerate(shape) if d % devices == 0]
+  if not dims:
+    return PartitionSpec()
+  best = max(dims, key=lambda i: (shape[i], -i))
+  return PartitionSpec(*[AXIS if i == best else None for i in range(len(shape))])
+
+
+def state_specs(abstract_state, devices: int, fsdp: bool):
+  """PartitionSpec of every leaf of the train state (all replicated unless ``fsdp``)."""
+  return jax.tree.map(lambda a: fsdp_spec(a.shape, devices) if fsdp else PartitionSpec(),
+                      abstract_state)
+
+
+@dataclasses.dataclass
+class Steps:
+  """The jitted functions of a run and the shardings they were built with."""
+  mesh: Mesh
+  model: Any
+  optimizer: Any
+  schedule: Any
+  state_sharding: Any      # pytree of NamedSharding, like TrainState
+  batch_sharding: Any
+  abstract_state: Any      # ShapeDtypeStructs carrying state_sharding (Orbax restore target)
+  init: Any                # rng -> TrainState (jitted, placed per state_sharding)
+  train_step: Any          # (state, batch) -> (state, metrics); state donated
+  eval_step: Any           # (params, batch) -> sums
+  manual: bool             # gradients through make_grads_fn (see make_train_step)
+
+
+def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.ConfigDict,
+                predictions: int, mesh: Mesh | None = None, *,
+                manual: bool | None = None) -> Steps:
+  """Model, optimizer, shardings and the jitted init/train/eval functions for ``config``.
+
+  ``manual`` forces (True) or forbids (False) the shard_map gradient path; None picks it
+  from the config (:func:`needs_manual_grads`)."""
+  t = config.train
+  if mesh is None:
+    mesh = Mesh(np.asarray(jax.devices()), (AXIS,))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  batch_sharding = data_lib.batch_sharding(mesh, AXIS)
+  model = model_lib.BertForMLM(model_cfg)
+  schedule = learning_rate_schedule(t)
+  optimizer = make_optimizer(t)
+
+  def init_state(rng):
+    params = model_lib.init_params(model_cfg, rng, predictions=predictions)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params))
+
+  abstract = jax.eval_shape(init_state, jax.random.key(t.seed))
+  specs = state_specs(abstract, mesh.shape[AXIS], bool(t.fsdp))
+  state_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                is_leaf=lambda x: isinstance(x, PartitionSpec))
+  abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                          abstract, state_sharding)
+  if manual is None:
+    manual = needs_manual_grads(t.grad_accum_steps, t.grad_allreduce_dtype, specs.params)
+  step_fn = make_train_step(
+      model, optimizer, schedule, t.seed, model_cfg.pad_id, accum_steps=int(t.grad_accum_steps),
+      mesh=mesh, param_specs=specs.params, reduce_dtype=t.grad_allreduce_dtype,
+      compute_dtype=model_cfg.dtype, dropout_rng=t.dropout_rng, manual=manual)
+  train_step = jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
+                       out_shardings=(state_sharding, replicated), donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(model), in_shardings=(state_sharding.params,
+                                                            batch_sharding),
+                      out_shardings=replicated)
+  init = jax.jit(init_state, out_shardings=state_sharding)
+  return Steps(mesh=mesh, model=model, optimizer=optimizer, schedule=schedule,
+               state_sharding=state_sharding, batch_sharding=batch_sharding,
+               abstract_state=abstract, init=init, train_step=train_step,
+               eval_step=eval_step, manual=manual)
+
+
+def peak_bytes(memory_analysis) -> int:
+  """Device bytes a compiled executable needs (``.compile().memory_analysis()``): arguments +
+  outputs - donated buffers reused as outputs + XLA's temporary buffer."""
+  m = memory_analysis
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes)
+
+
+def abstract_batch(batch_size: int, seq_len: int, predictions: int, sharding=None) -> dict:
+  """ShapeDtypeStructs of a global batch (for ``.lower()`` without data)."""
+  shapes = {"input_ids": ((batch_size, seq_len), jnp.int32),
+            "mlm_positions": ((batch_size, predictions), jnp.int32),
+            "mlm_labels": ((batch_size, predictions), jnp.int32),
+            "mlm_weights": ((batch_size, predictions), jnp.float32)}
+  return {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in shapes.items()}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -169,26 +433,83 @@ class Setup:
   memory_bytes: float
 
 
-def build_setup(config: ml_collections.ConfigDict) -> Setup:
+def synthetic_meta(seq_len: int, vocab_size: int) -> ds.DatasetMeta:
+  """Dataset metadata for runs without a dataset (benchmarks on synthetic batches)."""
+  return ds.DatasetMeta(path="<synthetic>", name="synthetic", seq_len=int(seq_len),
+                        vocab_size=int(vocab_size),
+                        special_ids={t: i for i, t in enumerate(ds.SPECIAL_TOKENS)},
+                        splits={}, raw={})
+
+
+def build_setup(config: ml_collections.ConfigDict, meta: ds.DatasetMeta | None = None) -> Setup:
   check_config(config)
-  meta = ds.DatasetMeta.load(config.data.path)
+  meta = meta or ds.DatasetMeta.load(config.data.path)
   model_cfg = model_lib.resolve_model_config(config.model, meta, remat=config.train.remat)
   p = num_predictions(config, meta.seq_len)
-  per_device = config.train.batch_size // jax.device_count()
+  devices = jax.device_count()
+  per_device = config.train.batch_size // devices
   return Setup(
       config=config, meta=meta, model_cfg=model_cfg, predictions=p,
       param_count=flops_lib.count_params_from_config(model_cfg),
       flops_per_step=flops_lib.train_flops_per_step(model_cfg, config.train.batch_size,
                                                     meta.seq_len, p),
-      memory_bytes=flops_lib.memory_estimate_bytes(model_cfg, per_device, meta.seq_len, p))
+      memory_bytes=flops_lib.memory_estimate_bytes(
+          model_cfg, per_device, meta.seq_len, p,
+          accum_steps=int(config.train.grad_accum_steps),
+          fsdp_devices=devices if config.train.fsdp else 1))
 
 
 def describe(s: Setup) -> str:
+  t = s.config.train
+  levers = (f"remat {t.remat}, grad_accum_steps {t.grad_accum_steps}, fsdp {bool(t.fsdp)}, "
+            f"grad_allreduce_dtype {t.grad_allreduce_dtype}")
   return (f"model: {s.param_count:,} parameters ({s.model_cfg.layers} layers × "
           f"{s.model_cfg.hidden}, vocab {s.model_cfg.vocab_size}, seq {s.meta.seq_len}); "
           f"{s.flops_per_step / 1e12:.3f} TFLOP per step (global batch "
           f"{s.config.train.batch_size}, {s.predictions} predictions/sequence); "
-          f"≈{s.memory_bytes / 2**30:.2f} GiB per device")
+          f"≈{s.memory_bytes / 2**30:.2f} GiB per device ({levers})")
+
+
+def time_steps(steps: Steps, host_batch: dict, seed: int, n: int = 5) -> float:
+  """Seconds per training step, timed on a scratch state (freed before returning)."""
+  batch = jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(steps.batch_sharding, x), host_batch)
+  state = steps.init(jax.random.key(seed))
+  state, m = steps.train_step(state, batch)  # compiles
+  jax.block_until_ready(m)
+  t0 = time.perf_counter()
+  for _ in range(n):
+    state, m = steps.train_step(state, batch)
+  jax.block_until_ready((state, m))
+  seconds = (time.perf_counter() - t0) / n
+  del state
+  return seconds
+
+
+def autotune_loader(config: ml_collections.ConfigDict, workdir: str, steps: Steps, *,
+                    has_checkpoint: bool, is_writer: bool) -> ml_collections.ConfigDict:
+  """``config`` with ``data.workers`` from the loader autotune (lmscale_jax/autotune.py)."""
+  pi, pc = jax.process_index(), jax.process_count()
+
+  def make_iterator(workers: int):
+    c = copy.deepcopy(config)
+    c.data.workers = workers
+    return iter(data_lib.make_dataset(c, "train", train=True, process_index=pi,
+                                      process_count=pc))
+
+  def step_seconds() -> float:
+    return time_steps(steps, next(make_iterator(0)), int(config.train.seed))
+
+  workers = autotune_lib.resolve_workers(workdir, config.data, has_checkpoint=has_checkpoint,
+                                         is_writer=is_writer, step_seconds=step_seconds,
+                                         make_iterator=make_iterator)
+  if pc > 1:  # every process takes process 0's choice, the one recorded
+    from jax.experimental import multihost_utils
+
+    workers = int(multihost_utils.broadcast_one_to_all(np.int32(workers)))
+  config = copy.deepcopy(config)
+  config.data.workers = workers
+  return config
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -199,47 +520,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   is_writer = jax.process_index() == 0
   ckpt_lib.check_or_save_config(workdir, config, s.model_cfg, is_writer)
 
-  mesh = Mesh(np.asarray(jax.devices()), ("data",))
-  replicated = NamedSharding(mesh, PartitionSpec())
-  batch_sharding = data_lib.batch_sharding(mesh)
-
-  model = model_lib.BertForMLM(s.model_cfg)
-  schedule = learning_rate_schedule(t)
-  optimizer = make_optimizer(t)
-
-  def init_state(rng):
-    params = model_lib.init_params(s.model_cfg, rng, predictions=s.predictions)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
-
-  abstract = jax.eval_shape(init_state, jax.random.key(t.seed))
-  state_sharding = jax.tree.map(lambda _: replicated, abstract)
-  abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                          abstract, state_sharding)
-
-  train_step = jax.jit(make_train_step(model, optimizer, schedule, t.seed, s.meta.pad_id),
-                       in_shardings=(state_sharding, batch_sharding),
-                       out_shardings=(state_sharding, replicated), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(model), in_shardings=(state_sharding.params,
-                                                            batch_sharding),
-                      out_shardings=replicated)
+  steps = build_steps(config, s.model_cfg, s.predictions)
+  train_step, eval_step = steps.train_step, steps.eval_step
+  batch_sharding, abstract = steps.batch_sharding, steps.abstract_state
 
   pi, pc = jax.process_index(), jax.process_count()
+  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
+                                       use_async=bool(config.checkpoint["async"]))
+  start = checkpointer.latest_step()
+  if config.data.autotune:
+    config = autotune_loader(config, workdir, steps, has_checkpoint=start is not None,
+                             is_writer=is_writer)
+
   train_iter = data_lib.DevicePrefetcher(
       iter(data_lib.make_dataset(config, "train", train=True, process_index=pi,
                                  process_count=pc)), batch_sharding)
   eval_ds = data_lib.make_dataset(config, "validation", train=False, process_index=pi,
                                   process_count=pc)
 
-  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
-                                       use_async=bool(config.checkpoint["async"]))
-  start = checkpointer.latest_step()
   if start is not None:
     state = checkpointer.restore(start, abstract, train_iter)
     logging.info("resumed from %s/checkpoints/%d", workdir, start)
   else:
     start = 0
-    state = jax.jit(init_state, out_shardings=state_sharding)(jax.random.key(t.seed))
+    state = steps.init(jax.random.key(t.seed))
 
   peak = flops_lib.device_peak_flops(jax.devices()[0].device_kind, config.metrics.peak_tflops,
                                      dtype=s.model_cfg.dtype)

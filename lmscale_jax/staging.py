@@ -1,0 +1,443 @@
+"""Copy a dataset directory from shared storage to node-local disk, verified, resumable.
+
+Hundreds of nodes reading random records from one shared file system contend for it; each node
+reading its own local copy does not (the paper's second finding). :func:`stage`:
+
+* plans the files: the shards ``metadata.json`` lists (all, or with ``only_needed`` those the
+  given processes will read, see :func:`needed_shards`), the small side files
+  (``tokenizer.json`` …), and ``metadata.json`` itself, copied last;
+* keeps a destination file that is already there with the size and sha256 ``metadata.json``
+  gives (a rerun copies nothing); anything else is recopied. A file this staging copied or
+  hashed before and whose (size, mtime, inode) has not changed since is not hashed again
+  (``verify_all`` / ``--verify-all`` re-hashes everything, e.g. against silent disk errors);
+* checks free space for what it will copy, then copies in parallel threads (file reads,
+  writes and hashing release the GIL), hashing the bytes as they pass, into a temporary name
+  (``.{file}.staging``), fsyncs, and renames only when the hash matches ``metadata.json``;
+  a mismatch is retried once from the source, then is a "checksum mismatch at the source";
+* records its state in ``staging.json`` in the destination: ``copying`` while it runs,
+  ``complete`` or ``failed`` (with the error) at the end. While copying, ``metadata.json`` is
+  absent from the destination, so a crashed staging is never taken for a complete dataset.
+
+:func:`check_dataset_dir` is what training calls: it refuses a directory whose staging failed
+or never finished, or that lacks shards the loader will read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from typing import Callable, Sequence
+
+from lmscale_jax import dataset as ds
+
+STAGE_FILE = "staging.json"
+TMP_SUFFIX = ".staging"
+CHUNK = 8 << 20
+# Space kept free beyond the bytes to copy: file system metadata, and the temp copy of a file
+# that is being replaced coexists with the old one until the rename.
+SPACE_MARGIN = 64 << 20
+# Read plans: which shards a process reads (see needed_shards).
+PLANS = ("interleaved", "by_shard")
+
+
+class StagingError(RuntimeError):
+  """Staging cannot proceed, or a dataset directory's staging is not usable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileSpec:
+  name: str
+  bytes: int
+  sha256: str | None  # None: side file without a checksum in metadata.json (compared to source)
+
+
+# --------------------------------------------------------------------------- planning
+def needed_shards(meta: ds.DatasetMeta, num_processes: int, process_ids: Sequence[int],
+                  plan: str = "interleaved") -> dict[str, list[dict]]:
+  """Per split, the shard entries of ``metadata.json`` that ``process_ids`` will read.
+
+  ``interleaved`` is the loader in ``lmscale_jax/data.py``: global stream position ``p`` goes
+  to process ``p % num_processes``, and the stream is a fresh permutation of *all* records of
+  the split each epoch, so every process reads from every shard: all shards are needed, and
+  node-local staging cannot copy less than the whole dataset.
+
+  ``by_shard`` is a loader that splits by shard (process ``i`` reads train shards
+  ``i, i + P, i + 2P, …``; validation is read whole by every process): a node then needs only
+  its processes' shards. ``data.py`` does not offer that mode yet, so a dataset staged with it
+  is refused by training (:func:`check_dataset_dir`); it exists to size and stage for it.
+  """
+  if plan not in PLANS:
+    raise StagingError(f"read plan {plan!r}: expected one of {PLANS}")
+  if num_processes < 1:
+    raise StagingError(f"--num-processes {num_processes}: expected >= 1")
+  bad = [i for i in process_ids if not 0 <= i < num_processes]
+  if bad or not process_ids:
+    raise StagingError(f"--process-ids {list(process_ids)}: expected ids in "
+                       f"[0, {num_processes})")
+  out = {}
+  for split, info in meta.splits.items():
+    shards = list(info["shards"])
+    if plan == "by_shard" and split == "train":
+      if len(shards) < num_processes:
+        raise StagingError(
+            f"{meta.path}: {len(shards)} train shards for {num_processes} processes: a "
+            "by-shard split needs at least one shard per process (prepare with smaller "
+            "--shard-size-mb)")
+      ids = set(process_ids)
+      shards = [s for j, s in enumerate(shards) if j % num_processes in ids]
+    out[split] = shards
+  return out
+
+
+def side_files(src: str) -> list[str]:
+  """Regular files of the dataset directory that are not shards, staging state or temps."""
+  out = []
+  for name in sorted(os.listdir(src)):
+    if name in (ds.METADATA, STAGE_FILE) or name.startswith(".") or ".array_record-" in name:
+      continue
+    if os.path.isfile(os.path.join(src, name)):
+      out.append(name)
+  return out
+
+
+# --------------------------------------------------------------------------- state file
+def read_state(directory: str) -> dict | None:
+  path = os.path.join(directory, STAGE_FILE)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    return {"status": "failed", "error": f"{path}: unreadable ({e})"}
+
+
+def _write_state(directory: str, **state) -> None:
+  ds.atomic_write_json(os.path.join(directory, STAGE_FILE),
+                       {"host": socket.gethostname(), "time": time.time(), **state})
+
+
+def check_dataset_dir(path: str, *, plan: str = "interleaved") -> None:
+  """Refuses a staged dataset directory that training must not read.
+
+  A directory without ``staging.json`` was not staged (e.g. a prepared dataset on shared
+  storage): :class:`~lmscale_jax.dataset.DatasetMeta` checks it as usual. A staged one must
+  have finished (``complete``) and hold every shard ``plan`` (the loader's) reads, with the
+  size ``metadata.json`` gives.
+  """
+  state = read_state(path)
+  if state is None:
+    return
+  status = state.get("status")
+  if status == "failed":
+    raise StagingError(f"{path}: staging from {state.get('source')} failed: "
+                       f"{state.get('error')}; rerun tools/stage.py (it recopies what is bad)")
+  if status != "complete":
+    raise StagingError(f"{path}: staging from {state.get('source')} did not finish (status "
+                       f"{status!r}, host {state.get('host')}): interrupted? rerun "
+                       "tools/stage.py to complete it")
+  meta = ds.DatasetMeta.load(path)
+  needed = needed_shards(meta, 1, [0], plan)
+  missing = []
+  for shards in needed.values():
+    for s in shards:
+      p = os.path.join(path, s["file"])
+      if not os.path.exists(p) or os.path.getsize(p) != s["bytes"]:
+        missing.append(s["file"])
+  if missing:
+    staged = state.get("only_needed")
+    how = (f" (staged with --only-needed, plan {staged['plan']!r}, processes "
+           f"{staged['process_ids']} of {staged['num_processes']})" if staged else "")
+    raise StagingError(
+        f"{path}: {len(missing)} shards the loader reads are missing or the wrong size"
+        f"{how}, e.g. {missing[0]}. The loader interleaves records over all shards in every "
+        "process: stage the whole dataset (without --only-needed)")
+
+
+# --------------------------------------------------------------------------- copying
+def _hash_file(path: str) -> str:
+  return ds.sha256_file(path, chunk=CHUNK)
+
+
+def _signature(path: str) -> list | None:
+  """(size, mtime_ns, inode): changes whenever the file is rewritten or replaced."""
+  try:
+    st = os.stat(path)
+  except OSError:
+    return None
+  return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+class _Progress:
+  """A byte counter behind a tqdm bar (MB/s); thread-safe; silent when disabled."""
+
+  def __init__(self, total: int, enabled: bool, desc: str):
+    self.lock = threading.Lock()
+    self.bar = None
+    if enabled and total:
+      from tqdm import tqdm
+
+      self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
+                      mininterval=0.5, smoothing=0.1)
+
+  def update(self, n: int) -> None:
+    if self.bar is not None:
+      with self.lock:
+        self.bar.update(n)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+def _copy_one(src: str, dst: str, expected_sha: str, expected_bytes: int,
+              progress: _Progress) -> str:
+  """Copies ``src`` to ``dst`` via a temp name; returns the sha256 of the bytes copied.
+
+  The hash is of the bytes as read from the source and written; the temp file is renamed to
+  ``dst`` only when hash and size are the expected ones, else deleted.
+  """
+  tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}{TMP_SUFFIX}")
+  h = hashlib.sha256()
+  buf = bytearray(CHUNK)
+  view = memoryview(buf)
+  size = 0
+  try:
+    with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
+      while n := fin.readinto(buf):
+        chunk = view[:n]
+        h.update(chunk)
+        written = 0
+        while written < n:
+          written += fout.write(chunk[written:])
+        size += n
+        progress.update(n)
+      os.fsync(fout.fileno())
+    os.chmod(tmp, 0o644)
+    digest = h.hexdigest()
+    if digest != expected_sha or size != expected_bytes:
+      os.unlink(tmp)
+      return digest
+    os.replace(tmp, dst)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+  return digest
+
+
+def _check_writable(dest: str) -> None:
+  try:
+    os.makedirs(dest, exist_ok=True)
+    probe = os.path.join(dest, f".write-test-{os.getpid()}{TMP_SUFFIX}")
+    with open(probe, "wb") as f:
+      f.write(b"x")
+    os.unlink(probe)
+  except OSError as e:
+    raise StagingError(f"destination {dest} is not writable: {e.strerror or e} "
+                       "(choose a node-local directory you can write, e.g. under /tmp or "
+                       "$SLURM_TMPDIR)") from e
+
+
+def _human(n: float) -> str:
+  for unit in ("B", "KB", "MB", "GB", "TB"):
+    if n < 1000 or unit == "TB":
+      return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    n /= 1000
+  return f"{n:.1f} TB"
+
+
+def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
+          num_processes: int = 1, process_ids: Sequence[int] = (0,), plan: str = "interleaved",
+          verify_all: bool = False, progress: bool = True,
+          log: Callable[[str], None] | None = None) -> dict:
+  """Stages ``src`` into ``dest`` (see the module docstring); returns a summary dict.
+
+  Raises :class:`StagingError` (bad source, no space, unwritable destination, checksum
+  mismatch at the source) after recording it in ``dest/staging.json``.
+  """
+  log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+  t0 = time.perf_counter()
+  src, dest = os.path.abspath(src), os.path.abspath(dest)
+  if not os.path.isdir(src):
+    raise StagingError(f"staging source {src} is not a directory")
+  if not os.path.exists(os.path.join(src, ds.METADATA)):
+    raise StagingError(f"staging source {src} has no {ds.METADATA}: not a complete "
+                       "lmscale_jax dataset (prepare it with tools/prepare_*.py, or wait for "
+                       "its preparation to finish)")
+  try:
+    meta = ds.DatasetMeta.load(src)
+  except ds.DatasetError as e:
+    raise StagingError(f"staging source: {e}") from e
+  if src == dest:
+    raise StagingError(f"source and destination are the same directory: {src}")
+  _check_writable(dest)
+  if workers < 1:
+    raise StagingError(f"--workers {workers}: expected >= 1")
+
+  splits = (needed_shards(meta, num_processes, list(process_ids), plan) if only_needed
+            else {s: list(i["shards"]) for s, i in meta.splits.items()})
+  specs = [FileSpec(s["file"], int(s["bytes"]), s["sha256"])
+           for shards in splits.values() for s in shards]
+  n_all = sum(len(i["shards"]) for i in meta.splits.values())
+  if only_needed:
+    log(f"--only-needed ({plan}): {len(specs)} of {n_all} shards for processes "
+        f"{list(process_ids)} of {num_processes}"
+        + (" (the loader interleaves every shard over all processes: all are needed)"
+           if plan == "interleaved" else ""))
+  side = side_files(src)
+  side_sha = {}
+  for name in side:
+    side_sha[name] = _hash_file(os.path.join(src, name))
+    specs.append(FileSpec(name, os.path.getsize(os.path.join(src, name)), None))
+
+  # Leftovers of an interrupted run: temp copies are never trusted.
+  for name in os.listdir(dest):
+    if name.endswith(TMP_SUFFIX):
+      os.unlink(os.path.join(dest, name))
+
+  state = read_state(dest) or {}
+  # Files this stager copied or hashed earlier, by signature and hash: unchanged ones need no
+  # re-hash (sha256 runs at ~200 MB/s per core without SHA instructions, so re-hashing a
+  # large dataset at every job start would cost minutes). verify_all re-hashes everything.
+  recorded = {} if verify_all else dict(state.get("verified") or {})
+  verified: dict[str, list] = {}
+  lock = threading.Lock()
+
+  def expected(spec):
+    return spec.sha256 or side_sha[spec.name]
+
+  def check(spec):
+    path = os.path.join(dest, spec.name)
+    sig = _signature(path)
+    if sig is None or sig[0] != spec.bytes:
+      return False
+    if recorded.get(spec.name) == sig + [expected(spec)]:
+      ok = True
+    else:
+      ok = _hash_file(path) == expected(spec)
+    if ok:
+      with lock:
+        verified[spec.name] = sig + [expected(spec)]
+    return ok
+
+  with cf.ThreadPoolExecutor(max(1, workers)) as pool:
+    good = list(pool.map(check, specs))
+  todo = [s for s, ok in zip(specs, good) if not ok]
+  kept = len(specs) - len(todo)
+  todo_bytes = sum(s.bytes for s in todo)
+  src_meta = os.path.join(src, ds.METADATA)
+  dst_meta = os.path.join(dest, ds.METADATA)
+  plan_desc = ({"plan": plan, "num_processes": num_processes, "process_ids": list(process_ids)}
+               if only_needed else None)
+  same_meta = (os.path.exists(dst_meta) and _hash_file(dst_meta) == _hash_file(src_meta))
+  if (not todo and same_meta and state.get("status") == "complete"
+      and state.get("only_needed") == plan_desc):
+    secs = time.perf_counter() - t0
+    if verified != state.get("verified"):
+      _write_state(dest, **{**state, "verified": verified})
+    log(f"staged {dest}: all {len(specs)} files present and verified, nothing to copy "
+        f"({secs:.1f} s)")
+    return {"copied": 0, "kept": kept, "bytes_copied": 0, "seconds": secs, "mb_per_s": 0.0,
+            "dest": dest}
+
+  free = shutil.disk_usage(dest).free
+  if todo_bytes + SPACE_MARGIN > free:
+    raise StagingError(
+        f"not enough space in {dest}: staging needs {_human(todo_bytes)} for {len(todo)} "
+        f"files (+{_human(SPACE_MARGIN)} margin) but only {_human(free)} is free; free space, "
+        "choose another directory"
+        + ("" if only_needed else ", or stage only this node's shards with --only-needed"))
+
+  _write_state(dest, status="copying", source=src, only_needed=plan_desc, pid=os.getpid(),
+               verified=verified)
+  if os.path.exists(dst_meta):
+    os.unlink(dst_meta)  # absent until every file is verified: never a half-staged dataset
+  ds.fsync_dir(dest)
+  log(f"staging {src} -> {dest}: {len(todo)} files, {_human(todo_bytes)} to copy, {kept} "
+      f"already verified; {workers} workers")
+  bar = _Progress(todo_bytes, progress, "staging")
+  t1 = time.perf_counter()
+  try:
+    def copy(spec):
+      s, d = os.path.join(src, spec.name), os.path.join(dest, spec.name)
+      for attempt in (1, 2):
+        digest = _copy_one(s, d, expected(spec), spec.bytes, bar)
+        if digest == expected(spec):
+          sig = _signature(d)
+          with lock:
+            verified[spec.name] = sig + [digest]
+          return
+      raise StagingError(
+          f"checksum mismatch at the source: {s} reads as sha256 {digest[:16]}… (twice), "
+          f"metadata.json says {expected(spec)[:16]}…; the shared copy is corrupt (re-prepare "
+          "the dataset or restore the file)")
+
+    with cf.ThreadPoolExecutor(max(1, workers)) as pool:
+      futures = [pool.submit(copy, s) for s in sorted(todo, key=lambda s: -s.bytes)]
+      try:
+        for f in cf.as_completed(futures):
+          f.result()
+      except BaseException:
+        for f in futures:
+          f.cancel()
+        raise
+    bar.close()
+    copy_secs = time.perf_counter() - t1
+    shutil.copyfile(src_meta, dst_meta + TMP_SUFFIX)
+    with open(dst_meta + TMP_SUFFIX, "rb+") as f:
+      os.fsync(f.fileno())
+    os.replace(dst_meta + TMP_SUFFIX, dst_meta)
+    ds.fsync_dir(dest)
+    _write_state(dest, status="complete", source=src, only_needed=plan_desc,
+                 files=len(specs), bytes=sum(s.bytes for s in specs), verified=verified)
+  except BaseException as e:
+    bar.close()
+    try:
+      _write_state(dest, status="failed", source=src, only_needed=plan_desc,
+                   error=f"{type(e).__name__}: {e}", verified=verified)
+    except OSError:
+      pass
+    if isinstance(e, OSError):
+      raise StagingError(f"staging {src} -> {dest} failed: {e}") from e
+    raise
+  secs = time.perf_counter() - t0
+  rate = todo_bytes / max(copy_secs, 1e-9) / 1e6
+  log(f"staged {dest}: copied {len(todo)} files, {_human(todo_bytes)} in {copy_secs:.1f} s "
+      f"({rate:.0f} MB/s, sha256 verified); {kept} kept; total {secs:.1f} s")
+  return {"copied": len(todo), "kept": kept, "bytes_copied": todo_bytes, "seconds": secs,
+          "mb_per_s": rate, "dest": dest}
+
+
+# --------------------------------------------------------------------------- per node
+def stage_per_node(src: str, dest: str, *, workers: int, timeout_s: float,
+                   log: Callable[[str], None] | None = None) -> None:
+  """Inside a running job: the lowest-numbered process on each host stages ``src`` to
+  ``dest``; the other processes of that host wait for it. Every process then learns every
+  host's result, so a staging failure anywhere stops the whole job with the same message
+  (instead of leaving the other nodes blocked in their first collective).
+  """
+  import jax
+
+  from lmscale_jax import distributed
+
+  host = socket.gethostname()
+  hosts = distributed.allgather("stage/host", host)
+  stager = min(p for p, h in enumerate(hosts) if h == host)
+  me = jax.process_index()
+
+  def run():
+    if me == stager:
+      stage(src, dest, workers=workers, progress=False, log=log)
+
+  # Waiting for the stagers is the completion marker: a key per stager in the coordinator's
+  # key-value store (staging.json alone could be a stale "complete" from an earlier run).
+  distributed.agree("staging", run, timeout_s=timeout_s)

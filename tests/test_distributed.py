@@ -1,0 +1,367 @@
+"""Multi-process training on CPU over localhost: start-up resolution (config > LMSCALE_* >
+Slurm > single), loss equality of 1/2/4 processes (launch/local.sh), a resume in 2 processes,
+per-node staging inside the job, a killed peer, and start-up errors.
+
+Every subprocess runs in its own session with a timeout and is killed (whole group) on failure:
+nothing here can hang CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from tests.helpers import make_synthetic_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Test-only: halves XLA:CPU compile time (LLVM optimisation off). Every run compared here uses
+# the same flags, so the comparisons are unaffected.
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+# ----------------------------------------------------------------------------- resolution
+def dcfg(**kw) -> ml_collections.ConfigDict:
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("cfg_base", os.path.join(ROOT, "configs",
+                                                                          "base.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  d = mod.get_base_config().distributed
+  for k, v in kw.items():
+    d[k] = v
+  return d
+
+
+LM = {"LMSCALE_COORDINATOR": "10.0.0.1:1234", "LMSCALE_NUM_PROCESSES": "4",
+      "LMSCALE_PROCESS_ID": "3"}
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
+         "SLURM_STEP_NODELIST": "gpu[007-010]", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+         "SLURM_STEP_TASKS_PER_NODE": "2(x4)"}
+
+
+def test_resolution_order():
+  from lmscale_jax.distributed import Topology, resolve
+
+  assert resolve(dcfg(), {}) == Topology()  # nothing set: one process
+  t = resolve(dcfg(), LM)
+  assert (t.coordinator, t.num_processes, t.process_id, t.multi) == ("10.0.0.1:1234", 4, 3, True)
+  assert t.sources["process_id"] == "LMSCALE_PROCESS_ID"
+  # config beats env, per field; env beats Slurm, per field
+  t = resolve(dcfg(coordinator="head:99", process_id=0), {**SLURM, **LM})
+  assert (t.coordinator, t.num_processes, t.process_id) == ("head:99", 4, 0)
+  # (Slurm is not consulted at all once config and env name the whole job)
+  assert t.sources == {"coordinator": "config", "process_id": "config",
+                       "num_processes": "LMSCALE_NUM_PROCESSES"}
+  t = resolve(dcfg(), {**SLURM, "LMSCALE_COORDINATOR": "other:1"})
+  assert (t.coordinator, t.num_processes, t.process_id) == ("other:1", 8, 5)
+  assert resolve(dcfg(mode="single"), {**SLURM, **LM}).multi is False
+  # a 1-process job needs no coordinator and never starts the runtime
+  assert resolve(dcfg(), {"LMSCALE_NUM_PROCESSES": "1"}).multi is False
+  t = resolve(dcfg(local_device_ids="2,3"), {})
+  assert t.local_device_ids == (2, 3) and not t.multi
+
+
+def test_slurm_layouts():
+  from lmscale_jax.distributed import expand_hostlist, resolve, slurm_port
+
+  assert expand_hostlist("gpu[007-010]") == ["gpu007", "gpu008", "gpu009", "gpu010"]
+  assert expand_hostlist("a-1,r[1-2]n[01,03],x") == ["a-1", "r1n01", "r1n03", "r2n01", "r2n03",
+                                                      "x"]
+  port = slurm_port(SLURM)
+  assert port == 4242 % 4096 + 61440  # JAX's own choice, so both agree
+  # one task per GPU (2 tasks on this node): the task takes GPU SLURM_LOCALID
+  t = resolve(dcfg(), SLURM)
+  assert (t.coordinator, t.num_processes, t.process_id) == (f"gpu007:{port}", 8, 5)
+  assert t.local_device_ids == (1,)
+  # one task per node: it drives every GPU
+  per_node = {**SLURM, "SLURM_NTASKS": "4", "SLURM_PROCID": "2",
+              "SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_LOCALID": "0"}
+  t = resolve(dcfg(), per_node)
+  assert (t.num_processes, t.process_id, t.local_device_ids) == (4, 2, None)
+  # Slurm bound one GPU per task (--gpus-per-task=1): the only visible one
+  t = resolve(dcfg(), {**SLURM, "CUDA_VISIBLE_DEVICES": "1"})
+  assert t.local_device_ids is None
+  # uneven tasks per node ("3,1"): the node with one task owns its GPUs
+  t = resolve(dcfg(), {**SLURM, "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_NODEID": "1",
+                       "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "3,1",
+                       "SLURM_STEP_NODELIST": "n[1-2]"})
+  assert t.local_device_ids is None
+  assert resolve(dcfg(), {**SLURM, "LMSCALE_COORDINATOR_PORT": "5000"}).coordinator == \
+      "gpu007:5000"
+  # inside salloc but outside srun (no step variables): a single process
+  no_step = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}
+  assert resolve(dcfg(), no_step).multi is False
+
+
+@pytest.mark.parametrize("env,cfg,match", [
+    ({"LMSCALE_NUM_PROCESSES": "2"}, {},
+     r"num_processes from LMSCALE_NUM_PROCESSES, but no coordinator .* and no process_id"),
+    ({**LM, "LMSCALE_PROCESS_ID": "4"}, {}, r"process id 4 .* is not in \[0, 4\)"),
+    (LM, {"coordinator": "nohostport"}, r"coordinator 'nohostport' \(from config\): expected"),
+    ({**LM, "LMSCALE_NUM_PROCESSES": "two"}, {}, r"LMSCALE_NUM_PROCESSES='two': expected an int"),
+    ({"LMSCALE_LOCAL_DEVICE_IDS": "0,x"}, {}, r"LMSCALE_LOCAL_DEVICE_IDS='0,x'"),
+    ({"LMSCALE_NUM_PROCESSES": "1", "LMSCALE_PROCESS_ID": "1"}, {}, r"1-process job"),
+    ({}, {"mode": "mpi"}, r"distributed.mode='mpi'"),
+])
+def test_bad_settings(env, cfg, match):
+  from lmscale_jax.distributed import DistributedError, resolve
+
+  with pytest.raises(DistributedError, match=match):
+    resolve(dcfg(**cfg), env)
+
+
+# ----------------------------------------------------------------------------- processes
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("", 0))
+    return s.getsockname()[1]
+
+
+def base_env(**extra) -> dict:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("LMSCALE_", "SLURM_"))}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA, PYTHONUNBUFFERED="1", **extra)
+  return env
+
+
+def communicate(p: subprocess.Popen, timeout: float) -> tuple[str, str]:
+  try:
+    return p.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(p.pid, signal.SIGKILL)
+    out, err = p.communicate()
+    raise AssertionError(f"timed out after {timeout} s:\n{err[-4000:]}")
+
+
+def local_sh(n: int, args: list[str], timeout: float = 200, **env) -> subprocess.CompletedProcess:
+  p = subprocess.Popen(["bash", os.path.join(ROOT, "launch", "local.sh"), str(n), "--", *args],
+                       cwd=ROOT, env=base_env(GRACE_S="15", **env), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, start_new_session=True)
+  out, err = communicate(p, timeout)
+  return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def spawn(process_id: int, num_processes: int, port: int, args: list[str]) -> subprocess.Popen:
+  env = base_env(LMSCALE_COORDINATOR=f"localhost:{port}", LMSCALE_NUM_PROCESSES=str(num_processes),
+                 LMSCALE_PROCESS_ID=str(process_id), JAX_NUM_CPU_DEVICES="1")
+  return subprocess.Popen([sys.executable, "-m", "lmscale_jax.main", *args], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+
+
+def kill_all(procs):
+  for p in procs:
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGKILL)
+  for p in procs:
+    p.communicate()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  d = tmp_path_factory.mktemp("ddata") / "ds"
+  make_synthetic_dataset(str(d), seq_len=64, vocab_size=128, n_train=256, n_val=32)
+  return d
+
+
+def train_args(data, workdir, **over) -> list[str]:
+  """configs/tiny.py cut to 1 layer × 64: 4 processes compiling at once on 2 cores is what
+  these tests spend their time on."""
+  opts = {"model.layers": 1, "model.hidden": 64, "model.ffn": 128, "train.batch_size": 8,
+          "train.steps": 6,
+          "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 3,
+          "train.eval_batches": 2, "checkpoint.every": 3, "data.path": data}
+  opts.update(over)
+  return [f"--config={ROOT}/configs/tiny.py", f"--workdir={workdir}",
+          *(f"--config.{k}={v}" for k, v in opts.items())]
+
+
+def rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def series(workdir, key="loss"):
+  return {r["step"]: r[key] for r in rows(workdir) if key in r}
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory):
+  """The same 6 steps (global batch 8) in 1, 2 and 4 processes. The 2-process run stages the
+  dataset itself (data.stage_from): one process per host copies, the other waits."""
+  base = tmp_path_factory.mktemp("runs")
+  out = {}
+  for n in (1, 2, 4):
+    w = base / f"p{n}"
+    extra = {}
+    if n == 2:
+      extra = {"data.path": base / "local_ds", "data.stage_from": data}
+    t0 = time.monotonic()
+    r = local_sh(n, train_args(data, w, **extra))
+    print(f"{n} process(es): {time.monotonic() - t0:.1f} s")
+    assert r.returncode == 0, f"{n} processes:\n{r.stderr[-5000:]}"
+    out[n] = (w, r)
+  out["local_ds"] = base / "local_ds"
+  return out
+
+
+def test_losses_match_one_process(runs):
+  """Same global batch in 1, 2 and 4 processes (1 CPU device each): the same loss trajectory.
+
+  Tolerance rtol 1e-5: float32 gradient all-reduce over processes sums in another order than
+  one device's reduction; measured differences are far smaller (often 0).
+  """
+  one = series(runs[1][0])
+  assert sorted(one) == [1, 2, 3, 4, 5, 6]
+  for n in (2, 4):
+    other = series(runs[n][0])
+    assert sorted(other) == sorted(one)
+    np.testing.assert_allclose([other[s] for s in one], [one[s] for s in one], rtol=1e-5)
+    ev1, evn = series(runs[1][0], "eval_loss"), series(runs[n][0], "eval_loss")
+    assert sorted(evn) == [3, 6]
+    np.testing.assert_allclose([evn[s] for s in ev1], [ev1[s] for s in ev1], rtol=1e-5)
+  # process 0 logged the topology once
+  err4 = runs[4][1].stderr
+  assert err4.count("topology: 4 processes × 1 cpu device = 4 global devices; mesh "
+                    "{'data': 4}") == 1
+  assert "[0] " in err4 and "[3] " in err4
+
+
+def test_staging_inside_the_job(runs, data):
+  """data.stage_from: exactly one process of the host staged; the copy is complete."""
+  from lmscale_jax import dataset as ds
+  from lmscale_jax import staging
+
+  err = runs[2][1].stderr
+  staged = [line for line in err.splitlines() if "staged " in line]
+  assert len(staged) == 1 and staged[0].startswith("[0] "), staged
+  local = runs["local_ds"]
+  assert staging.read_state(str(local))["status"] == "complete"
+  assert ds.DatasetMeta.load(str(local)).verify() == []
+
+
+def test_two_process_checkpoint_resumes_exactly(runs, data, tmp_path):
+  """A checkpoint written by 2 processes resumes in 2 processes with bit-identical losses."""
+  straight = runs[2][0]
+  ckpt = straight / "checkpoints" / "3" / "data"
+  assert sorted(f for f in os.listdir(ckpt) if f.endswith(".json")) == [
+      "process_0-of-2.json", "process_1-of-2.json"]
+  w = tmp_path / "resumed"
+  shutil.copytree(straight, w)
+  shutil.rmtree(w / "checkpoints" / "6")  # as if the run had stopped after step 3's checkpoint
+  with open(w / "metrics.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows(straight) if r["step"] <= 3)
+  r = local_sh(2, train_args(data, w, **{"data.path": runs["local_ds"]}))
+  assert r.returncode == 0, r.stderr[-5000:]
+  assert "resumed from" in r.stderr
+  a, b = series(straight), series(w)
+  assert [a[s] for s in (4, 5, 6)] == [b[s] for s in (4, 5, 6)]  # bitwise
+  # a different process count is refused before any step, in every process
+  r = local_sh(4, train_args(data, w, **{"data.path": runs["local_ds"], "train.steps": 9}))
+  assert r.returncode != 0
+  assert r.stderr.count("was written by 2 process(es); this job has 4") >= 4, r.stderr[-3000:]
+  r = local_sh(1, train_args(data, w, **{"data.path": runs["local_ds"], "train.steps": 9}))
+  assert r.returncode != 0 and "was written by 2 process(es); this job has 1" in r.stderr
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killed_process_stops_the_others(data, tmp_path, victim):
+  """kill -9 of one process mid-run: the other exits non-zero within the heartbeat timeout
+  (victim 0 is the coordinator: the survivor loses the runtime service itself)."""
+  heartbeat = 5
+  port = free_port()
+  w = tmp_path / "w"
+  args = train_args(data, w, **{"train.steps": 100000, "train.eval_every": 100000,
+                                "checkpoint.every": 100000,
+                                "distributed.heartbeat_timeout": heartbeat})
+  procs = [spawn(i, 2, port, args) for i in range(2)]
+  try:
+    deadline = time.monotonic() + 150
+    while not (w / "metrics.jsonl").exists() or not series(w):
+      assert time.monotonic() < deadline, "training did not start"
+      assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+      time.sleep(0.2)
+    procs[victim].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    survivor = procs[1 - victim]
+    survivor.wait(timeout=heartbeat + 30)
+    elapsed = time.monotonic() - killed
+  finally:
+    kill_all(procs)
+  print(f"survivor of a killed process {victim} exited {survivor.returncode} after "
+        f"{elapsed:.1f} s (heartbeat timeout {heartbeat} s)")
+  assert survivor.returncode != 0
+  assert elapsed < heartbeat + 10
+
+
+# ----------------------------------------------------------------------------- bad start-up
+def test_coordinator_unreachable(data, tmp_path):
+  port = free_port()
+  p = spawn(1, 2, port, train_args(data, tmp_path / "w",
+                                   **{"distributed.initialization_timeout": 3}))
+  t0 = time.monotonic()
+  out, err = communicate(p, 90)
+  assert p.returncode != 0
+  assert f"cannot reach the coordinator localhost:{port}" in err, err[-3000:]
+  assert "within 3 s (distributed.initialization_timeout)" in err
+  assert time.monotonic() - t0 < 60
+
+
+def test_processes_disagree(data, tmp_path):
+  """Process 1 thinks the job has 3 processes; two processes both claim id 0."""
+  port = free_port()
+  args = train_args(data, tmp_path / "w", **{"distributed.initialization_timeout": 30})
+  p0 = spawn(0, 2, port, args)
+  p1 = spawn(1, 3, port, args)
+  try:
+    results = [communicate(p, 90) for p in (p0, p1)]
+  finally:
+    kill_all([p0, p1])
+  for p, (out, err) in zip((p0, p1), results):
+    assert p.returncode != 0
+    assert "the processes disagree about the job: process 0 on" in err, err[-3000:]
+    assert "says 3 processes, id 1" in err
+
+  port = free_port()
+  args = train_args(data, tmp_path / "w2", **{"distributed.initialization_timeout": 4})
+  twins = [spawn(0, 2, port, args) for _ in range(2)]
+  try:
+    results = [communicate(p, 90) for p in twins]
+  finally:
+    kill_all(twins)
+  # The runtime may abort the twin it saw first itself ("newer incarnation"); the other one
+  # waits for a process 1 that never comes, and our start-up watchdog names the problem.
+  assert all(p.returncode != 0 for p in twins)
+  ours = [err for out, err in results if "not all 2 processes registered" in err]
+  assert ours, results[0][1][-3000:]
+  assert all("not all 2 processes registered" in err or "newer incarnation" in err
+             for out, err in results)
+
+
+def test_batch_not_divisible_and_config_mismatch(data, tmp_path):
+  r = local_sh(2, train_args(data, tmp_path / "w", **{"train.batch_size": 6}),
+               DEVICES_PER_PROCESS="2")
+  assert r.returncode != 0
+  msg = "train.batch_size=6 is not divisible by the 4 global devices (2 processes × 2)"
+  assert r.stderr.count(msg) >= 2, r.stderr[-3000:]  # both processes say it
+
+  port = free_port()
+  procs = [spawn(i, 2, port, train_args(data, tmp_path / "w2", **{"train.steps": 6 + i}))
+           for i in range(2)]
+  try:
+    results = [communicate(p, 90) for p in procs]
+  finally:
+    kill_all(procs)
+  for p, (out, err) in zip(procs, results):
+    assert p.returncode != 0
+    assert "started with different configs" in err and "train.steps=" in err, err[-3000:]

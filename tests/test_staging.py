@@ -1,0 +1,207 @@
+"""Staging a dataset to node-local disk: verified copies, idempotent reruns, recovery from
+corruption and crashes, --only-needed, and the bad-input errors; training refuses what failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import namedtuple
+
+import pytest
+
+from lmscale_jax import dataset as ds
+from lmscale_jax import staging
+from tests.helpers import make_synthetic_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+  d = tmp_path_factory.mktemp("shared") / "ds"
+  make_synthetic_dataset(str(d), seq_len=32, vocab_size=64, n_train=192, n_val=24, shards=6)
+  return str(d)
+
+
+def stage(src, dest, **kw):
+  return staging.stage(src, dest, progress=False, log=lambda m: None, **kw)
+
+
+def shard_files(d):
+  return sorted(f for f in os.listdir(d) if ".array_record-" in f)
+
+
+def test_copy_verify_and_idempotent_rerun(src, tmp_path):
+  dest = str(tmp_path / "local")
+  out = stage(src, dest, workers=3)
+  # 12 shards + tokenizer.json, dataset_info.json, features.json (+ metadata.json, last)
+  assert out["copied"] == len(os.listdir(src)) - 1 == 15
+  assert sorted(os.listdir(dest)) == sorted(os.listdir(src) + [staging.STAGE_FILE])
+  assert ds.DatasetMeta.load(dest).verify() == []
+  for f in os.listdir(src):
+    assert open(f"{dest}/{f}", "rb").read() == open(f"{src}/{f}", "rb").read(), f
+  assert staging.read_state(dest)["status"] == "complete"
+  staging.check_dataset_dir(dest)  # training accepts it
+  mtimes = {f: os.stat(os.path.join(dest, f)).st_mtime_ns for f in os.listdir(dest)}
+  again = stage(src, dest, workers=3)
+  assert again["copied"] == 0 and again["bytes_copied"] == 0
+  assert {f: os.stat(os.path.join(dest, f)).st_mtime_ns for f in os.listdir(dest)} == mtimes
+
+
+def flip_byte(path, offset=100, keep_mtime=False):
+  st = os.stat(path)
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    b = f.read(1)
+    f.seek(offset)
+    f.write(bytes([b[0] ^ 0xFF]))
+  # An mtime is only as fine as the kernel's clock tick: make "later" explicit, or keep it
+  # (silent corruption, e.g. a disk error, does not touch it).
+  t = st.st_mtime_ns if keep_mtime else st.st_mtime_ns + 10**9
+  os.utime(path, ns=(st.st_atime_ns, t))
+
+
+def test_corrupted_destination_file_is_recopied(src, tmp_path):
+  dest = str(tmp_path / "local")
+  stage(src, dest)
+  names = shard_files(dest)
+  victim = os.path.join(dest, names[3])
+  flip_byte(victim)  # rewritten since staging verified it: re-hashed, mismatch, recopied
+  out = stage(src, dest)
+  assert out["copied"] == 1 and out["bytes_copied"] == os.path.getsize(victim)
+  assert ds.DatasetMeta.load(dest).verify() == []
+  # Corruption that leaves size, mtime and inode alone is found by --verify-all only.
+  silent = os.path.join(dest, names[5])
+  flip_byte(silent, keep_mtime=True)
+  assert stage(src, dest)["copied"] == 0
+  out = stage(src, dest, verify_all=True)
+  assert out["copied"] == 1
+  assert ds.DatasetMeta.load(dest).verify() == []
+
+
+def test_partial_copy_after_a_crash_is_recovered(src, tmp_path):
+  """A crash leaves a temp file, a truncated file (e.g. from cp) and staging.json 'copying',
+  and no metadata.json: training refuses it; a rerun completes it."""
+  dest = str(tmp_path / "local")
+  stage(src, dest)
+  names = shard_files(dest)
+  with open(os.path.join(dest, names[0]), "r+b") as f:
+    f.truncate(1000)
+  shutil.copy(os.path.join(src, names[1]), os.path.join(dest, f".{names[1]}{staging.TMP_SUFFIX}"))
+  os.unlink(os.path.join(dest, names[2]))
+  os.unlink(os.path.join(dest, ds.METADATA))
+  ds.atomic_write_json(os.path.join(dest, staging.STAGE_FILE),
+                       {"status": "copying", "source": src, "host": "h"})
+  with pytest.raises(staging.StagingError, match="did not finish .*rerun tools/stage.py"):
+    staging.check_dataset_dir(dest)
+  out = stage(src, dest)
+  assert out["copied"] == 2  # the truncated shard and the missing one
+  assert not [f for f in os.listdir(dest) if f.endswith(staging.TMP_SUFFIX)]
+  assert ds.DatasetMeta.load(dest).verify() == []
+  staging.check_dataset_dir(dest)
+
+
+def test_only_needed(src, tmp_path):
+  meta = ds.DatasetMeta.load(src)
+  train = [s["file"] for s in meta.splits["train"]["shards"]]
+  # This loader (data.py) interleaves every shard over all processes: everything is needed.
+  dest = str(tmp_path / "inter")
+  stage(src, dest, only_needed=True, num_processes=4, process_ids=[1, 3])
+  assert shard_files(dest) == shard_files(src)
+  staging.check_dataset_dir(dest)
+  # A by-shard split (process i reads train shards i::P): this node's share only.
+  dest = str(tmp_path / "by_shard")
+  stage(src, dest, only_needed=True, num_processes=4, process_ids=[1, 3], plan="by_shard")
+  want = sorted([train[1], train[3], train[5]]
+                + [s["file"] for s in meta.splits["validation"]["shards"]])
+  assert shard_files(dest) == want
+  assert staging.read_state(dest)["only_needed"] == {
+      "plan": "by_shard", "num_processes": 4, "process_ids": [1, 3]}
+  # … which this loader cannot train from: refused before any step, naming why.
+  with pytest.raises(staging.StagingError, match=r"3 shards the loader reads are missing .*"
+                     r"--only-needed, plan 'by_shard', processes \[1, 3\] of 4"):
+    staging.check_dataset_dir(dest)
+  # a rerun without --only-needed completes it
+  assert stage(src, dest)["copied"] == 3  # the other 3 train shards
+  staging.check_dataset_dir(dest)
+  with pytest.raises(staging.StagingError, match=r"--process-ids \[4\]: expected ids in \[0, 4\)"):
+    stage(src, str(tmp_path / "x"), only_needed=True, num_processes=4, process_ids=[4])
+  with pytest.raises(staging.StagingError, match="7 processes: a by-shard split needs"):
+    stage(src, str(tmp_path / "x"), only_needed=True, num_processes=7, process_ids=[0],
+          plan="by_shard")
+
+
+def test_too_little_space(src, tmp_path, monkeypatch):
+  Usage = namedtuple("Usage", "total used free")
+  monkeypatch.setattr(staging.shutil, "disk_usage", lambda p: Usage(10 << 30, 0, 1 << 20))
+  dest = str(tmp_path / "local")
+  with pytest.raises(staging.StagingError,
+                     match=r"not enough space in .*local: staging needs .* but only 1.0 MB is "
+                           r"free.*--only-needed"):
+    stage(src, dest)
+  assert shard_files(dest) == []  # nothing copied, nothing half-done
+
+
+def test_bad_sources_and_destinations(src, tmp_path):
+  bare = tmp_path / "bare"
+  shutil.copytree(src, bare)
+  os.unlink(bare / ds.METADATA)
+  with pytest.raises(staging.StagingError, match=r"has no metadata.json: not a complete"):
+    stage(str(bare), str(tmp_path / "d1"))
+  # a corrupt shard at the source: detected by its checksum, recorded, refused by training
+  corrupt = tmp_path / "corrupt"
+  shutil.copytree(src, corrupt)
+  name = shard_files(corrupt)[2]
+  with open(corrupt / name, "r+b") as f:
+    f.seek(50)
+    f.write(b"\x00\x01\x02")
+  dest = str(tmp_path / "d2")
+  with pytest.raises(staging.StagingError, match=rf"checksum mismatch at the source: .*{name}"):
+    stage(str(corrupt), dest)
+  state = staging.read_state(dest)
+  assert state["status"] == "failed" and "checksum mismatch" in state["error"]
+  assert not os.path.exists(os.path.join(dest, name))  # never renamed into place
+  assert not os.path.exists(os.path.join(dest, ds.METADATA))
+  with pytest.raises(staging.StagingError, match="staging from .* failed: .*checksum mismatch"):
+    staging.check_dataset_dir(dest)
+  # a destination that cannot be written (its parent is a file)
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  with pytest.raises(staging.StagingError, match=r"destination .*file/ds is not writable"):
+    stage(src, str(blocker / "ds"))
+  with pytest.raises(staging.StagingError, match="same directory"):
+    stage(src, src)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_read_only_destination(src, tmp_path):
+  ro = tmp_path / "ro"
+  ro.mkdir()
+  ro.chmod(0o500)
+  try:
+    with pytest.raises(staging.StagingError, match="is not writable"):
+      stage(src, str(ro))
+  finally:
+    ro.chmod(0o700)
+
+
+def test_cli(src, tmp_path):
+  dest = tmp_path / "cli"
+  cmd = [sys.executable, os.path.join(ROOT, "tools", "stage.py"), src, str(dest), "--workers",
+         "2"]
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  summary = json.loads(r.stdout)
+  assert summary["copied"] > 0 and summary["mb_per_s"] > 0
+  assert "staging:" in r.stderr and "B/s" in r.stderr  # the progress bar
+  assert "sha256 verified" in r.stderr
+  r = subprocess.run(cmd + ["--no-progress"], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0 and json.loads(r.stdout)["copied"] == 0
+  assert "nothing to copy" in r.stderr
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "stage.py"),
+                      str(tmp_path / "nope"), str(dest)], capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 2 and r.stderr.startswith("error: staging source")

@@ -1,0 +1,63 @@
+"""Copy a dataset directory to node-local disk: parallel, sha256-verified, resumable.
+
+  python tools/stage.py SRC_DATASET_DIR DEST_DIR [--workers N]
+      [--only-needed --num-processes P --process-ids i,j [--plan interleaved|by_shard]]
+      [--verify-all] [--no-progress]
+
+A rerun copies only what is missing or fails verification (nothing, when DEST is intact).
+Exit status 0 when DEST is complete and verified, 2 on an error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lmscale_jax import staging  # noqa: E402
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("src", metavar="SRC_DATASET_DIR", help="prepared dataset (shared storage)")
+  p.add_argument("dest", metavar="DEST_DIR", help="node-local directory to stage into")
+  p.add_argument("--workers", type=int, default=8, help="parallel file copies (default 8)")
+  p.add_argument("--only-needed", action="store_true",
+                 help="copy only the shards that --process-ids will read (see --plan)")
+  p.add_argument("--num-processes", type=int, default=1, help="processes in the whole job")
+  p.add_argument("--process-ids", default="0",
+                 help="comma-separated ids of this node's processes (with --only-needed)")
+  p.add_argument("--plan", choices=staging.PLANS, default="interleaved",
+                 help="how the loader assigns shards to processes: 'interleaved' (this "
+                      "loader: every process reads every shard) or 'by_shard' (process i "
+                      "reads train shards i::P; not supported by training yet)")
+  p.add_argument("--verify-all", action="store_true",
+                 help="re-hash every file already in DEST, even those unchanged since they "
+                      "were verified")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  a = p.parse_args(argv)
+  if not a.only_needed and (a.num_processes != 1 or a.process_ids != "0"):
+    p.error("--num-processes/--process-ids only make sense with --only-needed")
+  try:
+    ids = [int(x) for x in a.process_ids.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"--process-ids {a.process_ids!r}: expected comma-separated integers")
+  try:
+    out = staging.stage(a.src, a.dest, workers=a.workers, only_needed=a.only_needed,
+                        num_processes=a.num_processes, process_ids=ids, plan=a.plan,
+                        verify_all=a.verify_all, progress=not a.no_progress)
+  except staging.StagingError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("error: interrupted; rerun to finish (verified files are kept)", file=sys.stderr)
+    return 130
+  print(json.dumps(out))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
