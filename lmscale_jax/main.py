@@ -55,7 +55,8 @@ def main(argv):
       staging.stage_per_node(config.data.stage_from, config.data.path,
                              workers=int(config.data.stage_workers),
                              timeout_s=float(config.data.stage_timeout), log=logging.info)
-    distributed.agree("dataset check", lambda: staging.check_dataset_dir(config.data.path))
+    distributed.agree("dataset check", lambda: staging.check_dataset_dir(
+        config.data.path, num_processes=jax.process_count(), process_id=jax.process_index()))
     logging.info("workdir %s", FLAGS.workdir)
     train.train_and_evaluate(config, FLAGS.workdir)
   except Exception as e:

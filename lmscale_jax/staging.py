@@ -125,13 +125,14 @@ def _write_state(directory: str, **state) -> None:
                        {"host": socket.gethostname(), "time": time.time(), **state})
 
 
-def check_dataset_dir(path: str, *, plan: str = "interleaved") -> None:
+def check_dataset_dir(path: str, *, plan: str = "interleaved", num_processes: int = 1,
+                      process_id: int = 0) -> None:
   """Refuses a staged dataset directory that training must not read.
 
   A directory without ``staging.json`` was not staged (e.g. a prepared dataset on shared
   storage): :class:`~lmscale_jax.dataset.DatasetMeta` checks it as usual. A staged one must
-  have finished (``complete``) and hold every shard ``plan`` (the loader's) reads, with the
-  size ``metadata.json`` gives.
+  have finished (``complete``) and hold every shard that process ``process_id`` of
+  ``num_processes`` reads under ``plan`` (the loader's), with the size ``metadata.json`` gives.
   """
   state = read_state(path)
   if state is None:
@@ -145,7 +146,7 @@ def check_dataset_dir(path: str, *, plan: str = "interleaved") -> None:
                        f"{status!r}, host {state.get('host')}): interrupted? rerun "
                        "tools/stage.py to complete it")
   meta = ds.DatasetMeta.load(path)
-  needed = needed_shards(meta, 1, [0], plan)
+  needed = needed_shards(meta, num_processes, [process_id], plan)
   missing = []
   for shards in needed.values():
     for s in shards:

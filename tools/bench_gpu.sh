@@ -13,8 +13,9 @@
 # cuDNN bias mask, rbg dropout); 5. the loader: a real 120M training run on a generated
 # dataset with data.autotune, its input-wait fraction; 6. tools/max_batch.py for 350M on the
 # GPU. Results: OUTDIR/<date>-gpu-bench.jsonl (one object per measurement: system, model,
-# batch, seq, samples_per_sec, mfu, peak_mem_gb, device, …), OUTDIR/summary.json, the table
-# on stdout and in OUTDIR/summary.md, logs in OUTDIR/logs/.
+# batch, seq, samples_per_sec, mfu, peak_mem_gb, device, …, the 350M step's top device ops
+# from its jax.profiler trace), OUTDIR/summary.{json,md} (the table, also on stdout),
+# OUTDIR/max_batch_gpu.jsonl, OUTDIR/logs.tgz; scratch (dataset, run, trace) in $BENCH_WORK.
 #
 # The GPU machine has no package index: wheels of what its image lacks (grain, array-record,
 # ml-collections, tensorboardX, portpicker) and the peer script come from .gpu/, filled here
@@ -27,7 +28,14 @@ OUT=$(cd "$OUT" && pwd)
 START=$SECONDS
 BUDGET=${BENCH_BUDGET_S:-470}   # optional steps start only while this many seconds remain
 PY=${PYTHON:-python3}
+if [ -n "${BENCH_SMOKE:-}" ] && [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then
+  PY=.venv/bin/python  # the dry run uses this checkout's environment (tools/setup.sh)
+fi
 RESULTS="$OUT/$(date +%Y-%m-%d)-gpu-bench.jsonl"
+# Bulky scratch (dataset, training run with its checkpoint, profiler trace) stays out of OUTDIR:
+# a device call brings back only a few small files.
+WORK=${BENCH_WORK:-/tmp/lmscale_bench}
+rm -rf "$WORK" && mkdir -p "$WORK"
 : >"$RESULTS"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
@@ -130,7 +138,7 @@ fi
 # --- 2./3. the comparison at the issue's shapes -----------------------------------------
 step jax_120m_b$B120 configs/bert120m.py $B120 --model bert120m
 peer hf_bf16_120m_b$B120 bf16 configs/bert120m.py $B120
-step jax_350m_b$B350 configs/bert350m.py $B350 --model bert350m --profile "$OUT/trace_350m"
+step jax_350m_b$B350 configs/bert350m.py $B350 --model bert350m --profile "$WORK/trace_350m"
 peer hf_bf16_350m_b$B350 bf16 configs/bert350m.py $B350
 peer hf_fp32_350m_b$BFP32 fp32 configs/bert350m.py $BFP32
 step jax_350m_b${B350MAX}_dots configs/bert350m.py $B350MAX --model bert350m \
@@ -155,7 +163,7 @@ fi
 # --- 5. loader: input wait of a real run with data.autotune -------------------------------
 if [ "$(left)" -gt 90 ]; then
   log "loader: generating a seq-$SEQ dataset and training 120M b$B120 with data.autotune"
-  run loader_data 120 "$PY" - "$OUT/data" $SEQ $VOCAB <<'EOF'
+  run loader_data 120 "$PY" - "$WORK/data" $SEQ $VOCAB <<'EOF'
 import sys
 from tests.helpers import make_synthetic_dataset
 d, seq, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -163,14 +171,15 @@ make_synthetic_dataset(d, seq_len=seq, vocab_size=vocab, n_train=20000, n_val=51
 print("dataset", d)
 EOF
   run loader_train 240 "$PY" -m lmscale_jax.main --config=configs/bert120m.py \
-    --workdir="$OUT/run_120m" --config.data.path="$OUT/data" --config.model.seq_len=0 \
+    --workdir="$WORK/run_120m" --config.data.path="$WORK/data" --config.model.seq_len=0 \
     --config.train.batch_size=$B120 --config.train.steps=$TRAIN_STEPS \
     --config.train.log_every=$((TRAIN_STEPS / 3)) --config.train.eval_every=100000 \
     --config.train.eval_batches=1 \
     --config.train.warmup_steps=10 --config.checkpoint.every=100000 \
     --config.data.autotune=True --config.metrics.peak_tflops="$PEAK" \
     ${TRAIN120[@]+"${TRAIN120[@]}"}
-  [ -f "$OUT/run_120m/metrics.jsonl" ] && "$PY" - "$OUT/run_120m" "$RESULTS" "$GPU" $B120 $SEQ <<'EOF' || true
+  cp "$WORK"/run_120m/{metrics.jsonl,loader_autotune.json} "$OUT/logs/" 2>/dev/null
+  [ -f "$WORK/run_120m/metrics.jsonl" ] && "$PY" - "$WORK/run_120m" "$RESULTS" "$GPU" $B120 $SEQ <<'EOF' || true
 import json, os, sys
 w, results, gpu, batch, seq = sys.argv[1:6]
 rows = [json.loads(l) for l in open(os.path.join(w, "metrics.jsonl")) if '"loss"' in l]
@@ -199,4 +208,6 @@ fi
 # --- table --------------------------------------------------------------------------------
 "$PY" benchmarks/bench_step.py --summarize "$RESULTS" --summary-json "$OUT/summary.json" \
   | tee "$OUT/summary.md"
-log "done in $((SECONDS - START)) s; results: $RESULTS"
+# Few files come back from a device call: logs go into one archive.
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+log "done in $((SECONDS - START)) s; results: $RESULTS; logs: $OUT/logs.tgz"
