@@ -60,6 +60,25 @@ def drop_cache(directory: str) -> None:
         os.close(fd)
 
 
+def device_description(directory: str) -> str:
+  """``cpu: <model> (<n> cores); disk: <device> <fstype>`` of the CPU and of ``directory``."""
+  model = "unknown cpu"
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    model = next(l.split(":", 1)[1].strip() for l in out.splitlines()
+                 if l.startswith("Model name"))
+  except (OSError, subprocess.CalledProcessError, StopIteration):
+    pass
+  disk = "unknown disk"
+  try:
+    out = subprocess.run(["df", "--output=source,fstype", directory], capture_output=True,
+                         text=True, check=True).stdout.split()
+    disk = " ".join(out[-2:])
+  except (OSError, subprocess.CalledProcessError):
+    pass
+  return f"cpu: {model} ({os.cpu_count()} cores); disk: {disk}"
+
+
 def dir_bytes(directory: str) -> int:
   return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
 
@@ -142,17 +161,20 @@ def main(argv=None) -> int:
   cp_median = statistics.median(results["cp -r + sync"])
   stamp = datetime.datetime.now().isoformat(timespec="seconds")
   cpu = os.cpu_count()
+  device = device_description(a.dest_root)
   print(f"dataset {src}: {nbytes / 1e6:,.0f} MB in {len(os.listdir(src))} files; "
-        f"{a.rounds} rounds; {cpu} cores; median seconds")
+        f"{a.rounds} rounds; {device}; median seconds")
   print(f"{'method':<28}{'s':>8}{'MB/s':>9}{'vs cp -r':>10}")
   lines = []
   for name, times in results.items():
     med = statistics.median(times)
     rate = nbytes / med / 1e6
     print(f"{name:<28}{med:>8.2f}{rate:>9.0f}{cp_median / med:>9.2f}x")
-    lines.append({"time": stamp, "bench": "stage", "method": name, "bytes": nbytes,
+    lines.append({"date": stamp[:10], "device": device, "time": stamp, "bench": "stage",
+                  "dataset": src, "method": name, "bytes": nbytes,
                   "files": len(os.listdir(src)), "seconds": times, "median_s": med,
-                  "mb_per_s": rate, "speed_vs_cp": cp_median / med, "cores": cpu})
+                  "mb_per_s": rate, "speed_vs_cp": cp_median / med, "cores": cpu,
+                  "loadavg_1m": os.getloadavg()[0]})  # other load on the machine, at the end
   for line in lines:
     print(json.dumps(line))
   if a.out:

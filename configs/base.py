@@ -18,6 +18,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.data.max_predictions = 0    # P; 0 = ceil(mask_prob * seq_len)
   c.data.prefetch_buffer = 4    # Grain ReadOptions, in batches (per worker process)
   c.data.read_threads = 2       # batch builders per process (see lmscale_jax/data.py)
+  c.data.on_corrupt = "error"   # unreadable/malformed record: error | skip (all-[PAD] row, counted)
+  c.data.shard_by_process = False  # process i reads only shards i::P (stage 1/P per node)
   c.data.stage_from = ""        # shared dataset to stage into data.path first (once per node)
   c.data.stage_workers = 8      # parallel file copies when staging
   c.data.stage_timeout = 7200   # seconds the job waits for every node's staging
@@ -62,7 +64,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.fsdp = False          # shard params + optimizer state over the data axis (ZeRO-3)
   c.train.grad_allreduce_dtype = "float32"  # float32 | bfloat16: dtype of the gradient reduction
   c.train.dropout_rng = "threefry"  # threefry | rbg (RngBitGenerator: cheaper masks on GPU)
-  c.train.nonfinite = "error"   # a non-finite loss or gradient norm stops the run
+  c.train.nonfinite = "error"   # error | skip: on a non-finite loss/gradient (never applied)
+  c.train.max_consecutive_nonfinite = 20  # skip mode: stop after this many skips in a row
+  c.train.inject_nonfinite_steps = ""     # fault injection (tests): "5,9" poisons those steps
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 10_000

@@ -25,7 +25,7 @@ lmscale_gpu_count() {
 #   Returns 0 if every process exits 0, else the first non-zero status. When one fails the
 #   others get GRACE_S seconds (default 30) to stop on their own (the runtime's heartbeat),
 #   then are killed; Ctrl-C / SIGTERM is passed on to all of them (SIGKILL STOP_S seconds
-#   later, default 10).
+#   later, default 60): they checkpoint and exit 0.
 lmscale_run() {
   local count=$1 first=$2 total=$3 coordinator=$4 devices=$5
   shift 5
@@ -47,10 +47,11 @@ lmscale_run() {
       > >(sed -u "s/^/[$id] /") 2> >(sed -u "s/^/[$id] /" >&2) &
     pids+=($!)
   done
-  # SIGTERM alone may not stop them: JAX's preemption notifier catches it in multi-process
-  # jobs (to let the program checkpoint), so it is followed by SIGKILL.
-  trap 'echo "launch: stopping all processes" >&2; kill -TERM "${pids[@]}" 2>/dev/null
-        ( sleep "${STOP_S:-10}"; kill -KILL "${pids[@]}" ) >/dev/null 2>&1 &' INT TERM
+  # SIGTERM makes the processes agree on a step, checkpoint it and exit 0
+  # (lmscale_jax/preemption.py); whatever is still running STOP_S seconds later is killed.
+  trap 'echo "launch: stopping all processes (checkpoint, then exit)" >&2
+        kill -TERM "${pids[@]}" 2>/dev/null
+        ( sleep "${STOP_S:-60}"; kill -KILL "${pids[@]}" ) >/dev/null 2>&1 &' INT TERM
   local rc=0 done_pid status killer="" p
   local -a live=("${pids[@]}")
   while ((${#live[@]} > 0)); do

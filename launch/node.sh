@@ -10,6 +10,8 @@
 # STAGE_FROM=/shared/dataset DATA_DIR=/local/ssd/dataset: first copy the dataset to this
 #   node's local disk (tools/stage.py; a rerun verifies and copies nothing), then train from
 #   DATA_DIR (passed as --config.data.path). STAGE_WORKERS: parallel copies (default 16).
+#   STAGE_ONLY_NEEDED=1: copy only the shards this node's processes read and train with
+#   --config.data.shard_by_process=True (1/NUM_NODES of the data per node; see README).
 # GPUS_PER_NODE=0 runs PROCS_PER_NODE CPU processes (testing the launch without GPUs).
 # The workdir (--workdir) must be on storage every node sees.
 set -euo pipefail
@@ -44,8 +46,14 @@ if [[ -n "${STAGE_FROM:-}" ]]; then
   progress=--no-progress
   [[ -t 2 ]] && progress=""
   echo "node $NODE_RANK: staging $STAGE_FROM -> $DATA_DIR" >&2
+  only=()
+  if [[ -n "${STAGE_ONLY_NEEDED:-}" && "$STAGE_ONLY_NEEDED" != 0 ]]; then
+    only=(--only-needed --plan by_shard --num-processes $((NUM_NODES * procs))
+          --process-ids "$(seq -s, $((NODE_RANK * procs)) $((NODE_RANK * procs + procs - 1)))")
+    args+=(--config.data.shard_by_process=True)
+  fi
   "$LMSCALE_PY" tools/stage.py "$STAGE_FROM" "$DATA_DIR" --workers "${STAGE_WORKERS:-16}" \
-    $progress
+    $progress ${only[@]+"${only[@]}"}
   args+=(--config.data.path="$DATA_DIR")
 fi
 echo "node $NODE_RANK of $NUM_NODES: processes $((NODE_RANK * procs))…$((NODE_RANK * procs + procs - 1))" \

@@ -47,6 +47,26 @@ def check_or_save_config(workdir: str, config, model_cfg, is_writer: bool) -> No
     ds.atomic_write_json(path, resolved)
 
 
+RUN_STATE = "run_state.json"
+
+
+def write_run_state(workdir: str, state: str, step: int, total_steps: int) -> None:
+  """``workdir/run_state.json``: how the last run ended ("finished" or "preempted"), so a job
+  script can requeue itself (launch/slurm.sbatch) without parsing logs."""
+  ds.atomic_write_json(os.path.join(workdir, RUN_STATE),
+                       {"state": state, "step": int(step), "total_steps": int(total_steps),
+                        "checkpoint": os.path.join(os.path.abspath(workdir), "checkpoints",
+                                                   str(step))})
+
+
+def read_run_state(workdir: str) -> dict | None:
+  path = os.path.join(workdir, RUN_STATE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
 class Checkpointer:
 
   def __init__(self, workdir: str, *, keep: int, use_async: bool = True):

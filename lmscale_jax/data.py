@@ -8,6 +8,19 @@ a process's local batch ``b`` holds its local elements ``[b*lb, (b+1)*lb)`` with
 ``source.seed(s).shuffle().repeat()[pi::pc].batch(lb, drop_remainder=True)``, with
 :func:`feistel_permute` as the per-epoch shuffle.
 
+``data.shard_by_process=True`` (by-shard mode) instead gives process ``pi`` of ``pc`` only the
+shard files ``pi, pi+pc, pi+2pc, …`` of each split and makes its stream local:
+``repeat(shuffle_e(its records))`` (train; eval: its records in file order, wrapping); local
+element ``l`` still has the globally unique masking key ``l*pc + pi``. Every split needs at
+least ``pc`` shards. The trade-off: *interleaved* (the default) makes the global batch
+sequence identical for any process count (the loss trajectory of 1 and 64 processes is the
+same), but every process reads every shard, so every node needs the whole dataset on local
+disk; *by-shard* lets a node stage only its processes' ``1/pc`` of the shards
+(``tools/stage.py --only-needed --plan by_shard``, ``staging.needed_shards``), but which
+records form a batch depends on the process count (and on uneven shard sizes, epochs of
+different lengths per process), so runs with different process counts see different batches,
+and a checkpoint resumes only with the same process count (as in both modes).
+
 Why the Grain graph is built over *batch indices* instead of per-record transformations
 (measured on seq-512 records, 2-core Xeon): Grain's per-element chain (source -> shuffle ->
 repeat -> slice -> map: every element a separate ``__getitem__`` through every stage) costs
@@ -38,10 +51,11 @@ import copy
 import math
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import grain
 import numpy as np
+from absl import logging
 
 from lmscale_jax import dataset as ds
 
@@ -58,6 +72,8 @@ _MASK64 = (1 << 64) - 1
 # Hash streams: independent keys for the shuffle and for the two masking draws.
 _STREAM_SHUFFLE, _STREAM_SELECT, _STREAM_ACTION = 0x5348, 0x5345, 0x4143
 _FEISTEL_ROUNDS = 4
+# data.on_corrupt: what a record that cannot be read or decoded does (see _Records).
+ON_CORRUPT = ("error", "skip")
 
 
 # --------------------------------------------------------------------------- hashing
@@ -279,6 +295,13 @@ def mask_tokens(ids: np.ndarray, rng: np.random.Generator, *, special_ids: Mappi
 
 
 # --------------------------------------------------------------------------- reading
+class _UnopenableShard:
+  """Stands in for the reader of a shard that cannot be opened (``data.on_corrupt='skip'``)."""
+
+  def seek(self, index: int):
+    raise RuntimeError("the shard cannot be opened")
+
+
 class _Records:
   """Random access to a split's records, with errors that name the shard file.
 
@@ -289,27 +312,60 @@ class _Records:
   A reader is stateful (seek position), so each shard's reader is guarded by a lock for the
   ``ReadOptions`` threads that call the loader concurrently. Picklable: readers are opened
   lazily in whichever process reads (Grain workers).
+
+  ``shards`` (indices into the split's shard list, default all) selects the shard files this
+  instance reads (by-shard mode); record indices then run over those shards' records only.
   """
 
-  def __init__(self, meta: ds.DatasetMeta, split: str):
-    self.paths = meta.shard_paths(split)  # raises DatasetError for a split with zero shards
-    self.counts = np.array([s["records"] for s in meta.splits[split]["shards"]], np.int64)
+  def __init__(self, meta: ds.DatasetMeta, split: str, shards=None):
+    paths = meta.shard_paths(split)  # raises DatasetError for a split with zero shards
+    counts = np.array([s["records"] for s in meta.splits[split]["shards"]], np.int64)
+    self.shards = list(range(len(paths))) if shards is None else [int(i) for i in shards]
+    if not self.shards or not all(0 <= i < len(paths) for i in self.shards):
+      raise ValueError(f"shards {self.shards}: expected a non-empty subset of the "
+                       f"{len(paths)} shards of split {split!r}")
+    self.paths = [paths[i] for i in self.shards]
+    self.counts = counts[self.shards]
+    self.split_starts = (np.cumsum(counts) - counts)[self.shards]  # for error messages
     self.ends = np.cumsum(self.counts)
     self.starts = self.ends - self.counts
     self.seq_len = meta.seq_len
     self._init_readers()
 
+  on_corrupt = "error"  # see set_on_corrupt
+  _pad_record: bytes | None = None
+
+  def set_on_corrupt(self, mode: str, pad_id: int) -> None:
+    """``data.on_corrupt``. ``"error"``: a record that cannot be read (corrupt chunk, shard
+    that cannot be opened) or decoded (malformed, token id >= vocab_size) raises
+    DatasetError naming the shard file and record. ``"skip"``: it reads as an all-``pad_id``
+    row instead (``read``/``decode`` report its row in ``bad``), with one warning per bad
+    record (per process) or per shard that cannot be opened. The good path costs the same."""
+    if mode not in ON_CORRUPT:
+      raise ValueError(f"data.on_corrupt {mode!r}: expected one of {ON_CORRUPT}")
+    self.on_corrupt = mode
+    self._pad_record = ds.encode_record(np.full(self.seq_len, pad_id, np.uint16))
+
+  def _skip(self, index: int, message: str) -> None:
+    """Skip mode: warns about split record ``index`` the first time it is skipped."""
+    with self._open_lock:
+      if index in self._warned:
+        return
+      self._warned.add(index)
+    logging.warning("%s; skipped: an all-[PAD] row (data.on_corrupt='skip')", message)
+
   def _init_readers(self):
     self._readers: list[Any] = [None] * len(self.paths)
     self._locks = [threading.Lock() for _ in self.paths]
     self._open_lock = threading.Lock()
+    self._warned: set[int] = set()
 
   def __len__(self) -> int:
     return int(self.ends[-1])
 
   def __getstate__(self):
     return {k: v for k, v in self.__dict__.items()
-            if k not in ("_readers", "_locks", "_open_lock")}
+            if k not in ("_readers", "_locks", "_open_lock", "_warned")}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -322,7 +378,8 @@ class _Records:
 
   def where(self, index: int) -> str:
     path, local = self.locate(index)
-    return f"{path}: record {local} (split record {index})"
+    shard = int(np.searchsorted(self.ends, index, side="right"))
+    return f"{path}: record {local} (split record {int(self.split_starts[shard]) + local})"
 
   def _open(self, shard: int):
     with self._open_lock:
@@ -342,52 +399,107 @@ class _Records:
           raise RuntimeError("reader not ok")
         n = reader.num_records()
       except Exception as e:  # array_record raises RuntimeError/OSError on bad files
-        raise ds.DatasetError(f"{path}: cannot open ArrayRecord shard: {e}") from e
+        return self._unopenable(shard, f"{path}: cannot open ArrayRecord shard: {e}", e)
       if n != self.counts[shard]:
-        raise ds.DatasetError(f"{path}: {n} records, metadata.json says {self.counts[shard]}")
+        return self._unopenable(
+            shard, f"{path}: {n} records, metadata.json says {self.counts[shard]}")
       self._readers[shard] = reader
       return reader
 
-  def read(self, indices: np.ndarray) -> list[bytes]:
+  def _unopenable(self, shard: int, message: str, cause: Exception | None = None):
+    """Error mode: raises. Skip mode: one warning; the shard's reader becomes a stand-in
+    whose reads fail, so all its records read as skipped rows."""
+    if self.on_corrupt != "skip":
+      raise ds.DatasetError(message) from cause
+    logging.warning("%s; skipping all its %d records (data.on_corrupt='skip')", message,
+                    self.counts[shard])
+    self._readers[shard] = _UnopenableShard()
+    return self._readers[shard]
+
+  def read(self, indices: np.ndarray, bad: list[int] | None = None) -> list[bytes]:
+    """Records ``indices`` (split record indices). Skip mode (``set_on_corrupt``): an
+    unreadable record is an all-[PAD] record and its row is appended to ``bad``."""
     shards = np.searchsorted(self.ends, indices, side="right")
     local = (indices - self.starts[shards]).tolist()
     out = []
     for i, shard in enumerate(shards.tolist()):
-      reader = self._readers[shard] or self._open(shard)
-      try:
-        with self._locks[shard]:
+      if self._readers[shard] is None:
+        self._open(shard)
+      with self._locks[shard]:
+        reader = self._readers[shard]  # under the lock: skip mode replaces a failed reader
+        try:
           reader.seek(local[i])
           out.append(reader.read())
-      except Exception as e:  # corrupt chunk (hash mismatch, bad compression, ...)
-        raise ds.DatasetError(
-            f"{self.where(int(indices[i]))}: unreadable (corrupt shard?): {e}") from e
+        except Exception as e:  # corrupt chunk (hash mismatch, bad compression, ...)
+          message = f"{self.where(int(indices[i]))}: unreadable (corrupt shard?): {e}"
+          unopenable = isinstance(reader, _UnopenableShard)  # reported when opened
+          if not unopenable:
+            # A Riegeli reader that failed stays failed: reopen it, else the shard's other
+            # records (other threads' reads too) would fail in this record's name.
+            self._readers[shard] = None
+            try:
+              self._open(shard)
+            except ds.DatasetError:
+              pass  # the next read of the shard opens it again and reports why it cannot
+          if self.on_corrupt != "skip":
+            raise ds.DatasetError(message) from e
+          if not unopenable:
+            self._skip(int(indices[i]), message)
+          out.append(self._pad_record)
+          if bad is not None:
+            bad.append(i)
     return out
 
-  def decode(self, records: list[bytes], indices: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Records -> int32 [B, S]; one ``frombuffer`` for the batch, errors name file/record."""
+  def decode(self, records: list[bytes], indices: np.ndarray, vocab_size: int,
+             bad: list[int] | None = None) -> np.ndarray:
+    """Records -> int32 [B, S]; one ``frombuffer`` for the batch, errors name file/record.
+    Skip mode: a malformed record or one with a token id >= vocab_size becomes an all-[PAD]
+    row, appended to ``bad``."""
     prefix = ds.record_prefix(self.seq_len)
     rec_len = len(prefix) + 2 * self.seq_len
     buf = b"".join(records)
-    bad = None
     if len(buf) != rec_len * len(records):
-      bad = next(i for i, r in enumerate(records) if len(r) != rec_len)
+      rows = [i for i, r in enumerate(records) if len(r) != rec_len]
     else:
       raw = np.frombuffer(buf, np.uint8).reshape(len(records), rec_len)
       ok = (raw[:, :len(prefix)] == np.frombuffer(prefix, np.uint8)).all(axis=1)
-      if not ok.all():
-        bad = int(np.argmin(ok))
-    if bad is not None:  # decode_record raises its DatasetError, naming where
-      ds.decode_record(records[bad], self.seq_len, where=self.where(int(indices[bad])))
-      raise AssertionError(f"decode_record accepted {self.where(int(indices[bad]))}, which "
-                           "the batch check rejected")
+      rows = [] if ok.all() else np.flatnonzero(~ok).tolist()
+    if rows:
+      rejected = []
+      for i in rows:
+        try:  # decode_record raises its DatasetError, naming where
+          ds.decode_record(records[i], self.seq_len, where=self.where(int(indices[i])))
+        except ds.DatasetError as e:
+          rejected.append((i, e))
+          continue
+        raise AssertionError(f"decode_record accepted {self.where(int(indices[i]))}, which "
+                             "the batch check rejected")
+      return self._reject(records, indices, vocab_size, bad, rejected)
     ids = np.ndarray((len(records), self.seq_len), "<u2", buffer=buf, offset=len(prefix),
                      strides=(rec_len, 2))
     if int(ids.max()) >= vocab_size:
-      row, col = np.argwhere(ids >= vocab_size)[0]
-      raise ds.DatasetError(
-          f"{self.where(int(indices[row]))}: token id {int(ids[row, col])} at position {col} "
-          f">= vocab_size {vocab_size} (dataset prepared with another tokenizer?)")
+      over = ids >= vocab_size
+      rejected = []
+      for row in np.flatnonzero(over.any(axis=1)).tolist():
+        col = int(np.argmax(over[row]))
+        rejected.append((row, ds.DatasetError(
+            f"{self.where(int(indices[row]))}: token id {int(ids[row, col])} at position {col} "
+            f">= vocab_size {vocab_size} (dataset prepared with another tokenizer?)")))
+      return self._reject(records, indices, vocab_size, bad, rejected)
     return ids.astype(np.int32)
+
+  def _reject(self, records, indices, vocab_size, bad, rejected) -> np.ndarray:
+    """``rejected``: [(row, DatasetError)]. Error mode: raises the first. Skip mode: warns,
+    replaces those records by the all-[PAD] one and decodes the batch again."""
+    if self.on_corrupt != "skip":
+      raise rejected[0][1]
+    records = list(records)
+    for row, error in rejected:
+      self._skip(int(indices[row]), str(error))
+      records[row] = self._pad_record
+      if bad is not None:
+        bad.append(row)
+    return self.decode(records, indices, vocab_size, bad)
 
 
 class _BatchLoader:
@@ -395,18 +507,26 @@ class _BatchLoader:
 
   def __init__(self, records: _Records, masker: _Masker, *, vocab_size: int, local_batch: int,
                process_index: int, process_count: int, shuffle_seed: int | None,
-               mask_seed: int):
+               mask_seed: int, local_stream: bool = False):
     self.records, self.masker, self.vocab_size = records, masker, vocab_size
     self.local_batch, self.process_index, self.process_count = (
         local_batch, process_index, process_count)
     self.shuffle_seed, self.mask_seed = shuffle_seed, mask_seed
+    # By-shard mode: ``records`` are this process's shards only, read as its own stream.
+    self.local_stream = local_stream
 
   def positions(self, batch_index: int) -> np.ndarray:
-    """Global stream positions of this process's local batch ``batch_index``."""
+    """Global stream positions of this process's local batch ``batch_index`` (in by-shard
+    mode: globally unique masking keys ``local * process_count + process_index``)."""
     local = batch_index * self.local_batch + np.arange(self.local_batch, dtype=np.int64)
     return local * self.process_count + self.process_index
 
   def record_indices(self, positions: np.ndarray) -> np.ndarray:
+    """Indices into ``self.records`` of the stream elements at ``positions``: the global
+    stream over all records, or (``local_stream``) this process's own stream over its shards'
+    records, at local position ``positions // process_count``."""
+    if self.local_stream:
+      positions = positions // self.process_count
     n = len(self.records)
     epoch, k = np.divmod(positions, n)
     if self.shuffle_seed is None:
@@ -416,8 +536,15 @@ class _BatchLoader:
   def __call__(self, batch_index: int) -> dict[str, np.ndarray]:
     positions = self.positions(int(batch_index))
     indices = self.record_indices(positions)
-    ids = self.records.decode(self.records.read(indices), indices, self.vocab_size)
-    return self.masker.keyed(ids, positions, self.mask_seed)
+    if self.records.on_corrupt != "skip":
+      ids = self.records.decode(self.records.read(indices), indices, self.vocab_size)
+      return self.masker.keyed(ids, positions, self.mask_seed)
+    bad: list[int] = []  # skip mode: rows whose record was unreadable -> all-[PAD]
+    ids = self.records.decode(self.records.read(indices, bad), indices, self.vocab_size, bad)
+    batch = self.masker.keyed(ids, positions, self.mask_seed)
+    batch["corrupt"] = np.zeros(len(indices), np.int32)
+    batch["corrupt"][bad] = 1
+    return batch
 
 
 # --------------------------------------------------------------------------- datasets
@@ -444,33 +571,49 @@ def local_batch_size(global_batch: int, process_count: int) -> int:
 def make_batch_loader(config, split: str, *, train: bool, process_index: int = 0,
                       process_count: int = 1) -> _BatchLoader:
   """The per-batch function behind :func:`make_dataset` (its ``positions``/``record_indices``
-  expose the global order, e.g. for tests)."""
+  expose the stream order, and ``records.paths`` the shard files it reads, e.g. for tests)."""
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} not in [0, {process_count})")
   data = config.data
   meta = ds.DatasetMeta.load(data.path)
   _check_model_compat(config, meta)
-  records = _Records(meta, split)
+  by_shard = bool(data.get("shard_by_process", False))
+  shards = None
+  if by_shard:
+    # Must match lmscale_jax/staging.py needed_shards(plan="by_shard").
+    n_shards = len(meta.shard_paths(split))
+    if n_shards < process_count:
+      raise ds.DatasetError(
+          f"{meta.path}: split {split!r} has {n_shards} shards for {process_count} processes: "
+          "data.shard_by_process=True gives each process whole shards and needs at least one "
+          "per process (re-prepare with a smaller --shard-size-mb, or set "
+          "data.shard_by_process=False)")
+    shards = range(process_index, n_shards, process_count)
+  records = _Records(meta, split, shards)
   if len(records) == 0:
-    raise ds.DatasetError(f"{meta.path}: split {split!r} has no records")
+    raise ds.DatasetError(f"{meta.path}: split {split!r} has no records"
+                          + (f" in shards {list(shards)} (process {process_index} of "
+                             f"{process_count}, data.shard_by_process)" if by_shard else ""))
   masker = _Masker(meta.special_ids, meta.vocab_size, data.mask_prob,
                    data.max_predictions or None, meta.seq_len)
+  records.set_on_corrupt(str(data.get("on_corrupt", "error")), meta.pad_id)
   return _BatchLoader(
       records, masker, vocab_size=meta.vocab_size,
       local_batch=local_batch_size(config.train.batch_size, process_count),
       process_index=process_index, process_count=process_count,
       shuffle_seed=int(data.seed) if train else None,
-      mask_seed=int(data.seed) if train else EVAL_MASK_SEED)
+      mask_seed=int(data.seed) if train else EVAL_MASK_SEED, local_stream=by_shard)
 
 
 def make_dataset(config, split: str, *, train: bool, process_index: int = 0,
-                 process_count: int = 1) -> grain.IterDataset:
+                 process_count: int = 1, start_batch: int = 0) -> grain.IterDataset:
   """Per-process batches (dicts of numpy arrays, see docs/design.md "Loader").
 
   ``train=True``: infinite, reshuffled each epoch, ``data.workers`` worker processes.
   ``train=False``: exactly ``train.eval_batches`` batches in file order (wrapping around a
   small split), fixed masking seed (``EVAL_MASK_SEED``), in-process; ``iter()`` it afresh for
   every evaluation so every evaluation sees identical batches.
+  ``start_batch``: begin at this local batch index (a resume; see :class:`DevicePrefetcher`).
   Iterators support ``get_state()``/``set_state()`` (Grain checkpointing; JSON-serialisable).
   """
   loader = make_batch_loader(config, split, train=train, process_index=process_index,
@@ -480,13 +623,18 @@ def make_dataset(config, split: str, *, train: bool, process_index: int = 0,
   if num_batches <= 0:
     raise ValueError(f"train.eval_batches must be positive; got {num_batches}")
   data = config.data
-  dataset = grain.MapDataset.range(num_batches).map(loader)
+  if not 0 <= start_batch < num_batches:
+    raise ValueError(f"start_batch {start_batch} not in [0, {num_batches})")
+  dataset = grain.MapDataset.range(start_batch, num_batches).map(loader)
   it = dataset.to_iter_dataset(grain.ReadOptions(
       num_threads=int(data.read_threads), prefetch_buffer_size=int(data.prefetch_buffer)))
   # Eval stays in-process: every evaluation iterates afresh, and worker processes would be
   # spawned (seconds each) for a few batches that threads build in well under a second.
   if train and data.workers > 0:
-    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(data.workers)))
+    from lmscale_jax import preemption
+
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(data.workers)),
+                        worker_init_fn=preemption.ignore_in_worker)
   return it
 
 
@@ -505,12 +653,19 @@ class DevicePrefetcher(grain.DatasetIterator):
   of batch ``c + 1``; with JAX's asynchronous dispatch that pull overlaps the still-running
   previous step.
 
-  Checkpointing: the wrapped Grain iterator has always produced one batch more than the
-  model consumed, so its own state would skip a batch on restore. This iterator records the
-  host iterator's state *before* each pull; ``get_state()`` returns the state from before the
-  prefetched (not yet consumed) batch was pulled, i.e. the state after exactly the batches
-  ``next()`` has returned. ``set_state()`` restores the host iterator and drops the
-  prefetched batch. Being a ``grain.DatasetIterator`` itself, it can be passed straight to
+  Checkpointing. The wrapped iterator has always produced one batch more than the model
+  consumed, so its own state would skip a batch on restore. Two modes:
+
+  * ``reopen`` given (training): the state is ``{"next_batch": k}``, the number of batches
+    ``next()`` has returned, and ``set_state`` builds a fresh host iterator with
+    ``reopen(k)`` (``make_dataset(..., start_batch=k)``). The state does not depend on
+    ``data.workers`` (Grain's own state has one format per worker count), so a run can resume
+    with another number of loader workers, e.g. on other hardware. The first host iterator is
+    also built lazily, so a restore never spawns workers twice.
+  * an ``iterator`` only: the host iterator's own Grain state from before the prefetched (not
+    yet consumed) batch was pulled; ``set_state`` restores it and drops the prefetched batch.
+
+  Being a ``grain.DatasetIterator`` itself, it can be passed straight to
   ``grain.checkpoint.CheckpointSave`` / ``CheckpointRestore`` (Orbax); do not save
   ``.iterator`` (the raw host iterator) instead.
 
@@ -519,11 +674,16 @@ class DevicePrefetcher(grain.DatasetIterator):
   logging window.
   """
 
-  def __init__(self, iterator: grain.DatasetIterator, sharding):
-    super().__init__(iterator)
+  def __init__(self, iterator: grain.DatasetIterator | None, sharding, *,
+               reopen: Callable[[int], Iterator] | None = None):
+    if iterator is None and reopen is None:
+      raise ValueError("DevicePrefetcher needs an iterator or reopen")
+    super().__init__(() if iterator is None else iterator)
     self.iterator = iterator
     self.sharding = sharding
+    self.reopen = reopen
     self.wait_seconds = 0.0
+    self._next_batch = 0  # batches next() has returned (reopen mode)
     self._ahead = None  # (host state before the pull, device batch) or (state, None) at end
 
   def reset_wait(self) -> float:
@@ -534,8 +694,10 @@ class DevicePrefetcher(grain.DatasetIterator):
   def _pull(self):
     import jax
 
+    if self.iterator is None:
+      self.iterator = self.reopen(self._next_batch)
     # A copy: Grain iterators may update their state dict in place.
-    state = copy.deepcopy(self.iterator.get_state())
+    state = None if self.reopen else copy.deepcopy(self.iterator.get_state())
     t0 = time.perf_counter()
     try:
       host = next(self.iterator)
@@ -553,16 +715,36 @@ class DevicePrefetcher(grain.DatasetIterator):
     if batch is None:
       raise StopIteration
     self._ahead = self._pull()
+    self._next_batch += 1
     return batch
 
   def get_state(self) -> dict[str, Any]:
+    if self.reopen is not None:
+      return {"next_batch": self._next_batch}
     if self._ahead is None:
       return self.iterator.get_state()
     return self._ahead[0]
 
   def set_state(self, state: dict[str, Any]) -> None:
-    self.iterator.set_state(state)
     self._ahead = None
+    if self.reopen is None:
+      self.iterator.set_state(state)
+      return
+    if set(state) != {"next_batch"}:
+      raise ValueError(f"loader state {state!r}: expected {{'next_batch': k}} (a checkpoint "
+                       "written by another version of lmscale_jax?)")
+    self._next_batch = int(state["next_batch"])
+    self._close_host()
+    self.iterator = None  # rebuilt from _next_batch on the next pull
+
+  def _close_host(self) -> None:
+    if self.iterator is not None and hasattr(self.iterator, "close"):
+      self.iterator.close()  # stops its worker processes now, not whenever it is collected
+
+  def close(self) -> None:
+    if self.reopen is not None:
+      self._close_host()
+    super().close()
 
   def __iter__(self) -> Iterator[dict[str, Any]]:
     return self

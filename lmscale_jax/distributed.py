@@ -330,6 +330,9 @@ def initialize(config) -> Topology:
   # Collectives between CPU devices of different processes (tests, local.sh on CPU) need an
   # implementation: named explicitly rather than relying on this JAX version's default.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # Its sync manager is how the processes agree on a step to checkpoint at when preempted
+  # (lmscale_jax/preemption.py); on by default, required here.
+  jax.config.update("jax_enable_preemption_service", True)
   timeout = int(d.initialization_timeout)
   if timeout <= 0 or int(d.heartbeat_timeout) <= 0:
     raise DistributedError("distributed.initialization_timeout and heartbeat_timeout must be "
@@ -355,6 +358,8 @@ def initialize(config) -> Topology:
         shutdown_timeout_seconds=int(d.shutdown_timeout))
   finally:
     done.set()
+  global _coordinator
+  _coordinator = topo.coordinator
   _check_job(topo)
   log_topology(topo)
   return topo
@@ -368,6 +373,7 @@ def _check_job(topo: Topology) -> None:
       {"n": topo.num_processes, "id": topo.process_id, "host": socket.gethostname(),
        "sources": topo.describe_sources()}), timeout_s=60)
   decl = [json.loads(x) for x in declared]
+  _hosts[:] = [x["host"] for x in decl]
   bad = [(i, x) for i, x in enumerate(decl) if x["n"] != decl[0]["n"] or x["id"] != i]
   if bad or jax.process_count() != topo.num_processes:
     lines = "; ".join(f"process {i} on {x['host']} says {x['n']} processes, id {x['id']} "
@@ -567,6 +573,60 @@ def preflight(config, workdir: str) -> None:
 
 
 # --------------------------------------------------------------------------- exits
+_hosts: list[str] = []  # host of every process, from start-up
+_coordinator: str | None = None
+
+
+def lost_processes(timeout_s: float) -> list[int] | None:
+  """The processes the runtime no longer counts as alive, or None if it cannot tell within
+  ``timeout_s``.
+
+  ``get_live_nodes`` answers once every live process has asked (the others are on the same
+  failure path) and a dead one has missed its heartbeat, so this takes up to
+  ``heartbeat_timeout``; it runs in a thread because it may also never answer (a peer still
+  blocked in a collective, or the coordinator itself gone).
+  """
+  import jax
+
+  n = jax.process_count()
+  out: list = []
+
+  def ask():
+    try:
+      out.append(sorted(set(range(n)) - set(_client().get_live_nodes(list(range(n))))))
+    except Exception:  # the coordinator is gone (process 0 lost), or the runtime is closing
+      pass
+
+  t = threading.Thread(target=ask, name="lmscale-live-nodes", daemon=True)
+  t.start()
+  t.join(timeout_s)
+  return out[0] if out else None
+
+
+def coordinator_gone() -> str | None:
+  """A line naming process 0 if its coordination service no longer accepts connections."""
+  import jax
+
+  if _coordinator is None or jax.process_index() == 0 or _probe(_coordinator, 0.5) is None:
+    return None
+  host = f" on {_hosts[0]}" if _hosts else ""
+  return (f"lost process 0{host} (the coordinator, {_coordinator}): it stopped (crashed, "
+          "killed, or its node failed); every process stops. Rerun the job: it resumes from "
+          "the last checkpoint")
+
+
+def explain_collective_failure(heartbeat_timeout_s: float) -> str:
+  """One line for a process whose collective failed: which peer was lost, if known."""
+  lost = lost_processes(heartbeat_timeout_s + 5)
+  if lost:
+    where = ", ".join(f"process {p}" + (f" on {_hosts[p]}" if p < len(_hosts) else "")
+                      for p in lost)
+    return (f"lost {where}: it stopped (crashed, killed, or its node failed); this process "
+            "stops too. Rerun the job: it resumes from the last checkpoint")
+  return ("a collective failed and the runtime could not say which process was lost; see "
+          "the other processes' logs")
+
+
 def exit_now(code: int = 1) -> None:
   """Ends a failed multi-process run at once, skipping JAX's shutdown barrier (its peers are
   blocked in a collective and would otherwise hold this process for ``shutdown_timeout``)."""
@@ -583,22 +643,3 @@ def exit_now(code: int = 1) -> None:
     # process at once. A moment's wait lets peers that failed the same check print why.
     time.sleep(_COORDINATOR_LINGER_S)
   os._exit(code)
-
-
-stop_requested = threading.Event()
-
-
-def install_signal_handlers() -> None:
-  """SIGUSR1 (Slurm's ``--signal=USR1@T`` before the time limit) sets :data:`stop_requested`
-  instead of killing the process (Python's default for SIGUSR1), so the training loop can
-  checkpoint and stop cleanly."""
-  import signal
-
-  def on_usr1(signum, frame):
-    if not stop_requested.is_set():
-      logging.warning("SIGUSR1: the job's time limit is near; stop requested")
-    stop_requested.set()
-
-  if threading.current_thread() is threading.main_thread():
-    signal.signal(signal.SIGUSR1, on_usr1)
-

@@ -21,6 +21,8 @@ config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", l
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and config.json.")
 flags.DEFINE_bool("dry_run", False, "Print the resolved config, parameter count, FLOPs per "
                   "step and a memory estimate, then exit.")
+flags.DEFINE_bool("verify_data", False, "Before training, check the sha256 of every shard "
+                  "this process reads against the dataset's metadata.json (logs MB/s).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -39,7 +41,7 @@ def main(argv):
   # Imported here, not at module level: Grain's worker processes re-import __main__.
   import jax
 
-  from lmscale_jax import distributed, staging, train
+  from lmscale_jax import distributed, preemption, staging, train
 
   config = FLAGS.config
   if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage
@@ -47,24 +49,42 @@ def main(argv):
     print(config)
     print(train.describe(setup))
     return
-  distributed.install_signal_handlers()
   try:
     distributed.initialize(config)  # before anything touches a JAX backend
+    preemption.install()  # after: the runtime installs its own SIGTERM handler
     distributed.preflight(config, FLAGS.workdir)
     if config.data.stage_from:
       staging.stage_per_node(config.data.stage_from, config.data.path,
                              workers=int(config.data.stage_workers),
                              timeout_s=float(config.data.stage_timeout), log=logging.info)
     distributed.agree("dataset check", lambda: staging.check_dataset_dir(
-        config.data.path, num_processes=jax.process_count(), process_id=jax.process_index()))
+        config.data.path, num_processes=jax.process_count(), process_id=jax.process_index(),
+        plan="by_shard" if config.data.get("shard_by_process", False) else "interleaved"))
+    if FLAGS.verify_data:
+      distributed.agree("data verification", lambda: staging.verify_shards(
+          config.data.path, num_processes=jax.process_count(), process_id=jax.process_index(),
+          plan="by_shard" if config.data.get("shard_by_process", False) else "interleaved",
+          log=logging.info))
     logging.info("workdir %s", FLAGS.workdir)
     train.train_and_evaluate(config, FLAGS.workdir)
   except Exception as e:
     if jax.distributed.is_initialized():
       # The other processes may be blocked in a collective with this one: report and leave
       # now (see distributed.exit_now); they stop within distributed.heartbeat_timeout.
+      me = f"error: process {jax.process_index()}:"
+      collective = isinstance(e, jax.errors.JaxRuntimeError)  # a collective failed: peer died?
+      if collective:
+        # First and fast: when the coordinator's process is the one lost, the runtime aborts
+        # this process within milliseconds of the failed collective.
+        gone = distributed.coordinator_gone()
+        if gone:
+          print(f"{me} {gone}", file=sys.stderr, flush=True)
       logging.exception("process %d failed", jax.process_index())
-      print(f"error: process {jax.process_index()}: {type(e).__name__}: {e}", file=sys.stderr)
+      print(f"{me} {type(e).__name__}: {e}", file=sys.stderr)
+      if collective and not gone:
+        print(f"{me} "
+              + distributed.explain_collective_failure(config.distributed.heartbeat_timeout),
+              file=sys.stderr, flush=True)
       distributed.exit_now(1)
     if isinstance(e, (distributed.DistributedError, staging.StagingError)):
       sys.exit(f"error: {e}")  # bad settings or data: one line, no traceback

@@ -24,9 +24,36 @@ def _clean(v):
   return v
 
 
+def _truncate_after(path: str, step: int) -> None:
+  """Keeps the rows of ``metrics.jsonl`` up to ``step`` (the checkpoint a run resumes from).
+
+  After a kill, the file holds rows of steps that the resumed run computes again, and maybe a
+  half-written last line; without this the file would have two rows for those steps. Rewritten
+  through a temporary file and a rename, so a crash here loses nothing.
+  """
+  if not os.path.exists(path):
+    return
+  from lmscale_jax import dataset as ds
+
+  with open(path, "rb") as f:
+    lines = f.read().split(b"\n")
+  keep = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except ValueError:  # a torn last line (killed mid-write) or an empty one
+      continue
+    if int(row.get("step", 0)) <= step:
+      keep.append(line + b"\n")
+  data = b"".join(keep)
+  if len(keep) != len([x for x in lines if x]):
+    ds.atomic_write_bytes(path, data)
+
+
 class MetricsWriter:
 
-  def __init__(self, workdir: str, *, enabled: bool = True, total_steps: int = 0):
+  def __init__(self, workdir: str, *, enabled: bool = True, total_steps: int = 0,
+               resume_step: int = 0):
     self.enabled = enabled
     self.total_steps = total_steps
     self._jsonl = None
@@ -35,8 +62,10 @@ class MetricsWriter:
     self._first_step = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
+      path = os.path.join(workdir, "metrics.jsonl")
+      _truncate_after(path, resume_step)
       # Append: a resumed run continues the same file.
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+      self._jsonl = open(path, "a", buffering=1)
       from tensorboardX import SummaryWriter
 
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))

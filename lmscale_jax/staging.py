@@ -64,15 +64,16 @@ def needed_shards(meta: ds.DatasetMeta, num_processes: int, process_ids: Sequenc
                   plan: str = "interleaved") -> dict[str, list[dict]]:
   """Per split, the shard entries of ``metadata.json`` that ``process_ids`` will read.
 
-  ``interleaved`` is the loader in ``lmscale_jax/data.py``: global stream position ``p`` goes
-  to process ``p % num_processes``, and the stream is a fresh permutation of *all* records of
-  the split each epoch, so every process reads from every shard: all shards are needed, and
+  The plans are the two modes of the loader in ``lmscale_jax/data.py``:
+
+  ``interleaved`` (``data.shard_by_process=False``, the default): global stream position ``p``
+  goes to process ``p % num_processes``, and the stream is a fresh permutation of *all* records
+  of the split each epoch, so every process reads from every shard: all shards are needed, and
   node-local staging cannot copy less than the whole dataset.
 
-  ``by_shard`` is a loader that splits by shard (process ``i`` reads train shards
-  ``i, i + P, i + 2P, …``; validation is read whole by every process): a node then needs only
-  its processes' shards. ``data.py`` does not offer that mode yet, so a dataset staged with it
-  is refused by training (:func:`check_dataset_dir`); it exists to size and stage for it.
+  ``by_shard`` (``data.shard_by_process=True``): process ``i`` reads only the shards
+  ``i, i + P, i + 2P, …`` of *every* split (train and validation), so a node needs only its
+  processes' shards (``make_batch_loader(...).records.paths``; the tests check the two agree).
   """
   if plan not in PLANS:
     raise StagingError(f"read plan {plan!r}: expected one of {PLANS}")
@@ -85,12 +86,12 @@ def needed_shards(meta: ds.DatasetMeta, num_processes: int, process_ids: Sequenc
   out = {}
   for split, info in meta.splits.items():
     shards = list(info["shards"])
-    if plan == "by_shard" and split == "train":
+    if plan == "by_shard":
       if len(shards) < num_processes:
         raise StagingError(
-            f"{meta.path}: {len(shards)} train shards for {num_processes} processes: a "
-            "by-shard split needs at least one shard per process (prepare with smaller "
-            "--shard-size-mb)")
+            f"{meta.path}: split {split!r} has {len(shards)} shards for {num_processes} "
+            "processes: a by-shard split (data.shard_by_process) needs at least one shard per "
+            "process (prepare with smaller --shard-size-mb)")
       ids = set(process_ids)
       shards = [s for j, s in enumerate(shards) if j % num_processes in ids]
     out[split] = shards
@@ -132,7 +133,8 @@ def check_dataset_dir(path: str, *, plan: str = "interleaved", num_processes: in
   A directory without ``staging.json`` was not staged (e.g. a prepared dataset on shared
   storage): :class:`~lmscale_jax.dataset.DatasetMeta` checks it as usual. A staged one must
   have finished (``complete``) and hold every shard that process ``process_id`` of
-  ``num_processes`` reads under ``plan`` (the loader's), with the size ``metadata.json`` gives.
+  ``num_processes`` reads under ``plan`` (the loader's: ``by_shard`` when
+  ``data.shard_by_process``), with the size ``metadata.json`` gives.
   """
   state = read_state(path)
   if state is None:
@@ -157,10 +159,60 @@ def check_dataset_dir(path: str, *, plan: str = "interleaved", num_processes: in
     staged = state.get("only_needed")
     how = (f" (staged with --only-needed, plan {staged['plan']!r}, processes "
            f"{staged['process_ids']} of {staged['num_processes']})" if staged else "")
+    if plan == "by_shard":
+      fix = (f"with data.shard_by_process=True process {process_id} of {num_processes} reads "
+             f"shards {process_id}::{num_processes} of every split: stage them (tools/stage.py "
+             f"--only-needed --plan by_shard --num-processes {num_processes} --process-ids "
+             "<this node's ids>) or the whole dataset")
+    else:
+      fix = ("with data.shard_by_process=False the loader interleaves records over all shards "
+             "in every process: stage the whole dataset (without --only-needed), or train "
+             "with --config.data.shard_by_process=True on a dataset staged with --plan by_shard")
     raise StagingError(
         f"{path}: {len(missing)} shards the loader reads are missing or the wrong size"
-        f"{how}, e.g. {missing[0]}. The loader interleaves records over all shards in every "
-        "process: stage the whole dataset (without --only-needed)")
+        f"{how}, e.g. {missing[0]}. {fix[0].upper()}{fix[1:]}")
+
+
+def verify_shards(path: str, *, splits: Sequence[str] = ("train", "validation"),
+                  plan: str = "interleaved", num_processes: int = 1, process_id: int = 0,
+                  workers: int = 4, log: Callable[[str], None] | None = None) -> dict:
+  """``--verify_data``: re-hashes every shard of ``splits`` that process ``process_id`` of
+  ``num_processes`` reads under ``plan`` and compares size and sha256 with ``metadata.json``.
+
+  Raises :class:`StagingError` (one line: the first bad file, expected and actual value);
+  returns ``{"files", "bytes", "seconds", "mb_per_s"}`` and logs the rate.
+  """
+  log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+  meta = ds.DatasetMeta.load(path)
+  needed = needed_shards(meta, num_processes, [process_id], plan)
+  shards = [s for split in splits for s in needed.get(split, [])]
+
+  def check(s) -> str | None:
+    p = os.path.join(path, s["file"])
+    try:
+      size = os.path.getsize(p)
+    except OSError as e:
+      return f"{p}: missing or unreadable ({e.strerror or e})"
+    if size != s["bytes"]:
+      return f"{p}: size {size} bytes, expected {s['bytes']} (metadata.json)"
+    digest = _hash_file(p)
+    if digest != s["sha256"]:
+      return f"{p}: sha256 {digest}, expected {s['sha256']} (metadata.json)"
+    return None
+
+  t0 = time.perf_counter()
+  with cf.ThreadPoolExecutor(max(1, workers)) as pool:  # hashing releases the GIL
+    problems = [m for m in pool.map(check, shards) if m]
+  secs = time.perf_counter() - t0
+  if problems:
+    more = f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""
+    raise StagingError(f"data verification failed: {problems[0]}{more}: the shard is corrupt; "
+                       "restore it (rerun tools/stage.py, or re-prepare the dataset)")
+  total = sum(int(s["bytes"]) for s in shards)
+  rate = total / max(secs, 1e-9) / 1e6
+  log(f"verified {len(shards)} shards of {path} ({', '.join(splits)}): {_human(total)} in "
+      f"{secs:.1f} s ({rate:.0f} MB/s, sha256)")
+  return {"files": len(shards), "bytes": total, "seconds": secs, "mb_per_s": rate}
 
 
 # --------------------------------------------------------------------------- copying
@@ -292,7 +344,8 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   if only_needed:
     log(f"--only-needed ({plan}): {len(specs)} of {n_all} shards for processes "
         f"{list(process_ids)} of {num_processes}"
-        + (" (the loader interleaves every shard over all processes: all are needed)"
+        + (" (the loader interleaves every shard over all processes: all are needed; "
+           "data.shard_by_process=True with --plan by_shard needs 1/P)"
            if plan == "interleaved" else ""))
   side = side_files(src)
   side_sha = {}

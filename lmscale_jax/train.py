@@ -29,6 +29,7 @@ from lmscale_jax import dataset as ds
 from lmscale_jax import flops as flops_lib
 from lmscale_jax import metrics as metrics_lib
 from lmscale_jax import model as model_lib
+from lmscale_jax import preemption
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -52,8 +53,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError("checkpoint.every and checkpoint.keep must be positive")
   if t.schedule not in ("linear", "cosine"):
     raise ValueError(f"train.schedule={t.schedule!r}: expected 'linear' or 'cosine'")
-  if t.nonfinite not in ("error",):
-    raise ValueError(f"train.nonfinite={t.nonfinite!r}: expected 'error'")
+  if t.nonfinite not in NONFINITE_MODES:
+    raise ValueError(f"train.nonfinite={t.nonfinite!r}: expected one of {list(NONFINITE_MODES)}")
+  if int(t.max_consecutive_nonfinite) <= 0:
+    raise ValueError(f"train.max_consecutive_nonfinite={t.max_consecutive_nonfinite}: expected "
+                     "a positive integer")
+  parse_steps(t.inject_nonfinite_steps, "train.inject_nonfinite_steps")
   devices = jax.device_count()
   if t.batch_size % devices:
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by the {devices} "
@@ -92,11 +97,35 @@ def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
+# "error": stop the run, naming the step and the last good checkpoint; "skip": drop the update
+# and count it (metrics ``nonfinite_skipped``), stopping after max_consecutive_nonfinite in a row.
+NONFINITE_MODES = ("error", "skip")
+# optax.apply_if_finite applies a non-finite update anyway after this many in a row; the loop
+# enforces train.max_consecutive_nonfinite itself, so that never happens.
+_NEVER = 2**31 - 1
+
+
+def parse_steps(text, key: str) -> tuple[int, ...]:
+  """``"3,7"`` -> ``(3, 7)`` (the fault-injection step list)."""
+  try:
+    steps = tuple(int(x) for x in str(text).replace(" ", "").split(",") if x)
+  except ValueError:
+    raise ValueError(f"{key}={text!r}: expected comma-separated step numbers") from None
+  if any(s <= 0 for s in steps):
+    raise ValueError(f"{key}={text!r}: step numbers start at 1")
+  return steps
+
+
 def make_optimizer(t) -> optax.GradientTransformation:
-  return optax.chain(
+  opt = optax.chain(
       optax.clip_by_global_norm(t.clip_norm),
       optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
                   weight_decay=t.weight_decay, mask=_decay_mask))
+  if t.get("nonfinite", "error") == "skip":
+    # A NaN/inf gradient never reaches the parameters or the Adam moments. Only in skip mode:
+    # error mode stops before any later checkpoint, and its step stays the plain program.
+    opt = optax.apply_if_finite(opt, max_consecutive_errors=_NEVER)
+  return opt
 
 
 # ----------------------------------------------------------------------------- steps
@@ -124,7 +153,8 @@ def step_rng(seed: int, step, dropout_rng: str = "threefry"):
 def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
                     accum_steps: int = 1, mesh: Mesh | None = None, param_specs=None,
                     reduce_dtype: str = "float32", compute_dtype: str = "float32",
-                    dropout_rng: str = "threefry", manual: bool | None = None):
+                    dropout_rng: str = "threefry", manual: bool | None = None,
+                    inject_nonfinite_steps: tuple[int, ...] = ()):
   """The training step ``(state, batch) -> (state, metrics)`` (to be jitted).
 
   Two ways to get the gradients of the global batch:
@@ -139,7 +169,9 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
 
   The optimizer update runs in the global view either way, on parameters and moments sharded
   like ``param_specs`` (elementwise, so no communication, except the scalar of the global-norm
-  clip).
+  clip). Metric ``nonfinite``: the loss or gradient norm is NaN/inf (``train.nonfinite=skip``
+  then skips the update: ``optax.apply_if_finite``). ``inject_nonfinite_steps`` (fault injection, for tests of that path) makes
+  the loss and gradients of those 1-based steps NaN.
   """
   if manual is None:
     manual = needs_manual_grads(accum_steps, reduce_dtype, param_specs)
@@ -165,6 +197,11 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
       grads, sums = grads_fn(state.params, batch, rng)
       loss = sums["ce"] / jnp.maximum(sums["weight"], 1.0)
       correct, wsum, tokens = sums["correct"], sums["weight"], sums["tokens"]
+    if inject_nonfinite_steps:
+      hit = jnp.isin(state.step + 1, jnp.asarray(inject_nonfinite_steps, jnp.int32))
+      poison = jnp.where(hit, jnp.nan, 1.0).astype(jnp.float32)
+      loss = loss * poison
+      grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
@@ -174,6 +211,12 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
         "learning_rate": schedule(state.step),
         "tokens": tokens,
     }
+    finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+    metrics["nonfinite"] = jnp.logical_not(finite).astype(jnp.int32)
+    if isinstance(opt_state, optax.ApplyIfFiniteState):  # skip mode
+      metrics["consecutive_nonfinite"] = opt_state.notfinite_count
+    if "corrupt" in batch:  # data.on_corrupt="skip": rows the loader replaced
+      metrics["corrupt_records"] = batch["corrupt"].sum()
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step
@@ -366,7 +409,8 @@ def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.Con
   step_fn = make_train_step(
       model, optimizer, schedule, t.seed, model_cfg.pad_id, accum_steps=int(t.grad_accum_steps),
       mesh=mesh, param_specs=specs.params, reduce_dtype=t.grad_allreduce_dtype,
-      compute_dtype=model_cfg.dtype, dropout_rng=t.dropout_rng, manual=manual)
+      compute_dtype=model_cfg.dtype, dropout_rng=t.dropout_rng, manual=manual,
+      inject_nonfinite_steps=parse_steps(t.inject_nonfinite_steps, "train.inject_nonfinite_steps"))
   train_step = jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
                        out_shardings=(state_sharding, replicated), donate_argnums=0)
   eval_step = jax.jit(make_eval_step(model), in_shardings=(state_sharding.params,
@@ -533,8 +577,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                              is_writer=is_writer)
 
   train_iter = data_lib.DevicePrefetcher(
-      iter(data_lib.make_dataset(config, "train", train=True, process_index=pi,
-                                 process_count=pc)), batch_sharding)
+      None, batch_sharding, reopen=lambda k: iter(data_lib.make_dataset(
+          config, "train", train=True, process_index=pi, process_count=pc, start_batch=k)))
   eval_ds = data_lib.make_dataset(config, "validation", train=False, process_index=pi,
                                   process_count=pc)
 
@@ -544,11 +588,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   else:
     start = 0
     state = steps.init(jax.random.key(t.seed))
+  if is_writer:  # a crash leaves "running": job scripts requeue only a "preempted" run
+    ckpt_lib.write_run_state(workdir, "running", start, t.steps)
 
   peak = flops_lib.device_peak_flops(jax.devices()[0].device_kind, config.metrics.peak_tflops,
                                      dtype=s.model_cfg.dtype)
   peak_total = peak * jax.device_count() if peak else None
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_writer, total_steps=t.steps)
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_writer, total_steps=t.steps,
+                                     resume_step=start)
   baseline = unigram_entropy(s.meta)
   if is_writer:
     logging.info(describe(s))
@@ -574,56 +621,106 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   train_iter.reset_wait()
   pending = None  # (step, device metrics of the window) fetched one step late
 
+  def last_good() -> str:
+    latest = checkpointer.latest_step()
+    return f"{workdir}/checkpoints/{latest}" if latest is not None else "none"
+
   def flush_window(step: int, device_metrics: list, seconds: float, wait: float) -> dict:
     host = jax.device_get(device_metrics)
-    loss = float(np.mean([m["loss"] for m in host]))
-    if not np.isfinite(loss):
-      latest = checkpointer.latest_step()
+    first = step - len(host) + 1
+    bad = [first + i for i, m in enumerate(host)
+           if m["nonfinite"] or not np.isfinite(m["loss"])]
+    if bad and t.nonfinite == "error":
       raise NonFiniteLoss(
-          f"non-finite loss at step {step} (window mean {loss}); last good checkpoint: "
-          + (f"{workdir}/checkpoints/{latest}" if latest is not None else "none"))
+          f"non-finite loss or gradient at step {bad[0]}; last good checkpoint: "
+          f"{last_good()} (nothing later was saved). train.nonfinite=skip skips such steps "
+          "instead")
+    run = int(host[-1].get("consecutive_nonfinite", 0))
+    if run >= t.max_consecutive_nonfinite:
+      raise NonFiniteLoss(
+          f"{run} consecutive steps with a non-finite loss or gradient (steps {step - run + 1}"
+          f"-{step}, all skipped; train.max_consecutive_nonfinite="
+          f"{t.max_consecutive_nonfinite}); last good checkpoint: {last_good()}")
+    good = [m for m in host if not m["nonfinite"] and np.isfinite(m["loss"])] or host
     row = {
-        "loss": loss,
-        "mlm_accuracy": float(np.mean([m["mlm_accuracy"] for m in host])),
+        "loss": float(np.mean([m["loss"] for m in good])),
+        "mlm_accuracy": float(np.mean([m["mlm_accuracy"] for m in good])),
         "learning_rate": float(host[-1]["learning_rate"]),
-        "grad_norm": float(host[-1]["grad_norm"]),
+        "grad_norm": float(good[-1]["grad_norm"]),
         **metrics_lib.throughput(
             steps=len(host), seconds=seconds, wait_seconds=wait,
             global_batch=t.batch_size, tokens=float(sum(m["tokens"] for m in host)),
             flops_per_step=s.flops_per_step, peak_flops_total=peak_total),
     }
+    if t.nonfinite == "skip":
+      row["nonfinite_skipped"] = len(bad)
+    if "corrupt_records" in host[0]:
+      row["corrupt_records"] = int(sum(m["corrupt_records"] for m in host))
     if step == start + len(host) and is_writer:  # first window of this process
       row["unigram_baseline"] = baseline
     return row
 
-  for step in range(start + 1, t.steps + 1):
-    batch = next(train_iter)
-    state, m = train_step(state, batch)
-    window.append(m)
-    if pending is not None:  # the previous window's metrics are ready by now
-      row = flush_window(*pending)
-      writer.write(pending[0], row)
-      writer.console(pending[0], row)
-      last.update(row)
-      pending = None
-    if step % t.log_every == 0 or step == t.steps:
-      now = time.perf_counter()
-      pending = (step, window, now - window_start, train_iter.reset_wait())
-      window, window_start = [], now
-    if step % t.eval_every == 0 or step == t.steps:
-      row = evaluate(state.params)
-      writer.write(step, row)
-      writer.console(step, row)
-      last.update(row)
-      window_start = time.perf_counter()  # evaluation time is not training throughput
-    if step % config.checkpoint.every == 0 or step == t.steps:
-      checkpointer.save(step, state, train_iter)
-  if pending is not None:
+  def log_window(pending) -> None:
     row = flush_window(*pending)
     writer.write(pending[0], row)
     writer.console(pending[0], row)
     last.update(row)
+
+  def check_finite_before_save(step: int) -> None:
+    """Error mode: never checkpoint past a non-finite step (the window may not be flushed yet);
+    flushing the unflushed steps raises, naming the step."""
+    if t.nonfinite != "error":
+      return
+    unflushed = [p for p in (pending, (step, window, 1.0, 0.0)) if p is not None and p[1]]
+    flags = jax.device_get([[m["nonfinite"] for m in p[1]] for p in unflushed])
+    for p, f in zip(unflushed, flags):
+      if any(f):
+        flush_window(*p)  # raises, naming the step
+
+  preempted, step = False, start
+  try:
+    for step in range(start + 1, t.steps + 1):
+      batch = next(train_iter)
+      state, m = train_step(state, batch)
+      window.append(m)
+      if pending is not None:  # the previous window's metrics are ready by now
+        log_window(pending)
+        pending = None
+      if step % t.log_every == 0 or step == t.steps:
+        now = time.perf_counter()
+        pending = (step, window, now - window_start, train_iter.reset_wait())
+        window, window_start = [], now
+      if step % t.eval_every == 0 or step == t.steps:
+        row = evaluate(state.params)
+        writer.write(step, row)
+        writer.console(step, row)
+        last.update(row)
+        window_start = time.perf_counter()  # evaluation time is not training throughput
+      # Every process asks at every step and gets the same answer (see preemption.py).
+      preempted = preemption.reached(step) and step < t.steps
+      if step % config.checkpoint.every == 0 or step == t.steps or preempted:
+        check_finite_before_save(step)
+        checkpointer.save(step, state, train_iter)
+      if preempted:
+        checkpointer.wait()  # synchronous: the process may be killed soon after it exits
+        if is_writer:
+          logging.warning("preempted: stopped after step %d of %d; checkpoint %s/checkpoints/%d "
+                          "saved. Rerun the same command to continue from it.", step, t.steps,
+                          workdir, step)
+        break
+    if pending is not None:
+      log_window(pending)
+    if window:  # preempted between logging steps: log the partial window
+      log_window((step, window, time.perf_counter() - window_start, train_iter.reset_wait()))
+  except NonFiniteLoss:
+    # Raised alike in every process (the metrics are global), so waiting for a save still in
+    # flight cannot block on a peer: the last good checkpoint named in the error is complete.
+    checkpointer.close()
+    raise
   checkpointer.close()
   writer.close()
+  if is_writer:
+    ckpt_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,
+                             t.steps)
   last["step"] = int(jax.device_get(state.step))
   return last

@@ -274,6 +274,109 @@ def test_iterator_checkpoint_restores_identical_batches(dataset_dir, workers):
     x.close()
 
 
+# --------------------------------------------------------------------------- by-shard mode
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory):
+  """6 shards per split: 4 processes get 2, 2, 1, 1 of them (uneven on purpose)."""
+  d = tmp_path_factory.mktemp("sharded")
+  make_synthetic_dataset(str(d), seq_len=SEQ, vocab_size=VOCAB, n_train=N_TRAIN, n_val=N_VAL,
+                         shards=6)
+  return d
+
+
+def shard_records(path, split, files) -> list[bytes]:
+  """The records (as bytes of their int32 ids) of the given shard files, in file order."""
+  meta = ds.DatasetMeta.load(str(path))
+  names = [s["file"] for s in meta.splits[split]["shards"]]
+  counts = [s["records"] for s in meta.splits[split]["shards"]]
+  rows = read_split(path, split)
+  ends = np.cumsum(counts)
+  return [bytes(r) for f in files for r in rows[ends[names.index(f)] - counts[names.index(f)]:
+                                                ends[names.index(f)]]]
+
+
+def test_by_shard_processes_read_disjoint_shards_covering_every_record(sharded_dir,
+                                                                       monkeypatch):
+  """data.shard_by_process: process i of 4 opens only shards i::4 of each split; each epoch of
+  its train stream is a permutation of exactly those shards' records (reshuffled per epoch);
+  eval is its records in file order, wrapping; the processes' record sets are disjoint and
+  together are the whole split; masking keys stay globally unique."""
+  from array_record.python import array_record_module
+
+  pc = 4
+  meta = ds.DatasetMeta.load(str(sharded_dir))
+  names = {s: [x["file"] for x in meta.splits[s]["shards"]] for s in meta.splits}
+  expected = {s: [names[s][pi::pc] for pi in range(pc)] for s in names}
+  want = {s: [shard_records(sharded_dir, s, f) for f in expected[s]] for s in names}
+  opened = []
+  real_reader = array_record_module.ArrayRecordReader
+
+  def spy(path, *args, **kwargs):
+    opened.append(os.path.basename(path))
+    return real_reader(path, *args, **kwargs)
+
+  monkeypatch.setattr(array_record_module, "ArrayRecordReader", spy)
+  cfg = make_config(sharded_dir, shard_by_process=True)
+  cfg.train.eval_batches = 8  # 16 rows per process: wraps every process's validation share
+  seen, positions = [], []
+  for pi in range(pc):
+    opened.clear()
+    loader = data_lib.make_batch_loader(cfg, "train", train=True, process_index=pi,
+                                        process_count=pc)
+    assert [os.path.basename(p) for p in loader.records.paths] == expected["train"][pi]
+    n = len(want["train"][pi])
+    assert len(loader.records) == n
+    batches = -(-2 * n // loader.local_batch)  # two epochs
+    positions.append(np.concatenate([loader.positions(b) for b in range(batches)]))
+    rows = np.concatenate([unmask(b) for b in take(iter(data_lib.make_dataset(
+        cfg, "train", train=True, process_index=pi, process_count=pc)), batches)])
+    epochs = [list(map(bytes, rows[:n])), list(map(bytes, rows[n:2 * n]))]
+    for epoch in epochs:
+      assert sorted(epoch) == sorted(want["train"][pi])
+    assert epochs[0] != epochs[1] and epochs[0] != want["train"][pi]  # shuffled, reshuffled
+    seen.append(set(epochs[0]))
+    ev = np.concatenate([unmask(b) for b in data_lib.make_dataset(
+        cfg, "validation", train=False, process_index=pi, process_count=pc)])
+    local_val = want["validation"][pi]
+    assert list(map(bytes, ev)) == [local_val[i % len(local_val)] for i in range(16)]
+    assert sorted(set(opened)) == sorted(expected["train"][pi] + expected["validation"][pi])
+  assert sum(map(len, seen)) == len(set().union(*seen)) == N_TRAIN  # disjoint, complete
+  assert set().union(*seen) == set(map(bytes, read_split(sharded_dir, "train")))
+  flat = np.concatenate(positions)
+  assert len(np.unique(flat)) == len(flat)  # masking keys never repeat across processes
+
+
+def test_by_shard_one_process_is_the_interleaved_stream(sharded_dir):
+  a = take(iter(data_lib.make_dataset(make_config(sharded_dir), "train", train=True)), 5)
+  b = take(iter(data_lib.make_dataset(make_config(sharded_dir, shard_by_process=True), "train",
+                                      train=True)), 5)
+  assert_batches_equal(a, b)
+
+
+def test_by_shard_iterator_checkpoint_restores_identical_batches(sharded_dir):
+  cfg = make_config(sharded_dir, shard_by_process=True)
+  ds_ = data_lib.make_dataset(cfg, "train", train=True, process_index=1, process_count=2)
+  it = iter(ds_)
+  take(it, 70)  # past the end of the first local epoch (129 records, 4 per batch)
+  state = it.get_state()
+  json.dumps(state)
+  expected = take(it, 4)
+  fresh = iter(data_lib.make_dataset(cfg, "train", train=True, process_index=1,
+                                     process_count=2))
+  fresh.set_state(state)
+  assert_batches_equal(take(fresh, 4), expected)
+  other = take(iter(data_lib.make_dataset(cfg, "train", train=True, process_index=0,
+                                          process_count=2)), 4)
+  assert not np.array_equal(unmask(other[0]), unmask(expected[0]))
+
+
+def test_by_shard_needs_a_shard_per_process(dataset_dir):
+  cfg = make_config(dataset_dir, shard_by_process=True)  # 2 shards per split
+  with pytest.raises(ds.DatasetError, match=r"split 'validation' has 2 shards for 4 processes: "
+                                            r"data.shard_by_process=True"):
+    data_lib.make_dataset(cfg, "validation", train=False, process_index=3, process_count=4)
+
+
 # --------------------------------------------------------------------------- device prefetch
 def _prefetcher(dataset_dir, split="train", train=True, **data_overrides):
   import jax

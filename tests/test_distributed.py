@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -159,12 +160,19 @@ def spawn(process_id: int, num_processes: int, port: int, args: list[str]) -> su
                           start_new_session=True)
 
 
+_stderr: dict = {}
+
+
 def kill_all(procs):
   for p in procs:
     if p.poll() is None:
       os.killpg(p.pid, signal.SIGKILL)
   for p in procs:
-    p.communicate()
+    _stderr[p.pid] = p.communicate()[1]
+
+
+def survivor_err(procs, victim) -> str:
+  return _stderr.get(procs[1 - victim].pid, "")
 
 
 @pytest.fixture(scope="module")
@@ -298,10 +306,16 @@ def test_killed_process_stops_the_others(data, tmp_path, victim):
     elapsed = time.monotonic() - killed
   finally:
     kill_all(procs)
+  err = survivor.stderr.read() if survivor.stderr and not survivor.stderr.closed else ""
+  err = err or survivor_err(procs, victim)
   print(f"survivor of a killed process {victim} exited {survivor.returncode} after "
         f"{elapsed:.1f} s (heartbeat timeout {heartbeat} s)")
   assert survivor.returncode != 0
   assert elapsed < heartbeat + 10
+  # Named by us (a collective failed first) or by the runtime (its heartbeat check first).
+  named = (f"lost process {victim} on " in err
+           or re.search(rf"stopped sending heartbeats\):\s*{victim}\b", err))
+  assert named, err[-3000:]
 
 
 # ----------------------------------------------------------------------------- bad start-up
@@ -365,3 +379,20 @@ def test_batch_not_divisible_and_config_mismatch(data, tmp_path):
   for p, (out, err) in zip(procs, results):
     assert p.returncode != 0
     assert "started with different configs" in err and "train.steps=" in err, err[-3000:]
+
+
+def test_by_shard_dataset_check(data, tmp_path):
+  """data.shard_by_process: main.py checks the node-local copy against the by-shard plan. A
+  copy staged for process 0 only (--only-needed --plan by_shard) stops the 2-process job
+  before any step, and both processes name process 1's missing shards."""
+  from lmscale_jax import staging
+
+  local = tmp_path / "local_ds"
+  staging.stage(str(data), str(local), only_needed=True, num_processes=2, process_ids=[0],
+                plan="by_shard", progress=False, log=lambda m: None)
+  r = local_sh(2, train_args(str(local), tmp_path / "w", **{"data.shard_by_process": True}),
+               timeout=120)
+  assert r.returncode != 0
+  msg = "With data.shard_by_process=True process 1 of 2 reads shards 1::2 of every split"
+  assert r.stderr.count(msg) >= 2, r.stderr[-3000:]  # process 1's error, reported by both
+  assert "dataset check failed in 1 of 2 processes: process 1 on" in r.stderr

@@ -112,26 +112,75 @@ def test_only_needed(src, tmp_path):
   stage(src, dest, only_needed=True, num_processes=4, process_ids=[1, 3])
   assert shard_files(dest) == shard_files(src)
   staging.check_dataset_dir(dest)
-  # A by-shard split (process i reads train shards i::P): this node's share only.
+  # By shard (data.shard_by_process: process i reads shards i::P of every split): this node's
+  # share only (test_only_needed_matches_the_by_shard_loader derives it from the loader).
+  val = [s["file"] for s in meta.splits["validation"]["shards"]]
   dest = str(tmp_path / "by_shard")
   stage(src, dest, only_needed=True, num_processes=4, process_ids=[1, 3], plan="by_shard")
-  want = sorted([train[1], train[3], train[5]]
-                + [s["file"] for s in meta.splits["validation"]["shards"]])
-  assert shard_files(dest) == want
+  assert shard_files(dest) == sorted([train[1], train[3], train[5], val[1], val[3], val[5]])
   assert staging.read_state(dest)["only_needed"] == {
       "plan": "by_shard", "num_processes": 4, "process_ids": [1, 3]}
-  # … which this loader cannot train from: refused before any step, naming why.
-  with pytest.raises(staging.StagingError, match=r"3 shards the loader reads are missing .*"
-                     r"--only-needed, plan 'by_shard', processes \[1, 3\] of 4"):
+  # … which the interleaved loader (the default) cannot train from: refused, naming why.
+  with pytest.raises(staging.StagingError, match=r"6 shards the loader reads are missing .*"
+                     r"--only-needed, plan 'by_shard', processes \[1, 3\] of 4.*"
+                     r"data.shard_by_process=False"):
     staging.check_dataset_dir(dest)
   # a rerun without --only-needed completes it
-  assert stage(src, dest)["copied"] == 3  # the other 3 train shards
+  assert stage(src, dest)["copied"] == 6  # the other 3 train and 3 validation shards
   staging.check_dataset_dir(dest)
   with pytest.raises(staging.StagingError, match=r"--process-ids \[4\]: expected ids in \[0, 4\)"):
     stage(src, str(tmp_path / "x"), only_needed=True, num_processes=4, process_ids=[4])
-  with pytest.raises(staging.StagingError, match="7 processes: a by-shard split needs"):
+  with pytest.raises(staging.StagingError, match="split 'train' has 6 shards for 7 processes: "
+                                                 "a by-shard split"):
     stage(src, str(tmp_path / "x"), only_needed=True, num_processes=7, process_ids=[0],
           plan="by_shard")
+
+
+def by_shard_config(path):
+  import ml_collections
+
+  c = ml_collections.ConfigDict()
+  c.data = ml_collections.ConfigDict(dict(
+      path=str(path), workers=0, seed=0, mask_prob=0.15, max_predictions=0, prefetch_buffer=2,
+      read_threads=1, shard_by_process=True))
+  c.train = ml_collections.ConfigDict(dict(batch_size=8, eval_batches=2))
+  return c
+
+
+def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
+  """tools/stage.py --only-needed --plan by_shard copies exactly the shard files that by-shard
+  loaders (data.shard_by_process) of the listed processes read; training accepts the copy
+  for those processes, refuses it for the others, and the loaders run from it."""
+  from lmscale_jax import data as data_lib
+
+  num, ids = 4, [0, 2]
+  loaders = {(pi, split): data_lib.make_batch_loader(by_shard_config(src), split,
+                                                     train=split == "train", process_index=pi,
+                                                     process_count=num)
+             for pi in ids for split in ("train", "validation")}
+  read = sorted(os.path.basename(p) for l in loaders.values() for p in l.records.paths)
+  assert len(read) == len(set(read)) < len(shard_files(src))
+  dest = tmp_path / "node"
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "stage.py"), src, str(dest),
+                      "--only-needed", "--plan", "by_shard", "--num-processes", str(num),
+                      "--process-ids", ",".join(map(str, ids)), "--no-progress"],
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert shard_files(dest) == read
+  for pi in range(num):
+    check = lambda: staging.check_dataset_dir(str(dest), plan="by_shard", num_processes=num,
+                                              process_id=pi)
+    if pi in ids:
+      check()
+      for split in ("train", "validation"):
+        batch = next(iter(data_lib.make_dataset(by_shard_config(dest), split,
+                                                train=split == "train", process_index=pi,
+                                                process_count=num)))
+        assert batch["input_ids"].shape == (2, 32)
+    else:
+      with pytest.raises(staging.StagingError, match=rf"process {pi} of 4 reads shards {pi}::4 "
+                                                     "of every split"):
+        check()
 
 
 def test_too_little_space(src, tmp_path, monkeypatch):

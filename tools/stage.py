@@ -31,9 +31,10 @@ def main(argv=None) -> int:
   p.add_argument("--process-ids", default="0",
                  help="comma-separated ids of this node's processes (with --only-needed)")
   p.add_argument("--plan", choices=staging.PLANS, default="interleaved",
-                 help="how the loader assigns shards to processes: 'interleaved' (this "
-                      "loader: every process reads every shard) or 'by_shard' (process i "
-                      "reads train shards i::P; not supported by training yet)")
+                 help="how the loader assigns shards to processes: 'interleaved' (the "
+                      "default, data.shard_by_process=False: every process reads every shard) "
+                      "or 'by_shard' (data.shard_by_process=True: process i reads shards i::P "
+                      "of every split)")
   p.add_argument("--verify-all", action="store_true",
                  help="re-hash every file already in DEST, even those unchanged since they "
                       "were verified")

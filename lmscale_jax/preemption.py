@@ -1,0 +1,95 @@
+"""Preemption: SIGTERM or SIGUSR1 -> finish the step, checkpoint, exit 0.
+
+Schedulers signal before they kill: Slurm sends ``--signal=USR1@T`` T seconds before the time
+limit and SIGTERM on preemption or ``scancel`` (then SIGKILL after ``KillWait``). The signal
+reaches the processes of a job at different times, or only some of them, but a checkpoint
+save is collective: every process must save at the same step.
+
+* Several processes: JAX's preemption sync manager (started by ``jax.distributed.initialize``)
+  catches SIGTERM, tells the other processes through the coordination service, and they agree
+  on the first step none of them has passed; :func:`reached` is
+  ``multihost_utils.reached_preemption_sync_point``. SIGUSR1 is forwarded to it as SIGTERM.
+* One process: a Python handler sets a flag that :func:`reached` reads.
+
+A second SIGTERM to a single process kills it at once (for an impatient ``kill``). Grain's
+worker processes ignore both signals (:func:`ignore_in_worker`): they are in the job's process
+group, and if they died the pending step could not get its batch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from absl import logging
+
+_requested = threading.Event()
+_multi = False
+
+
+def install() -> None:
+  """Call after ``distributed.initialize`` (whose runtime installs its own SIGTERM handler)."""
+  global _multi
+  import jax
+
+  _multi = jax.process_count() > 1
+  if _multi:
+    from jax._src import distributed as jd  # where the runtime keeps its sync manager
+
+    if jd.global_state.preemption_sync_manager is None:
+      raise RuntimeError("jax.distributed started without its preemption service "
+                         "(jax_enable_preemption_service=False?): processes could not agree "
+                         "on a step to checkpoint at when preempted")
+  if threading.current_thread() is not threading.main_thread():
+    return  # signal handlers can only be set from the main thread (e.g. tests calling train)
+  if _multi:
+    signal.signal(signal.SIGUSR1, _forward_to_runtime)
+  else:
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGUSR1, _on_signal)
+
+
+def _on_signal(signum, frame) -> None:
+  if signum == signal.SIGTERM and _requested.is_set():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return
+  _requested.set()
+  logging.warning("%s received: stopping after the current step, with a checkpoint",
+                  signal.Signals(signum).name)
+
+
+def _forward_to_runtime(signum, frame) -> None:
+  if not _requested.is_set():
+    _requested.set()
+    logging.warning("SIGUSR1 received (time limit near): asking every process to checkpoint "
+                    "and stop")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def reached(step: int) -> bool:
+  """Whether to checkpoint and stop after ``step``; every process gets the same answer for the
+  same step. Call it once per step, in every process, from the same first step."""
+  if _multi:
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
+  return _requested.is_set()
+
+
+def requested() -> bool:
+  """Whether this process received a signal itself (other processes may have, too)."""
+  return _requested.is_set()
+
+
+def reset() -> None:
+  """Forgets a request (tests that run several trainings in one process)."""
+  _requested.clear()
+
+
+def ignore_in_worker(worker_index: int, worker_count: int) -> None:
+  """Grain ``worker_init_fn``: input workers outlive the signal until the checkpoint is saved."""
+  del worker_index, worker_count
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  signal.signal(signal.SIGUSR1, signal.SIG_IGN)
