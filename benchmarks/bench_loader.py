@@ -26,20 +26,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import _host  # noqa: E402
+
 import numpy as np  # noqa: E402
 
 PEER = "/work/shared/bench/peer_hf_loader.py"
 
 
 def cpu_description() -> str:
-  model = "unknown cpu"
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    model = next(l.split(":", 1)[1].strip() for l in out.splitlines()
-                 if l.startswith("Model name"))
-  except (OSError, subprocess.CalledProcessError, StopIteration):
-    pass
-  return f"cpu: {model} / {os.cpu_count()}"
+  return _host.cpu_name()
 
 
 def synthetic_dataset(directory: str, records: int, seq_len: int, vocab: int) -> str:

@@ -15,26 +15,20 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import _host  # noqa: E402
+
 from lmscale_jax import elf_corpus, prepare  # noqa: E402
 
 
 def cpu_name() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                 if line.startswith("Model name"))
-  except (OSError, StopIteration):
-    model = platform.processor() or "unknown cpu"
-  return f"cpu: {model} ({os.cpu_count()} cores)"
+  return _host.cpu_name()
 
 
 def capstone_only(files: list[str]) -> tuple[float, int]:

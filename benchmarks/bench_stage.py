@@ -29,6 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import _host  # noqa: E402
+
 
 def synthetic_dataset(directory: str, size_mb: int) -> str:
   """~size_mb MB of seq-4096 records in ~64 MB shards (tests/helpers.py writer); reused."""
@@ -62,13 +64,6 @@ def drop_cache(directory: str) -> None:
 
 def device_description(directory: str) -> str:
   """``cpu: <model> (<n> cores); disk: <device> <fstype>`` of the CPU and of ``directory``."""
-  model = "unknown cpu"
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    model = next(l.split(":", 1)[1].strip() for l in out.splitlines()
-                 if l.startswith("Model name"))
-  except (OSError, subprocess.CalledProcessError, StopIteration):
-    pass
   disk = "unknown disk"
   try:
     out = subprocess.run(["df", "--output=source,fstype", directory], capture_output=True,
@@ -76,7 +71,7 @@ def device_description(directory: str) -> str:
     disk = " ".join(out[-2:])
   except (OSError, subprocess.CalledProcessError):
     pass
-  return f"cpu: {model} ({os.cpu_count()} cores); disk: {disk}"
+  return f"{_host.cpu_name()}; disk: {disk}"
 
 
 def dir_bytes(directory: str) -> int:

@@ -28,7 +28,6 @@ import argparse
 import glob
 import gzip
 import json
-import math
 import os
 import sys
 import time
