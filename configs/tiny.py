@@ -3,20 +3,11 @@
   python -m lmscale_jax.main --config=configs/tiny.py --config.data.path=DATASET --workdir=W
 """
 
-import importlib.util
-import os
-
-
-def _base_config():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py")
-  spec = importlib.util.spec_from_file_location("lmscale_configs_base", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_base_config()
+from lmscale_jax import config_defaults
 
 
 def get_config():
-  c = _base_config()
+  c = config_defaults.get_base_config()
   c.data.workers = 0
   c.data.prefetch_buffer = 4
   c.data.read_threads = 2

@@ -32,13 +32,9 @@ FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_pass
 
 # ----------------------------------------------------------------------------- resolution
 def dcfg(**kw) -> ml_collections.ConfigDict:
-  import importlib.util
+  from lmscale_jax import config_defaults
 
-  spec = importlib.util.spec_from_file_location("cfg_base", os.path.join(ROOT, "configs",
-                                                                          "base.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  d = mod.get_base_config().distributed
+  d = config_defaults.get_base_config().distributed
   for k, v in kw.items():
     d[k] = v
   return d
