@@ -231,6 +231,8 @@ def test_losses_match_one_process(runs):
     other = series(runs[n][0])
     assert sorted(other) == sorted(one)
     np.testing.assert_allclose([other[s] for s in one], [one[s] for s in one], rtol=1e-5)
+    rel = max(abs(other[s] - one[s]) / abs(one[s]) for s in one)
+    print(f"{n} processes vs 1: max relative loss difference {rel:.2e} over {len(one)} steps")
     ev1, evn = series(runs[1][0], "eval_loss"), series(runs[n][0], "eval_loss")
     assert sorted(evn) == [3, 6]
     np.testing.assert_allclose([evn[s] for s in ev1], [ev1[s] for s in ev1], rtol=1e-5)
