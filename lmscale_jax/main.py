@@ -41,11 +41,18 @@ def main(argv):
   # Imported here, not at module level: Grain's worker processes re-import __main__.
   import jax
 
-  from lmscale_jax import distributed, preemption, staging, train
+  from lmscale_jax import checkpoint, dataset, distributed, preemption, staging, train
 
+  # Bad settings or data: one line, no traceback (it is logged with --verbosity=1).
+  user_errors = (distributed.DistributedError, staging.StagingError, dataset.DatasetError,
+                 checkpoint.IncompatibleCheckpoint, train.NonFiniteLoss, ValueError)
   config = FLAGS.config
   if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage
-    setup = train.build_setup(config)
+    try:
+      setup = train.build_setup(config)
+    except user_errors as e:
+      logging.vlog(1, "traceback", exc_info=True)
+      sys.exit(f"error: {e}")
     print(config)
     print(train.describe(setup))
     return
@@ -86,8 +93,9 @@ def main(argv):
               + distributed.explain_collective_failure(config.distributed.heartbeat_timeout),
               file=sys.stderr, flush=True)
       distributed.exit_now(1)
-    if isinstance(e, (distributed.DistributedError, staging.StagingError)):
-      sys.exit(f"error: {e}")  # bad settings or data: one line, no traceback
+    if isinstance(e, user_errors):
+      logging.vlog(1, "traceback", exc_info=True)
+      sys.exit(f"error: {e}")
     raise
 
 

@@ -394,3 +394,12 @@ def test_by_shard_dataset_check(data, tmp_path):
   msg = "With data.shard_by_process=True process 1 of 2 reads shards 1::2 of every split"
   assert r.stderr.count(msg) >= 2, r.stderr[-3000:]  # process 1's error, reported by both
   assert "dataset check failed in 1 of 2 processes: process 1 on" in r.stderr
+  # Staged for both processes: the by-shard job trains, every process reading its own shards.
+  staging.stage(str(data), str(local), only_needed=True, num_processes=2, process_ids=[0, 1],
+                plan="by_shard", progress=False, log=lambda m: None)
+  w = tmp_path / "w2"
+  r = local_sh(2, train_args(str(local), w, **{"data.shard_by_process": True}), timeout=200)
+  assert r.returncode == 0, r.stderr[-5000:]
+  losses, evals = series(w), series(w, "eval_loss")
+  assert sorted(losses) == [1, 2, 3, 4, 5, 6] and sorted(evals) == [3, 6]
+  assert all(np.isfinite(v) for v in [*losses.values(), *evals.values()])

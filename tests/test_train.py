@@ -150,6 +150,17 @@ def test_batch_not_divisible_by_devices(data, tmp_path):
   r = _main([f"--config={ROOT}/configs/tiny.py", f"--config.data.path={data}",
              "--config.train.batch_size=6", f"--workdir={tmp_path}", "--dry_run"], devices=4)
   assert r.returncode != 0 and "not divisible by the 4 devices" in r.stderr
+  assert r.stderr.strip().splitlines()[-1].startswith("error: train.batch_size=6")
+  assert "Traceback" not in r.stderr  # one clear line
+
+
+def test_missing_dataset_is_one_line(tmp_path):
+  r = _main([f"--config={ROOT}/configs/tiny.py", f"--config.data.path={tmp_path / 'nope'}",
+             f"--workdir={tmp_path / 'w'}"])
+  assert r.returncode == 1 and "Traceback" not in r.stderr
+  assert r.stderr.strip().splitlines()[-1] == (
+      f"error: dataset directory '{tmp_path / 'nope'}' does not exist (prepare one with "
+      "tools/prepare_binary.py or tools/prepare_text.py)")
 
 
 def test_dry_run_reports_size(data, tmp_path):
