@@ -71,7 +71,9 @@ def _forward_to_runtime(signum, frame) -> None:
 def reached(step: int) -> bool:
   """Whether to checkpoint and stop after ``step``; every process gets the same answer for the
   same step. Call it once per step, in every process, from the same first step."""
-  if _multi:
+  import jax
+
+  if jax.process_count() > 1:  # also when install() was not called (train used as a library)
     from jax.experimental import multihost_utils
 
     return multihost_utils.reached_preemption_sync_point(step)
