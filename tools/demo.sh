@@ -26,8 +26,9 @@ evals = [r for r in rows if "eval_loss" in r]
 print(f"\n{'step':>6} {'train loss':>11} {'eval loss':>10}   unigram baseline {base:.3f} nats")
 tr = {r["step"]: r["loss"] for r in train}
 for step in sorted({train[0]["step"], *(r["step"] for r in evals)}):
-  e = next((r["eval_loss"] for r in evals if r["step"] == step), float("nan"))
-  print(f"{step:>6} {tr.get(step, float('nan')):>11.3f} {e:>10.3f}")
+  e = next((f"{r['eval_loss']:.3f}" for r in evals if r["step"] == step), "-")
+  t = f"{tr[step]:.3f}" if step in tr else "-"
+  print(f"{step:>6} {t:>11} {e:>10}")
 final = evals[-1]["eval_loss"]
 print(f"final eval MLM loss {final:.3f} vs unigram baseline {base:.3f}: perplexity "
       f"{math.exp(final):.1f} vs {math.exp(base):.1f} ({math.exp(base - final):.1f}× lower); "
