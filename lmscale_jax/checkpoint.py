@@ -59,14 +59,6 @@ def write_run_state(workdir: str, state: str, step: int, total_steps: int) -> No
                                                    str(step))})
 
 
-def read_run_state(workdir: str) -> dict | None:
-  path = os.path.join(workdir, RUN_STATE)
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
-
-
 class Checkpointer:
 
   def __init__(self, workdir: str, *, keep: int, use_async: bool = True):

@@ -371,15 +371,19 @@ class _Records:
     self.__dict__.update(state)
     self._init_readers()
 
+  def _shard_of(self, index: int) -> int:
+    return int(np.searchsorted(self.ends, index, side="right"))
+
   def locate(self, index: int) -> tuple[str, int]:
-    """Split record index -> (shard file, record index inside it)."""
-    shard = int(np.searchsorted(self.ends, index, side="right"))
+    """Record index (over this instance's shards) -> (shard file, record index inside it)."""
+    shard = self._shard_of(index)
     return self.paths[shard], int(index - self.starts[shard])
 
   def where(self, index: int) -> str:
-    path, local = self.locate(index)
-    shard = int(np.searchsorted(self.ends, index, side="right"))
-    return f"{path}: record {local} (split record {int(self.split_starts[shard]) + local})"
+    shard = self._shard_of(index)
+    local = int(index - self.starts[shard])
+    return (f"{self.paths[shard]}: record {local} "
+            f"(split record {int(self.split_starts[shard]) + local})")
 
   def _open(self, shard: int):
     with self._open_lock:

@@ -253,31 +253,35 @@ class DatasetMeta:
 
     Returns a list of problems, empty when the dataset is intact.
     """
+    problems = [self.shard_problem(s, checksums)
+                for info in self.splits.values() for s in info["shards"]]
+    return [p for p in problems if p]
+
+  def shard_problem(self, shard: dict, checksums: bool = True) -> str | None:
+    """What is wrong with one shard entry of ``metadata.json`` on disk (size, sha256, record
+    count), or None."""
     from array_record.python import array_record_module
 
-    problems = []
-    for split, info in self.splits.items():
-      for s in info["shards"]:
-        p = os.path.join(self.path, s["file"])
-        if not os.path.exists(p):
-          problems.append(f"{p}: missing")
-          continue
-        if os.path.getsize(p) != s["bytes"]:
-          problems.append(f"{p}: {os.path.getsize(p)} bytes, metadata says {s['bytes']}")
-          continue
-        if checksums and sha256_file(p) != s["sha256"]:
-          problems.append(f"{p}: sha256 mismatch (metadata {s['sha256'][:12]}…)")
-          continue
-        try:
-          r = array_record_module.ArrayRecordReader(p)
-          n = r.num_records()
-          r.close()
-        except Exception as e:  # array_record raises plain RuntimeError on corrupt footers
-          problems.append(f"{p}: unreadable ArrayRecord file: {e}")
-          continue
-        if n != s["records"]:
-          problems.append(f"{p}: {n} records, metadata says {s['records']}")
-    return problems
+    p = os.path.join(self.path, shard["file"])
+    try:
+      size = os.path.getsize(p)
+    except OSError as e:
+      return f"{p}: missing or unreadable ({e.strerror or e})"
+    if size != shard["bytes"]:
+      return f"{p}: size {size} bytes, expected {shard['bytes']} (metadata.json)"
+    if checksums:
+      digest = sha256_file(p, chunk=8 << 20)
+      if digest != shard["sha256"]:
+        return f"{p}: sha256 {digest}, expected {shard['sha256']} (metadata.json)"
+    try:
+      r = array_record_module.ArrayRecordReader(p)
+      n = r.num_records()
+      r.close()
+    except Exception as e:  # array_record raises plain RuntimeError on corrupt footers
+      return f"{p}: unreadable ArrayRecord file: {e}"
+    if n != shard["records"]:
+      return f"{p}: {n} records, expected {shard['records']} (metadata.json)"
+    return None
 
 
 def finalize(directory: str, *, name: str, seq_len: int, vocab_size: int, special_ids: dict,

@@ -64,14 +64,14 @@ def main(argv):
       staging.stage_per_node(config.data.stage_from, config.data.path,
                              workers=int(config.data.stage_workers),
                              timeout_s=float(config.data.stage_timeout), log=logging.info)
-    distributed.agree("dataset check", lambda: staging.check_dataset_dir(
-        config.data.path, num_processes=jax.process_count(), process_id=jax.process_index(),
-        plan="by_shard" if config.data.get("shard_by_process", False) else "interleaved"))
+    # The shards this process reads (lmscale_jax/data.py modes = staging read plans).
+    reads = dict(num_processes=jax.process_count(), process_id=jax.process_index(),
+                 plan="by_shard" if config.data.shard_by_process else "interleaved")
+    distributed.agree("dataset check",
+                      lambda: staging.check_dataset_dir(config.data.path, **reads))
     if FLAGS.verify_data:
       distributed.agree("data verification", lambda: staging.verify_shards(
-          config.data.path, num_processes=jax.process_count(), process_id=jax.process_index(),
-          plan="by_shard" if config.data.get("shard_by_process", False) else "interleaved",
-          log=logging.info))
+          config.data.path, log=logging.info, **reads))
     logging.info("workdir %s", FLAGS.workdir)
     train.train_and_evaluate(config, FLAGS.workdir)
   except Exception as e:

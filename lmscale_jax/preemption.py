@@ -25,16 +25,14 @@ import threading
 from absl import logging
 
 _requested = threading.Event()
-_multi = False
 
 
 def install() -> None:
   """Call after ``distributed.initialize`` (whose runtime installs its own SIGTERM handler)."""
-  global _multi
   import jax
 
-  _multi = jax.process_count() > 1
-  if _multi:
+  multi = jax.process_count() > 1
+  if multi:
     from jax._src import distributed as jd  # where the runtime keeps its sync manager
 
     if jd.global_state.preemption_sync_manager is None:
@@ -43,7 +41,7 @@ def install() -> None:
                          "on a step to checkpoint at when preempted")
   if threading.current_thread() is not threading.main_thread():
     return  # signal handlers can only be set from the main thread (e.g. tests calling train)
-  if _multi:
+  if multi:
     signal.signal(signal.SIGUSR1, _forward_to_runtime)
   else:
     signal.signal(signal.SIGTERM, _on_signal)

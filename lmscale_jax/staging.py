@@ -177,7 +177,8 @@ def verify_shards(path: str, *, splits: Sequence[str] = ("train", "validation"),
                   plan: str = "interleaved", num_processes: int = 1, process_id: int = 0,
                   workers: int = 4, log: Callable[[str], None] | None = None) -> dict:
   """``--verify_data``: re-hashes every shard of ``splits`` that process ``process_id`` of
-  ``num_processes`` reads under ``plan`` and compares size and sha256 with ``metadata.json``.
+  ``num_processes`` reads under ``plan`` and compares size, sha256 and record count with
+  ``metadata.json`` (``DatasetMeta.shard_problem``).
 
   Raises :class:`StagingError` (one line: the first bad file, expected and actual value);
   returns ``{"files", "bytes", "seconds", "mb_per_s"}`` and logs the rate.
@@ -187,22 +188,9 @@ def verify_shards(path: str, *, splits: Sequence[str] = ("train", "validation"),
   needed = needed_shards(meta, num_processes, [process_id], plan)
   shards = [s for split in splits for s in needed.get(split, [])]
 
-  def check(s) -> str | None:
-    p = os.path.join(path, s["file"])
-    try:
-      size = os.path.getsize(p)
-    except OSError as e:
-      return f"{p}: missing or unreadable ({e.strerror or e})"
-    if size != s["bytes"]:
-      return f"{p}: size {size} bytes, expected {s['bytes']} (metadata.json)"
-    digest = _hash_file(p)
-    if digest != s["sha256"]:
-      return f"{p}: sha256 {digest}, expected {s['sha256']} (metadata.json)"
-    return None
-
   t0 = time.perf_counter()
   with cf.ThreadPoolExecutor(max(1, workers)) as pool:  # hashing releases the GIL
-    problems = [m for m in pool.map(check, shards) if m]
+    problems = [m for m in pool.map(meta.shard_problem, shards) if m]
   secs = time.perf_counter() - t0
   if problems:
     more = f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""

@@ -170,8 +170,8 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
   The optimizer update runs in the global view either way, on parameters and moments sharded
   like ``param_specs`` (elementwise, so no communication, except the scalar of the global-norm
   clip). Metric ``nonfinite``: the loss or gradient norm is NaN/inf (``train.nonfinite=skip``
-  then skips the update: ``optax.apply_if_finite``). ``inject_nonfinite_steps`` (fault injection, for tests of that path) makes
-  the loss and gradients of those 1-based steps NaN.
+  then skips the update: ``optax.apply_if_finite``). ``inject_nonfinite_steps`` (fault
+  injection, for tests of that path) makes the loss and gradients of those 1-based steps NaN.
   """
   if manual is None:
     manual = needs_manual_grads(accum_steps, reduce_dtype, param_specs)
@@ -628,8 +628,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   def flush_window(step: int, device_metrics: list, seconds: float, wait: float) -> dict:
     host = jax.device_get(device_metrics)
     first = step - len(host) + 1
-    bad = [first + i for i, m in enumerate(host)
-           if m["nonfinite"] or not np.isfinite(m["loss"])]
+    bad = [first + i for i, m in enumerate(host) if m["nonfinite"]]
     if bad and t.nonfinite == "error":
       raise NonFiniteLoss(
           f"non-finite loss or gradient at step {bad[0]}; last good checkpoint: "
@@ -641,7 +640,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           f"{run} consecutive steps with a non-finite loss or gradient (steps {step - run + 1}"
           f"-{step}, all skipped; train.max_consecutive_nonfinite="
           f"{t.max_consecutive_nonfinite}); last good checkpoint: {last_good()}")
-    good = [m for m in host if not m["nonfinite"] and np.isfinite(m["loss"])] or host
+    good = [m for m in host if not m["nonfinite"]] or host
     row = {
         "loss": float(np.mean([m["loss"] for m in good])),
         "mlm_accuracy": float(np.mean([m["mlm_accuracy"] for m in good])),

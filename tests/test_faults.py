@@ -323,3 +323,17 @@ def test_sbatch_requeues_a_preempted_run(tmp_path, state, requeued):
   assert "tools/stage.py" in calls[0] and "--ntasks-per-node=1" in calls[0]
   assert "lmscale_jax.main" in calls[1] and "--config.data.path=" in calls[1]
   assert ("scontrol requeue 777" in calls) == requeued, calls
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("nonfinite", "ignore", r"train.nonfinite='ignore': expected one of \['error', 'skip'\]"),
+    ("max_consecutive_nonfinite", 0, r"train.max_consecutive_nonfinite=0: expected a positive"),
+    ("inject_nonfinite_steps", "3,x", r"train.inject_nonfinite_steps='3,x': expected "
+                                      r"comma-separated step numbers"),
+    ("inject_nonfinite_steps", "0", r"train.inject_nonfinite_steps='0': step numbers start at 1"),
+])
+def test_bad_nonfinite_settings_are_named(data, key, value, match):
+  from lmscale_jax import train
+
+  with pytest.raises(ValueError, match=match):
+    train.check_config(small_config(data, **{key: value}))
