@@ -39,14 +39,14 @@ def cpu_description() -> str:
 
 def synthetic_dataset(directory: str, records: int, seq_len: int, vocab: int) -> str:
   """A real dataset directory via the production writer (tests/helpers.py); reused if present."""
-  from lmscale_jax import dataset as ds
+  from lmscale_jax import dataset
   from tests.helpers import make_synthetic_dataset
 
   try:
-    meta = ds.DatasetMeta.load(directory)
+    meta = dataset.DatasetMeta.load(directory)
     if (meta.seq_len, meta.vocab_size, meta.num_records("train")) == (seq_len, vocab, records):
       return directory
-  except ds.DatasetError:
+  except dataset.DatasetError:
     pass
   # ~64 MB shards like prepare.py writes, but at least 4 so reads hit several files.
   shards = max(4, records * (2 * seq_len + 30) // (64 << 20))
@@ -59,13 +59,13 @@ def export_tokens(path: str, out: str) -> np.ndarray:
   """The train split as an (N, seq_len) uint16 array, for the peer (same data, same order)."""
   from array_record.python import array_record_module
 
-  from lmscale_jax import dataset as ds
+  from lmscale_jax import dataset
 
-  meta = ds.DatasetMeta.load(path)
+  meta = dataset.DatasetMeta.load(path)
   rows = []
   for p in meta.shard_paths("train"):
     r = array_record_module.ArrayRecordReader(p)
-    rows += [ds.decode_record(x, meta.seq_len) for x in r.read_all()]
+    rows += [dataset.decode_record(x, meta.seq_len) for x in r.read_all()]
     r.close()
   ids = np.stack(rows)
   np.save(out, ids)
@@ -135,10 +135,10 @@ def main(argv=None) -> int:
 
   from absl import flags  # Grain workers read absl flags; nothing here parses them
   flags.FLAGS.mark_as_parsed()
-  from lmscale_jax import dataset as ds
+  from lmscale_jax import dataset
 
   path = a.data or synthetic_dataset(a.synthetic_dir, a.records, a.seq_len, a.vocab)
-  meta = ds.DatasetMeta.load(path)
+  meta = dataset.DatasetMeta.load(path)
   workers = [int(w) for w in a.workers.split(",")]
 
   peer_python = None if a.no_peer else a.peer_python

@@ -34,15 +34,15 @@ from benchmarks import _host  # noqa: E402
 
 def synthetic_dataset(directory: str, size_mb: int) -> str:
   """~size_mb MB of seq-4096 records in ~64 MB shards (tests/helpers.py writer); reused."""
-  from lmscale_jax import dataset as ds
+  from lmscale_jax import dataset
   from tests.helpers import make_synthetic_dataset
 
   seq_len = 4096
   records = size_mb * 1_000_000 // (2 * seq_len + 30)
   try:
-    if ds.DatasetMeta.load(directory).num_records("train") == records:
+    if dataset.DatasetMeta.load(directory).num_records("train") == records:
       return directory
-  except ds.DatasetError:
+  except dataset.DatasetError:
     pass
   shutil.rmtree(directory, ignore_errors=True)
   make_synthetic_dataset(directory, seq_len=seq_len, vocab_size=8192, n_train=records,

@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 
 from absl import logging
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 
 FILENAME = "loader_autotune.json"
 
@@ -122,6 +122,6 @@ def resolve_workers(workdir: str, data_config, *, has_checkpoint: bool, is_write
               "step_seconds": step_s, "max_workers": max_workers, "measurements": results}
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
-    ds.atomic_write_json(path, record)
+    dataset.atomic_write_json(path, record)
   logging.info("loader autotune: %d workers (%s)", record["workers"], record["reason"])
   return int(record["workers"])

@@ -14,7 +14,7 @@ import os
 import grain
 import orbax.checkpoint as ocp
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 
 # Keys that change the parameter shapes or the meaning of the data: a checkpoint cannot be
 # resumed under a config that differs in any of them.
@@ -44,7 +44,7 @@ def check_or_save_config(workdir: str, config, model_cfg, is_writer: bool) -> No
     return
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
-    ds.atomic_write_json(path, resolved)
+    dataset.atomic_write_json(path, resolved)
 
 
 RUN_STATE = "run_state.json"
@@ -53,7 +53,7 @@ RUN_STATE = "run_state.json"
 def write_run_state(workdir: str, state: str, step: int, total_steps: int) -> None:
   """``workdir/run_state.json``: how the last run ended ("finished" or "preempted"), so a job
   script can requeue itself (launch/slurm.sbatch) without parsing logs."""
-  ds.atomic_write_json(os.path.join(workdir, RUN_STATE),
+  dataset.atomic_write_json(os.path.join(workdir, RUN_STATE),
                        {"state": state, "step": int(step), "total_steps": int(total_steps),
                         "checkpoint": os.path.join(os.path.abspath(workdir), "checkpoints",
                                                    str(step))})

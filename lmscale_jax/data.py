@@ -57,7 +57,7 @@ import grain
 import numpy as np
 from absl import logging
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 
 # Validation masks never depend on data.seed, so eval losses of runs with different training
 # seeds are comparable.
@@ -317,7 +317,7 @@ class _Records:
   instance reads (by-shard mode); record indices then run over those shards' records only.
   """
 
-  def __init__(self, meta: ds.DatasetMeta, split: str, shards=None):
+  def __init__(self, meta: dataset.DatasetMeta, split: str, shards=None):
     paths = meta.shard_paths(split)  # raises DatasetError for a split with zero shards
     counts = np.array([s["records"] for s in meta.splits[split]["shards"]], np.int64)
     self.shards = list(range(len(paths))) if shards is None else [int(i) for i in shards]
@@ -344,7 +344,7 @@ class _Records:
     if mode not in ON_CORRUPT:
       raise ValueError(f"data.on_corrupt {mode!r}: expected one of {ON_CORRUPT}")
     self.on_corrupt = mode
-    self._pad_record = ds.encode_record(np.full(self.seq_len, pad_id, np.uint16))
+    self._pad_record = dataset.encode_record(np.full(self.seq_len, pad_id, np.uint16))
 
   def _skip(self, index: int, message: str) -> None:
     """Skip mode: warns about split record ``index`` the first time it is skipped."""
@@ -414,7 +414,7 @@ class _Records:
     """Error mode: raises. Skip mode: one warning; the shard's reader becomes a stand-in
     whose reads fail, so all its records read as skipped rows."""
     if self.on_corrupt != "skip":
-      raise ds.DatasetError(message) from cause
+      raise dataset.DatasetError(message) from cause
     logging.warning("%s; skipping all its %d records (data.on_corrupt='skip')", message,
                     self.counts[shard])
     self._readers[shard] = _UnopenableShard()
@@ -443,10 +443,10 @@ class _Records:
             self._readers[shard] = None
             try:
               self._open(shard)
-            except ds.DatasetError:
+            except dataset.DatasetError:
               pass  # the next read of the shard opens it again and reports why it cannot
           if self.on_corrupt != "skip":
-            raise ds.DatasetError(message) from e
+            raise dataset.DatasetError(message) from e
           if not unopenable:
             self._skip(int(indices[i]), message)
           out.append(self._pad_record)
@@ -459,7 +459,7 @@ class _Records:
     """Records -> int32 [B, S]; one ``frombuffer`` for the batch, errors name file/record.
     Skip mode: a malformed record or one with a token id >= vocab_size becomes an all-[PAD]
     row, appended to ``bad``."""
-    prefix = ds.record_prefix(self.seq_len)
+    prefix = dataset.record_prefix(self.seq_len)
     rec_len = len(prefix) + 2 * self.seq_len
     buf = b"".join(records)
     if len(buf) != rec_len * len(records):
@@ -472,8 +472,8 @@ class _Records:
       rejected = []
       for i in rows:
         try:  # decode_record raises its DatasetError, naming where
-          ds.decode_record(records[i], self.seq_len, where=self.where(int(indices[i])))
-        except ds.DatasetError as e:
+          dataset.decode_record(records[i], self.seq_len, where=self.where(int(indices[i])))
+        except dataset.DatasetError as e:
           rejected.append((i, e))
           continue
         raise AssertionError(f"decode_record accepted {self.where(int(indices[i]))}, which "
@@ -486,7 +486,7 @@ class _Records:
       rejected = []
       for row in np.flatnonzero(over.any(axis=1)).tolist():
         col = int(np.argmax(over[row]))
-        rejected.append((row, ds.DatasetError(
+        rejected.append((row, dataset.DatasetError(
             f"{self.where(int(indices[row]))}: token id {int(ids[row, col])} at position {col} "
             f">= vocab_size {vocab_size} (dataset prepared with another tokenizer?)")))
       return self._reject(records, indices, vocab_size, bad, rejected)
@@ -552,7 +552,7 @@ class _BatchLoader:
 
 
 # --------------------------------------------------------------------------- datasets
-def _check_model_compat(config, meta: ds.DatasetMeta) -> None:
+def _check_model_compat(config, meta: dataset.DatasetMeta) -> None:
   model = config.get("model") if hasattr(config, "get") else None
   if model is None:
     return
@@ -579,7 +579,7 @@ def make_batch_loader(config, split: str, *, train: bool, process_index: int = 0
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} not in [0, {process_count})")
   data = config.data
-  meta = ds.DatasetMeta.load(data.path)
+  meta = dataset.DatasetMeta.load(data.path)
   _check_model_compat(config, meta)
   by_shard = bool(data.get("shard_by_process", False))
   shards = None
@@ -587,7 +587,7 @@ def make_batch_loader(config, split: str, *, train: bool, process_index: int = 0
     # Must match lmscale_jax/staging.py needed_shards(plan="by_shard").
     n_shards = len(meta.shard_paths(split))
     if n_shards < process_count:
-      raise ds.DatasetError(
+      raise dataset.DatasetError(
           f"{meta.path}: split {split!r} has {n_shards} shards for {process_count} processes: "
           "data.shard_by_process=True gives each process whole shards and needs at least one "
           "per process (re-prepare with a smaller --shard-size-mb, or set "
@@ -595,7 +595,7 @@ def make_batch_loader(config, split: str, *, train: bool, process_index: int = 0
     shards = range(process_index, n_shards, process_count)
   records = _Records(meta, split, shards)
   if len(records) == 0:
-    raise ds.DatasetError(f"{meta.path}: split {split!r} has no records"
+    raise dataset.DatasetError(f"{meta.path}: split {split!r} has no records"
                           + (f" in shards {list(shards)} (process {process_index} of "
                              f"{process_count}, data.shard_by_process)" if by_shard else ""))
   masker = _Masker(meta.special_ids, meta.vocab_size, data.mask_prob,
@@ -629,8 +629,8 @@ def make_dataset(config, split: str, *, train: bool, process_index: int = 0,
   data = config.data
   if not 0 <= start_batch < num_batches:
     raise ValueError(f"start_batch {start_batch} not in [0, {num_batches})")
-  dataset = grain.MapDataset.range(start_batch, num_batches).map(loader)
-  it = dataset.to_iter_dataset(grain.ReadOptions(
+  batches = grain.MapDataset.range(start_batch, num_batches).map(loader)
+  it = batches.to_iter_dataset(grain.ReadOptions(
       num_threads=int(data.read_threads), prefetch_buffer_size=int(data.prefetch_buffer)))
   # Eval stays in-process: every evaluation iterates afresh, and worker processes would be
   # spawned (seconds each) for a few batches that threads build in well under a second.

@@ -33,7 +33,7 @@ def _truncate_after(path: str, step: int) -> None:
   """
   if not os.path.exists(path):
     return
-  from lmscale_jax import dataset as ds
+  from lmscale_jax import dataset
 
   with open(path, "rb") as f:
     lines = f.read().split(b"\n")
@@ -47,7 +47,7 @@ def _truncate_after(path: str, step: int) -> None:
       keep.append(line + b"\n")
   data = b"".join(keep)
   if len(keep) != len([x for x in lines if x]):
-    ds.atomic_write_bytes(path, data)
+    dataset.atomic_write_bytes(path, data)
 
 
 class MetricsWriter:

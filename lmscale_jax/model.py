@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = {
@@ -62,7 +62,7 @@ CUDNN_MASK = "lengths"
 
 
 # --------------------------------------------------------------------------- config
-def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: ds.DatasetMeta, *,
+def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: dataset.DatasetMeta, *,
                          remat: str = "none") -> ml_collections.ConfigDict:
   """``config.model`` + the dataset's metadata → the config :class:`BertForMLM` takes.
 
@@ -70,7 +70,7 @@ def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: ds.DatasetM
   it. Adds ``pad_id`` (from the dataset's special ids) and ``remat`` (``config.train.remat``).
   """
   cfg = ml_collections.ConfigDict(model_cfg.to_dict())
-  mpath = os.path.join(meta.path, ds.METADATA)
+  mpath = os.path.join(meta.path, dataset.METADATA)
   for key, meta_value in (("vocab_size", meta.vocab_size), ("seq_len", meta.seq_len)):
     value = cfg[key]
     if value and value != meta_value:

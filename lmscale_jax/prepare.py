@@ -31,7 +31,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 from lmscale_jax import elf_corpus, text_corpus, tokenizer as toklib
 from lmscale_jax.elf_corpus import FileResult, InputError
 from lmscale_jax.packing import Packer
@@ -72,7 +72,7 @@ class Options:
     d = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
     d["inputs"] = [os.path.abspath(p) for p in self.inputs]
     if self.tokenizer:
-      d["tokenizer"] = ds.sha256_file(self.tokenizer)
+      d["tokenizer"] = dataset.sha256_file(self.tokenizer)
     return d
 
 
@@ -120,7 +120,7 @@ def _open_output(o: Options) -> bool:
                            f"settings ({', '.join(changed)} differ); pass --overwrite to "
                            "start over")
       return True
-    elif os.path.exists(os.path.join(out, ds.METADATA)):
+    elif os.path.exists(os.path.join(out, dataset.METADATA)):
       raise PrepareError(f"output {out!r} already holds a complete dataset; pass --overwrite "
                          "to replace it")
     else:
@@ -128,7 +128,7 @@ def _open_output(o: Options) -> bool:
                          "contents")
   try:
     os.makedirs(work, exist_ok=True)
-    ds.atomic_write_json(os.path.join(work, "params.json"), params)
+    dataset.atomic_write_json(os.path.join(work, "params.json"), params)
   except OSError as e:
     raise PrepareError(f"output {out!r} is not writable: {e.strerror}") from None
   return False
@@ -262,7 +262,7 @@ def _extract(o: Options, work: str) -> list[str]:
     os.fsync(chunk.fileno())
     chunk.close()
     os.replace(chunk_path + ".partial", chunk_path)
-    ds.atomic_write_json(chunk_path[:-4] + ".json",
+    dataset.atomic_write_json(chunk_path[:-4] + ".json",
                          {"next_file": next_file, "last": last, "stats": stats})
     index += 1
     chunk_path = os.path.join(work, f"corpus-{index:05d}.txt")
@@ -331,7 +331,7 @@ def _iter_texts(chunks: list[str], limit_bytes: int) -> Iterator[str]:
 
 # ----------------------------------------------------------------------------- pass 2
 def _tokenizer(o: Options, work: str, chunks: list[str]):
-  path = os.path.join(work, ds.TOKENIZER)
+  path = os.path.join(work, dataset.TOKENIZER)
   if os.path.exists(path):
     return toklib.load(path)
   try:
@@ -343,7 +343,7 @@ def _tokenizer(o: Options, work: str, chunks: list[str]):
                          lowercase=o.lowercase)
   except toklib.TokenizerError as e:
     raise PrepareError(str(e)) from None
-  ds.atomic_write_bytes(path, tok.to_str().encode())
+  dataset.atomic_write_bytes(path, tok.to_str().encode())
   return tok
 
 
@@ -399,8 +399,8 @@ def _tokenize_chunk(path: str) -> dict:
   """
   w, sp = _worker, _worker["special"]
   packers = {s: Packer(w["seq_len"], sp["[CLS]"], sp["[SEP]"], sp["[PAD]"], w["packing"])
-             for s in ds.SPLITS}
-  out = {s: {"seqs": [], "items": 0, "content_tokens": 0} for s in ds.SPLITS}
+             for s in dataset.SPLITS}
+  out = {s: {"seqs": [], "items": 0, "content_tokens": 0} for s in dataset.SPLITS}
   with open(path, encoding="utf-8") as f:
     while batch := [line for _, line in zip(range(TOKENIZE_BATCH), f)]:
       for line, ids in zip(batch, w["encode"]([line[33:-1] for line in batch])):
@@ -431,7 +431,7 @@ class _ShardSink:
     return base + ".array_record", base + ".json"
 
   def add(self, seq: np.ndarray) -> None:
-    self.buf.append(ds.encode_record(seq))
+    self.buf.append(dataset.encode_record(seq))
     if len(self.buf) == self.per:
       self.flush()
 
@@ -447,8 +447,8 @@ class _ShardSink:
           os.path.getsize(path) != info["bytes"]:
         info = None  # not what this run produces: rewrite it
     if info is None:
-      info = ds.write_array_record(path, self.buf)
-      ds.atomic_write_json(side, info)
+      info = dataset.write_array_record(path, self.buf)
+      dataset.atomic_write_json(side, info)
     self.shards.append(info)
     self.buf = []
 
@@ -461,13 +461,13 @@ def _split_of(h: int, val_fraction: float) -> str:
 def _write_shards(o: Options, work: str, chunks: list[str], tok) -> dict:
   special = toklib.validate(tok, "tokenizer")
   per = max(1, int(o.shard_size_mb * (1 << 20))
-            // (len(ds.record_prefix(o.seq_len)) + 2 * o.seq_len))
-  sinks = {s: _ShardSink(work, s, per) for s in ds.SPLITS}
+            // (len(dataset.record_prefix(o.seq_len)) + 2 * o.seq_len))
+  sinks = {s: _ShardSink(work, s, per) for s in dataset.SPLITS}
   st = {s: {"sequences": 0, "tokens": 0, "content_tokens": 0, "unk": 0, "items": 0}
-        for s in ds.SPLITS}
+        for s in dataset.SPLITS}
   pad, unk = special["[PAD]"], special["[UNK]"]
   bar = tqdm(total=len(chunks), unit="chunk", desc="tokenize+pack", disable=not o.progress)
-  init = (os.path.join(work, ds.TOKENIZER), o.kind, o.seq_len, o.packing, o.val_fraction)
+  init = (os.path.join(work, dataset.TOKENIZER), o.kind, o.seq_len, o.packing, o.val_fraction)
   with _pool(o.workers, _init_tokenize_worker, init) as pmap:
     for out in pmap(_tokenize_chunk, chunks):
       for split, r in out.items():
@@ -481,9 +481,9 @@ def _write_shards(o: Options, work: str, chunks: list[str], tok) -> dict:
           sinks[split].add(seq)
       bar.update(1)
   bar.close()
-  for split in ds.SPLITS:
+  for split in dataset.SPLITS:
     sinks[split].flush()
-  return {"splits": {s: sinks[s].shards for s in ds.SPLITS}, "special": special, "stats": st,
+  return {"splits": {s: sinks[s].shards for s in dataset.SPLITS}, "special": special, "stats": st,
           "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
 
 
@@ -495,13 +495,13 @@ def _finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: floa
   for split, shards in result["splits"].items():
     infos = []
     for i, info in enumerate(shards):
-      final = ds.shard_filename(name, split, i, len(shards))
+      final = dataset.shard_filename(name, split, i, len(shards))
       src = os.path.join(work, "shards", f"{split}-{i:05d}.array_record")
       if os.path.exists(src):  # absent if an interrupted finalize already moved it
         os.replace(src, os.path.join(o.output, final))
       infos.append({"file": final, **info})
     splits[split] = infos
-  shutil.copyfile(os.path.join(work, ds.TOKENIZER), os.path.join(o.output, ds.TOKENIZER))
+  shutil.copyfile(os.path.join(work, dataset.TOKENIZER), os.path.join(o.output, dataset.TOKENIZER))
 
   st, wall = result["stats"], time.time() - t0
   seqs = sum(s["sequences"] for s in st.values())
@@ -536,8 +536,8 @@ def _finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: floa
   if o.kind == "binary":
     stats["code_bytes"] = extract_stats["code_bytes"]
     stats["functions_partially_decoded"] = extract_stats["partially_decoded"]
-  ds.atomic_write_json(os.path.join(o.output, ds.STATS), stats)
-  ds.finalize(o.output, name=name, seq_len=o.seq_len, vocab_size=stats["vocab_size"],
+  dataset.atomic_write_json(os.path.join(o.output, dataset.STATS), stats)
+  dataset.finalize(o.output, name=name, seq_len=o.seq_len, vocab_size=stats["vocab_size"],
               special_ids=result["special"], splits=splits,
               extra={"kind": o.kind, "packing": o.packing, "tokens": tokens})
   shutil.rmtree(work)

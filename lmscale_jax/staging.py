@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 
 STAGE_FILE = "staging.json"
 TMP_SUFFIX = ".staging"
@@ -60,7 +60,7 @@ class FileSpec:
 
 
 # --------------------------------------------------------------------------- planning
-def needed_shards(meta: ds.DatasetMeta, num_processes: int, process_ids: Sequence[int],
+def needed_shards(meta: dataset.DatasetMeta, num_processes: int, process_ids: Sequence[int],
                   plan: str = "interleaved") -> dict[str, list[dict]]:
   """Per split, the shard entries of ``metadata.json`` that ``process_ids`` will read.
 
@@ -102,7 +102,7 @@ def side_files(src: str) -> list[str]:
   """Regular files of the dataset directory that are not shards, staging state or temps."""
   out = []
   for name in sorted(os.listdir(src)):
-    if name in (ds.METADATA, STAGE_FILE) or name.startswith(".") or ".array_record-" in name:
+    if name in (dataset.METADATA, STAGE_FILE) or name.startswith(".") or ".array_record-" in name:
       continue
     if os.path.isfile(os.path.join(src, name)):
       out.append(name)
@@ -122,7 +122,7 @@ def read_state(directory: str) -> dict | None:
 
 
 def _write_state(directory: str, **state) -> None:
-  ds.atomic_write_json(os.path.join(directory, STAGE_FILE),
+  dataset.atomic_write_json(os.path.join(directory, STAGE_FILE),
                        {"host": socket.gethostname(), "time": time.time(), **state})
 
 
@@ -147,7 +147,7 @@ def check_dataset_dir(path: str, *, plan: str = "interleaved", num_processes: in
     raise StagingError(f"{path}: staging from {state.get('source')} did not finish (status "
                        f"{status!r}, host {state.get('host')}): interrupted? rerun "
                        "tools/stage.py to complete it")
-  meta = ds.DatasetMeta.load(path)
+  meta = dataset.DatasetMeta.load(path)
   needed = needed_shards(meta, num_processes, [process_id], plan)
   missing = []
   for shards in needed.values():
@@ -184,7 +184,7 @@ def verify_shards(path: str, *, splits: Sequence[str] = ("train", "validation"),
   returns ``{"files", "bytes", "seconds", "mb_per_s"}`` and logs the rate.
   """
   log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-  meta = ds.DatasetMeta.load(path)
+  meta = dataset.DatasetMeta.load(path)
   needed = needed_shards(meta, num_processes, [process_id], plan)
   shards = [s for split in splits for s in needed.get(split, [])]
 
@@ -205,7 +205,7 @@ def verify_shards(path: str, *, splits: Sequence[str] = ("train", "validation"),
 
 # --------------------------------------------------------------------------- copying
 def _hash_file(path: str) -> str:
-  return ds.sha256_file(path, chunk=CHUNK)
+  return dataset.sha256_file(path, chunk=CHUNK)
 
 
 def _signature(path: str) -> list | None:
@@ -310,13 +310,13 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   src, dest = os.path.abspath(src), os.path.abspath(dest)
   if not os.path.isdir(src):
     raise StagingError(f"staging source {src} is not a directory")
-  if not os.path.exists(os.path.join(src, ds.METADATA)):
-    raise StagingError(f"staging source {src} has no {ds.METADATA}: not a complete "
+  if not os.path.exists(os.path.join(src, dataset.METADATA)):
+    raise StagingError(f"staging source {src} has no {dataset.METADATA}: not a complete "
                        "lmscale_jax dataset (prepare it with tools/prepare_*.py, or wait for "
                        "its preparation to finish)")
   try:
-    meta = ds.DatasetMeta.load(src)
-  except ds.DatasetError as e:
+    meta = dataset.DatasetMeta.load(src)
+  except dataset.DatasetError as e:
     raise StagingError(f"staging source: {e}") from e
   if src == dest:
     raise StagingError(f"source and destination are the same directory: {src}")
@@ -376,8 +376,8 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   todo = [s for s, ok in zip(specs, good) if not ok]
   kept = len(specs) - len(todo)
   todo_bytes = sum(s.bytes for s in todo)
-  src_meta = os.path.join(src, ds.METADATA)
-  dst_meta = os.path.join(dest, ds.METADATA)
+  src_meta = os.path.join(src, dataset.METADATA)
+  dst_meta = os.path.join(dest, dataset.METADATA)
   plan_desc = ({"plan": plan, "num_processes": num_processes, "process_ids": list(process_ids)}
                if only_needed else None)
   same_meta = (os.path.exists(dst_meta) and _hash_file(dst_meta) == _hash_file(src_meta))
@@ -403,7 +403,7 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
                verified=verified)
   if os.path.exists(dst_meta):
     os.unlink(dst_meta)  # absent until every file is verified: never a half-staged dataset
-  ds.fsync_dir(dest)
+  dataset.fsync_dir(dest)
   log(f"staging {src} -> {dest}: {len(todo)} files, {_human(todo_bytes)} to copy, {kept} "
       f"already verified; {workers} workers")
   bar = _Progress(todo_bytes, progress, "staging")
@@ -438,7 +438,7 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
     with open(dst_meta + TMP_SUFFIX, "rb+") as f:
       os.fsync(f.fileno())
     os.replace(dst_meta + TMP_SUFFIX, dst_meta)
-    ds.fsync_dir(dest)
+    dataset.fsync_dir(dest)
     _write_state(dest, status="complete", source=src, only_needed=plan_desc,
                  files=len(specs), bytes=sum(s.bytes for s in specs), verified=verified)
   except BaseException as e:

@@ -16,7 +16,7 @@ import collections
 
 from typing import Iterable
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 
 
 class TokenizerError(ValueError):
@@ -24,9 +24,9 @@ class TokenizerError(ValueError):
 
 
 def check_vocab_size(vocab_size: int) -> None:
-  if not len(ds.SPECIAL_TOKENS) < vocab_size <= ds.MAX_VOCAB:
+  if not len(dataset.SPECIAL_TOKENS) < vocab_size <= dataset.MAX_VOCAB:
     raise TokenizerError(
-        f"--vocab-size {vocab_size}: must be in {len(ds.SPECIAL_TOKENS) + 1}..{ds.MAX_VOCAB} "
+        f"--vocab-size {vocab_size}: must be in {len(dataset.SPECIAL_TOKENS) + 1}..{dataset.MAX_VOCAB} "
         "(token ids are stored as uint16)")
 
 
@@ -36,7 +36,7 @@ def train(texts: Iterable[str], *, vocab_size: int, kind: str, model: str = "wor
   from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
   check_vocab_size(vocab_size)
-  specials = list(ds.SPECIAL_TOKENS)
+  specials = list(dataset.SPECIAL_TOKENS)
   if kind == "binary":
     return _pretoken_wordpiece(texts, vocab_size)
   if model == "wordpiece":
@@ -68,10 +68,10 @@ def _pretoken_wordpiece(texts: Iterable[str], vocab_size: int):
   counts = collections.Counter()
   for t in texts:
     counts.update(t.split())
-  for sp in ds.SPECIAL_TOKENS:
+  for sp in dataset.SPECIAL_TOKENS:
     counts.pop(sp, None)
   chars = sorted({c for w in counts for c in w})
-  vocab = list(ds.SPECIAL_TOKENS) + chars + ["##" + c for c in chars]
+  vocab = list(dataset.SPECIAL_TOKENS) + chars + ["##" + c for c in chars]
   if len(vocab) > vocab_size:
     raise TokenizerError(f"--vocab-size {vocab_size} is smaller than the corpus alphabet "
                          f"({len(vocab)} specials and character pieces)")
@@ -83,7 +83,7 @@ def _pretoken_wordpiece(texts: Iterable[str], vocab_size: int):
                                    max_input_chars_per_word=100))
   tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tok.decoder = decoders.WordPiece()
-  tok.add_special_tokens(list(ds.SPECIAL_TOKENS))
+  tok.add_special_tokens(list(dataset.SPECIAL_TOKENS))
   validate(tok, "trained tokenizer")
   return tok
 
@@ -102,14 +102,14 @@ def load(path: str):
 def validate(tok, where: str) -> dict:
   """Checks the special tokens ([PAD] must be 0) and the uint16 vocab limit; returns special ids."""
   size = tok.get_vocab_size(with_added_tokens=True)
-  if size > ds.MAX_VOCAB:
-    raise TokenizerError(f"{where}: vocabulary of {size} tokens > {ds.MAX_VOCAB}; ids are "
+  if size > dataset.MAX_VOCAB:
+    raise TokenizerError(f"{where}: vocabulary of {size} tokens > {dataset.MAX_VOCAB}; ids are "
                          "stored as uint16")
-  ids = {t: tok.token_to_id(t) for t in ds.SPECIAL_TOKENS}
+  ids = {t: tok.token_to_id(t) for t in dataset.SPECIAL_TOKENS}
   missing = [t for t, i in ids.items() if i is None]
   if missing:
     raise TokenizerError(f"{where}: lacks special tokens {missing} (need all of "
-                         f"{list(ds.SPECIAL_TOKENS)})")
+                         f"{list(dataset.SPECIAL_TOKENS)})")
   if ids["[PAD]"] != 0:
     raise TokenizerError(f"{where}: [PAD] has id {ids['[PAD]']}, expected 0")
   return ids

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from lmscale_jax import autotune as autotune_lib
 from lmscale_jax import checkpoint as ckpt_lib
 from lmscale_jax import data as data_lib
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 from lmscale_jax import flops as flops_lib
 from lmscale_jax import metrics as metrics_lib
 from lmscale_jax import model as model_lib
@@ -441,7 +441,7 @@ def abstract_batch(batch_size: int, seq_len: int, predictions: int, sharding=Non
 
 
 # ----------------------------------------------------------------------------- helpers
-def unigram_entropy(meta: ds.DatasetMeta, max_records: int = 20_000) -> float:
+def unigram_entropy(meta: dataset.DatasetMeta, max_records: int = 20_000) -> float:
   """Entropy (nats) of the training split's token frequencies, specials excluded.
 
   The loss of a model that ignores context and predicts the unigram distribution: an MLM must
@@ -455,7 +455,7 @@ def unigram_entropy(meta: ds.DatasetMeta, max_records: int = 20_000) -> float:
     r = array_record_module.ArrayRecordReader(path)
     n = min(left, r.num_records())
     for rec in r.read(list(range(n))):
-      counts += np.bincount(ds.decode_record(rec, meta.seq_len, path), minlength=meta.vocab_size)
+      counts += np.bincount(dataset.decode_record(rec, meta.seq_len, path), minlength=meta.vocab_size)
     r.close()
     left -= n
     if not left:
@@ -469,7 +469,7 @@ def unigram_entropy(meta: ds.DatasetMeta, max_records: int = 20_000) -> float:
 class Setup:
   """Everything built from the config before the loop; also what --dry_run reports."""
   config: ml_collections.ConfigDict
-  meta: ds.DatasetMeta
+  meta: dataset.DatasetMeta
   model_cfg: ml_collections.ConfigDict
   predictions: int
   param_count: int
@@ -477,17 +477,17 @@ class Setup:
   memory_bytes: float
 
 
-def synthetic_meta(seq_len: int, vocab_size: int) -> ds.DatasetMeta:
+def synthetic_meta(seq_len: int, vocab_size: int) -> dataset.DatasetMeta:
   """Dataset metadata for runs without a dataset (benchmarks on synthetic batches)."""
-  return ds.DatasetMeta(path="<synthetic>", name="synthetic", seq_len=int(seq_len),
+  return dataset.DatasetMeta(path="<synthetic>", name="synthetic", seq_len=int(seq_len),
                         vocab_size=int(vocab_size),
-                        special_ids={t: i for i, t in enumerate(ds.SPECIAL_TOKENS)},
+                        special_ids={t: i for i, t in enumerate(dataset.SPECIAL_TOKENS)},
                         splits={}, raw={})
 
 
-def build_setup(config: ml_collections.ConfigDict, meta: ds.DatasetMeta | None = None) -> Setup:
+def build_setup(config: ml_collections.ConfigDict, meta: dataset.DatasetMeta | None = None) -> Setup:
   check_config(config)
-  meta = meta or ds.DatasetMeta.load(config.data.path)
+  meta = meta or dataset.DatasetMeta.load(config.data.path)
   model_cfg = model_lib.resolve_model_config(config.model, meta, remat=config.train.remat)
   p = num_predictions(config, meta.seq_len)
   devices = jax.device_count()

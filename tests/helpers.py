@@ -6,14 +6,40 @@ import os
 
 import numpy as np
 
-from lmscale_jax import dataset as ds
+import ml_collections
 
-SPECIAL_IDS = {t: i for i, t in enumerate(ds.SPECIAL_TOKENS)}
+from lmscale_jax import config_defaults, dataset
+
+SPECIAL_IDS = {t: i for i, t in enumerate(dataset.SPECIAL_TOKENS)}
+
+
+def make_config(data_path="", **sections) -> ml_collections.ConfigDict:
+  """The default config (``config_defaults.get_base_config``) with ``data.path`` set and
+  overrides per section: ``make_config(path, train=dict(batch_size=8), data=dict(workers=1))``.
+  Every test config starts here, so a test sees the defaults users get."""
+  c = config_defaults.get_base_config()
+  c.data.path = str(data_path)
+  for section, values in sections.items():
+    c[section].update(values)
+  return c
+
+
+def small_train_config(data_path, **train) -> ml_collections.ConfigDict:
+  """A 2 × 64 float32 model without dropout, 6 steps of batch 8, logging every step, eval and
+  checkpoint every 3: what the training-loop tests run (seconds on a CPU)."""
+  c = make_config(
+      data_path,
+      model=dict(layers=2, hidden=64, heads=2, ffn=128, dtype="float32", dropout=0.0),
+      train=dict(batch_size=8, steps=6, learning_rate=2e-3, warmup_steps=2, log_every=1,
+                 eval_every=3, eval_batches=2),
+      checkpoint=dict(every=3, keep=2))
+  c.train.update(train)
+  return c
 
 
 def make_synthetic_dataset(directory: str, *, seq_len: int = 64, vocab_size: int = 128,
                            n_train: int = 256, n_val: int = 32, shards: int = 2,
-                           seed: int = 0, pad_frac: float = 0.1) -> ds.DatasetMeta:
+                           seed: int = 0, pad_frac: float = 0.1) -> dataset.DatasetMeta:
   """A small, real dataset directory (ArrayRecord shards + metadata) of random token sequences.
 
   Each sequence is ``[CLS] tokens… [SEP] [PAD]…`` with roughly ``pad_frac`` padding. The
@@ -23,7 +49,7 @@ def make_synthetic_dataset(directory: str, *, seq_len: int = 64, vocab_size: int
 
   os.makedirs(directory, exist_ok=True)
   rng = np.random.default_rng(seed)
-  nspecial = len(ds.SPECIAL_TOKENS)
+  nspecial = len(dataset.SPECIAL_TOKENS)
   splits = {}
   for split, n in (("train", n_train), ("validation", n_val)):
     seqs = []
@@ -38,14 +64,14 @@ def make_synthetic_dataset(directory: str, *, seq_len: int = 64, vocab_size: int
     per = np.array_split(np.arange(n), shards)
     infos = []
     for i, idx in enumerate(per):
-      fname = ds.shard_filename("synthetic", split, i, shards)
-      info = ds.write_array_record(os.path.join(directory, fname),
-                                   (ds.encode_record(seqs[j]) for j in idx))
+      fname = dataset.shard_filename("synthetic", split, i, shards)
+      info = dataset.write_array_record(os.path.join(directory, fname),
+                                   (dataset.encode_record(seqs[j]) for j in idx))
       infos.append({"file": fname, **info})
     splits[split] = infos
   vocab = {t: i for t, i in SPECIAL_IDS.items()}
   vocab.update({f"t{i}": i for i in range(nspecial, vocab_size)})
   Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(
-      os.path.join(directory, ds.TOKENIZER))
-  return ds.finalize(directory, name="synthetic", seq_len=seq_len, vocab_size=vocab_size,
+      os.path.join(directory, dataset.TOKENIZER))
+  return dataset.finalize(directory, name="synthetic", seq_len=seq_len, vocab_size=vocab_size,
                      special_ids=SPECIAL_IDS, splits=splits, extra={"kind": "synthetic"})

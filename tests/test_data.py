@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lmscale_jax import data as data_lib
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 from tests.helpers import SPECIAL_IDS, make_synthetic_dataset
 
 SEQ, VOCAB, N_TRAIN, N_VAL = 64, 128, 256, 32
@@ -51,11 +51,11 @@ def read_split(path, split) -> np.ndarray:
   """All records of a split in file order, read independently of data.py."""
   from array_record.python import array_record_module
 
-  meta = ds.DatasetMeta.load(str(path))
+  meta = dataset.DatasetMeta.load(str(path))
   out = []
   for p in meta.shard_paths(split):
     r = array_record_module.ArrayRecordReader(p)
-    out += [ds.decode_record(x, meta.seq_len) for x in r.read_all()]
+    out += [dataset.decode_record(x, meta.seq_len) for x in r.read_all()]
     r.close()
   return np.stack(out).astype(np.int32)
 
@@ -286,7 +286,7 @@ def sharded_dir(tmp_path_factory):
 
 def shard_records(path, split, files) -> list[bytes]:
   """The records (as bytes of their int32 ids) of the given shard files, in file order."""
-  meta = ds.DatasetMeta.load(str(path))
+  meta = dataset.DatasetMeta.load(str(path))
   names = [s["file"] for s in meta.splits[split]["shards"]]
   counts = [s["records"] for s in meta.splits[split]["shards"]]
   rows = read_split(path, split)
@@ -304,7 +304,7 @@ def test_by_shard_processes_read_disjoint_shards_covering_every_record(sharded_d
   from array_record.python import array_record_module
 
   pc = 4
-  meta = ds.DatasetMeta.load(str(sharded_dir))
+  meta = dataset.DatasetMeta.load(str(sharded_dir))
   names = {s: [x["file"] for x in meta.splits[s]["shards"]] for s in meta.splits}
   expected = {s: [names[s][pi::pc] for pi in range(pc)] for s in names}
   want = {s: [shard_records(sharded_dir, s, f) for f in expected[s]] for s in names}
@@ -372,7 +372,7 @@ def test_by_shard_iterator_checkpoint_restores_identical_batches(sharded_dir):
 
 def test_by_shard_needs_a_shard_per_process(dataset_dir):
   cfg = make_config(dataset_dir, shard_by_process=True)  # 2 shards per split
-  with pytest.raises(ds.DatasetError, match=r"split 'validation' has 2 shards for 4 processes: "
+  with pytest.raises(dataset.DatasetError, match=r"split 'validation' has 2 shards for 4 processes: "
                                             r"data.shard_by_process=True"):
     data_lib.make_dataset(cfg, "validation", train=False, process_index=3, process_count=4)
 
@@ -444,41 +444,41 @@ def _drain(cfg, split="train", batches=N_TRAIN // 8):
                                             ("flip_record_bytes", 1)])
 def test_corrupt_shard_names_the_file(dataset_copy, damage, workers):
   """Also through a Grain worker process: the error reaches the trainer with its message."""
-  meta = ds.DatasetMeta.load(str(dataset_copy))
+  meta = dataset.DatasetMeta.load(str(dataset_copy))
   shard = meta.shard_paths("train")[1]
   if damage == "truncate":  # e.g. an interrupted copy: the footer is gone
     os.truncate(shard, os.path.getsize(shard) // 3)
     expected = rf"{os.path.basename(shard)}: cannot open ArrayRecord shard"
   else:  # flip bytes inside record 20's chunk: its hash check fails
-    offset = 20 * len(ds.encode_record(np.zeros(SEQ, np.uint16)))
+    offset = 20 * len(dataset.encode_record(np.zeros(SEQ, np.uint16)))
     with open(shard, "r+b") as f:
       f.seek(offset)
       chunk = f.read(16)
       f.seek(offset)
       f.write(bytes(b ^ 0xFF for b in chunk))
     expected = rf"{os.path.basename(shard)}: record \d+ \(split record \d+\): unreadable"
-  with pytest.raises(ds.DatasetError, match=expected):
+  with pytest.raises(dataset.DatasetError, match=expected):
     _drain(make_config(dataset_copy, workers=workers))
 
 
 def test_malformed_record_names_file_and_record(dataset_copy):
-  meta = ds.DatasetMeta.load(str(dataset_copy))
+  meta = dataset.DatasetMeta.load(str(dataset_copy))
   shard = meta.shard_paths("train")[0]
   n = meta.splits["train"]["shards"][0]["records"]
-  recs = [ds.encode_record(np.full(SEQ, 7, np.uint16))] * n
-  recs[5] = ds.encode_record(np.full(SEQ // 2, 7, np.uint16))  # a record of the wrong length
+  recs = [dataset.encode_record(np.full(SEQ, 7, np.uint16))] * n
+  recs[5] = dataset.encode_record(np.full(SEQ // 2, 7, np.uint16))  # a record of the wrong length
   os.remove(shard)
-  ds.write_array_record(shard, recs)
-  with pytest.raises(ds.DatasetError, match=rf"{os.path.basename(shard)}: record 5 .*malformed"):
+  dataset.write_array_record(shard, recs)
+  with pytest.raises(dataset.DatasetError, match=rf"{os.path.basename(shard)}: record 5 .*malformed"):
     _drain(make_config(dataset_copy))
 
 
 def test_token_id_beyond_vocab_is_reported(dataset_copy):
-  mpath = dataset_copy / ds.METADATA
+  mpath = dataset_copy / dataset.METADATA
   raw = json.loads(mpath.read_text())
   raw["vocab_size"] = 64  # the shards hold ids up to 127
   mpath.write_text(json.dumps(raw))
-  with pytest.raises(ds.DatasetError, match=r"array_record.*record \d+.*token id \d+.*"
+  with pytest.raises(dataset.DatasetError, match=r"array_record.*record \d+.*token id \d+.*"
                                             r">= vocab_size 64"):
     _drain(make_config(dataset_copy))
 
@@ -488,11 +488,11 @@ def test_config_and_dataset_errors(dataset_dir, dataset_copy, tmp_path):
                                        "count 3"):
     data_lib.make_dataset(make_config(dataset_dir), "train", train=True, process_index=0,
                           process_count=3)
-  with pytest.raises(ds.DatasetError, match="does not exist"):
+  with pytest.raises(dataset.DatasetError, match="does not exist"):
     data_lib.make_dataset(make_config(tmp_path / "nope"), "train", train=True)
-  mpath = dataset_copy / ds.METADATA
+  mpath = dataset_copy / dataset.METADATA
   raw = json.loads(mpath.read_text())
   raw["splits"]["validation"] = {"records": 0, "shards": []}
   mpath.write_text(json.dumps(raw))
-  with pytest.raises(ds.DatasetError, match="'validation' has zero shards"):
+  with pytest.raises(dataset.DatasetError, match="'validation' has zero shards"):
     data_lib.make_dataset(make_config(dataset_copy), "validation", train=False)

@@ -245,7 +245,7 @@ def test_losses_match_one_process(runs):
 
 def test_staging_inside_the_job(runs, data):
   """data.stage_from: exactly one process of the host staged; the copy is complete."""
-  from lmscale_jax import dataset as ds
+  from lmscale_jax import dataset
   from lmscale_jax import staging
 
   err = runs[2][1].stderr
@@ -253,7 +253,7 @@ def test_staging_inside_the_job(runs, data):
   assert len(staged) == 1 and staged[0].startswith("[0] "), staged
   local = runs["local_ds"]
   assert staging.read_state(str(local))["status"] == "complete"
-  assert ds.DatasetMeta.load(str(local)).verify() == []
+  assert dataset.DatasetMeta.load(str(local)).verify() == []
 
 
 def test_two_process_checkpoint_resumes_exactly(runs, data, tmp_path):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from lmscale_jax import data as data_lib
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 from lmscale_jax import staging
 from tests.helpers import SPECIAL_IDS, make_synthetic_dataset
 
@@ -93,18 +93,18 @@ def rewrite_with_bad_records(shard: str) -> list[int]:
   r = _reader(shard)
   recs = list(r.read_all())
   r.close()
-  recs[5] = ds.encode_record(np.full(SEQ // 2, 7, np.uint16))
-  ids = ds.decode_record(recs[9], SEQ).copy()
+  recs[5] = dataset.encode_record(np.full(SEQ // 2, 7, np.uint16))
+  ids = dataset.decode_record(recs[9], SEQ).copy()
   ids[3] = VOCAB + 50
-  recs[9] = ds.encode_record(ids)
+  recs[9] = dataset.encode_record(ids)
   os.remove(shard)
-  ds.write_array_record(shard, recs)
+  dataset.write_array_record(shard, recs)
   return [5, 9]
 
 
 def damage(path, kind: str) -> tuple[str, list[int]]:
   """Damages a train shard -> (shard path, bad split record indices)."""
-  meta = ds.DatasetMeta.load(str(path))
+  meta = dataset.DatasetMeta.load(str(path))
   which = 0 if kind == "malformed" else 1
   shard = meta.shard_paths("train")[which]
   start = sum(s["records"] for s in meta.splits["train"]["shards"][:which])
@@ -134,7 +134,7 @@ def test_corruption_is_an_error_naming_file_and_record(damaged, kind):
   shard, bad = damage(damaged, kind)
   name = re.escape(os.path.basename(shard))
   if kind == "flip":  # the chunk's hash check fails when the record is read
-    meta = ds.DatasetMeta.load(str(damaged))
+    meta = dataset.DatasetMeta.load(str(damaged))
     local = bad[0] - meta.splits["train"]["shards"][0]["records"]
     expected = rf"{name}: record {local} \(split record {bad[0]}\): unreadable"
   elif kind == "truncate":
@@ -147,7 +147,7 @@ def test_corruption_is_an_error_naming_file_and_record(damaged, kind):
   cfgs.append(make_config(damaged, on_corrupt="error"))
   for cfg in cfgs:
     it = iter(data_lib.make_dataset(cfg, "train", train=True))
-    with pytest.raises(ds.DatasetError, match=expected):
+    with pytest.raises(dataset.DatasetError, match=expected):
       for _ in range(EPOCH):
         next(it)
 
@@ -195,7 +195,7 @@ def test_skip_mode_pads_counts_and_warns_once(clean, damaged, kind, caplog):
 
 def test_skip_mode_eval_split(damaged):
   """The validation split honours the mode too (in file order)."""
-  meta = ds.DatasetMeta.load(str(damaged))
+  meta = dataset.DatasetMeta.load(str(damaged))
   shard = meta.shard_paths("validation")[0]
   k = flip_byte_in_a_record(shard)
   cfg = make_config(damaged, on_corrupt="skip")
@@ -210,7 +210,7 @@ def test_skip_mode_eval_split(damaged):
 def test_verify_shards(clean, damaged):
   logs = []
   out = staging.verify_shards(str(clean), log=logs.append)
-  meta = ds.DatasetMeta.load(str(clean))
+  meta = dataset.DatasetMeta.load(str(clean))
   assert out["files"] == 4 and out["bytes"] == sum(
       s["bytes"] for sp in meta.splits.values() for s in sp["shards"])
   assert len(logs) == 1 and "verified 4 shards" in logs[0] and "MB/s" in logs[0]
@@ -218,7 +218,7 @@ def test_verify_shards(clean, damaged):
 
   shard, _ = damage(damaged, "flip")  # same size, different bytes
   entry = next(s for s in meta.splits["train"]["shards"] if s["file"] == os.path.basename(shard))
-  actual = ds.sha256_file(shard)
+  actual = dataset.sha256_file(shard)
   with pytest.raises(staging.StagingError) as e:
     staging.verify_shards(str(damaged), log=logs.append)
   msg = str(e.value)

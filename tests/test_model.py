@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 from lmscale_jax import flops
 from lmscale_jax import model as M
 from tests.helpers import SPECIAL_IDS
@@ -23,7 +23,7 @@ PAD = SPECIAL_IDS["[PAD]"]
 
 
 def fake_meta(seq_len=16, vocab_size=64, path="/data/ds"):
-  return ds.DatasetMeta(path=path, name="t", seq_len=seq_len, vocab_size=vocab_size,
+  return dataset.DatasetMeta(path=path, name="t", seq_len=seq_len, vocab_size=vocab_size,
                         special_ids=dict(SPECIAL_IDS), splits={}, raw={})
 
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 from lmscale_jax import elf_corpus, prepare
 from lmscale_jax.pretokenize import Pretokenizer, normalize_number
 
@@ -49,7 +49,7 @@ def read_split(meta, split):
   out = []
   for p in meta.shard_paths(split):
     r = array_record_module.ArrayRecordReader(p)
-    out += [ds.decode_record(x, meta.seq_len, p) for x in r.read_all()]
+    out += [dataset.decode_record(x, meta.seq_len, p) for x in r.read_all()]
     r.close()
   return np.stack(out)
 
@@ -91,9 +91,9 @@ def test_instruction_pretokens():
 # ----------------------------------------------------------------------------- the dataset
 def test_dataset_directory_contract(built):
   out, stats = built
-  meta = ds.DatasetMeta.load(str(out))
-  assert meta.seq_len == SEQ and meta.vocab_size <= ds.MAX_VOCAB
-  assert meta.special_ids == {t: i for i, t in enumerate(ds.SPECIAL_TOKENS)}
+  meta = dataset.DatasetMeta.load(str(out))
+  assert meta.seq_len == SEQ and meta.vocab_size <= dataset.MAX_VOCAB
+  assert meta.special_ids == {t: i for i, t in enumerate(dataset.SPECIAL_TOKENS)}
   assert meta.verify() == []
   assert not os.path.exists(out / prepare.WORK)
   for key in ("input_bytes", "output_bytes", "reduction_pct", "functions_seen", "functions_kept",
@@ -102,7 +102,7 @@ def test_dataset_directory_contract(built):
     assert key in stats, key
   assert stats["functions_kept"] + stats["functions_deduplicated"] == stats["functions_seen"]
   assert stats["pad_fraction"] < 0.1  # the tail of open sequences weighs more on tiny data
-  assert json.load(open(out / ds.STATS)) == stats
+  assert json.load(open(out / dataset.STATS)) == stats
   train = read_split(meta, "train")
   assert train.dtype == np.uint16 and train.shape == (meta.num_records("train"), SEQ)
   assert (train[:, 0] == meta.special_ids["[CLS]"]).all()
@@ -114,21 +114,21 @@ def test_tfds_and_grain_read_the_shards(built):
   import tensorflow_datasets as tfds
 
   out, _ = built
-  meta = ds.DatasetMeta.load(str(out))
+  meta = dataset.DatasetMeta.load(str(out))
   val = read_split(meta, "validation")
   src = tfds.builder_from_directory(str(out)).as_data_source()
   assert len(src["validation"]) == len(val)
   np.testing.assert_array_equal(src["validation"][0]["input_ids"], val[0])
   g = grain.sources.ArrayRecordDataSource(meta.shard_paths("validation"))
-  np.testing.assert_array_equal(ds.decode_record(g[len(val) - 1], SEQ), val[-1])
+  np.testing.assert_array_equal(dataset.decode_record(g[len(val) - 1], SEQ), val[-1])
 
 
 def test_round_trip_decodes_to_source_pretokens(built):
   from tokenizers import Tokenizer
 
   out, _ = built
-  meta = ds.DatasetMeta.load(str(out))
-  tok = Tokenizer.from_file(str(out / ds.TOKENIZER))
+  meta = dataset.DatasetMeta.load(str(out))
+  tok = Tokenizer.from_file(str(out / dataset.TOKENIZER))
   sep = meta.special_ids["[SEP]"]
   decoded = set()
   for split in ("train", "validation"):
@@ -155,7 +155,7 @@ def test_round_trip_decodes_to_source_pretokens(built):
 def test_split_by_function_never_both(built):
   """Validation and train share no function: each packed segment belongs to one split."""
   out, _ = built
-  meta = ds.DatasetMeta.load(str(out))
+  meta = dataset.DatasetMeta.load(str(out))
   sep = meta.special_ids["[SEP]"]
 
   def segments(split):
@@ -175,7 +175,7 @@ def _same_output(a, b):
   names = sorted(os.listdir(a))
   assert names == sorted(os.listdir(b))
   for n in names:
-    if n == ds.STATS:
+    if n == dataset.STATS:
       continue
     assert filecmp.cmp(a / n, b / n, shallow=False), n
 
@@ -189,7 +189,7 @@ def test_identical_for_any_worker_count(built, tmp_path):
 def test_packing_none_pads_more(built, tmp_path):
   _, greedy = built
   none = prepare.prepare(opts(tmp_path / "none", workers=1, packing="none",
-                              tokenizer=str(built[0] / ds.TOKENIZER)))
+                              tokenizer=str(built[0] / dataset.TOKENIZER)))
   assert none["content_tokens"] == greedy["content_tokens"]
   assert none["pad_fraction"] > greedy["pad_fraction"] + 0.1
   assert sum(none["sequences"].values()) > sum(greedy["sequences"].values())
@@ -218,7 +218,7 @@ def test_kill_and_rerun_completes_identically(built, tmp_path, wait_for):
     time.sleep(0.01)
   os.kill(proc.pid, signal.SIGKILL)
   proc.wait()
-  assert not (out / ds.METADATA).exists()
+  assert not (out / dataset.METADATA).exists()
   kept = sorted((out / prepare.WORK).rglob("*.json"))
   r = _cli("prepare_binary.py", *args)
   assert r.returncode == 0, r.stderr
@@ -296,7 +296,7 @@ def test_text_corpora_and_unk_counting(tmp_path):
   other = tmp_path / "c.txt"
   other.write_text("".join(f"Ωmega ψ {i} ∂elta\n" for i in range(200)))
   st2 = prepare.prepare(opts(tmp_path / "t2", [str(other)], kind="text",
-                             tokenizer=str(tmp_path / "t" / ds.TOKENIZER), workers=1))
+                             tokenizer=str(tmp_path / "t" / dataset.TOKENIZER), workers=1))
   assert st2["unk_rate_train"] > 0.2
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"body": "ok"}\n{oops\n')
@@ -308,7 +308,7 @@ def test_pretoken_memo_matches_the_tokenizer(built):
   """The fast binary path gives exactly what tokenizers' own encode gives."""
   from tokenizers import Tokenizer
 
-  tok = Tokenizer.from_file(str(built[0] / ds.TOKENIZER))
+  tok = Tokenizer.from_file(str(built[0] / dataset.TOKENIZER))
   memo = prepare._PretokenIds(tok)
   texts = [t for p in small_elves(2) for _, t in elf_corpus.extract_file(p)[1]]
   texts.append("mov rax qword [ rbp - 0x18 ] [NEXT] vfrobnicate zmm31 [NEXT] ret")  # unseen word

@@ -12,7 +12,7 @@ from collections import namedtuple
 
 import pytest
 
-from lmscale_jax import dataset as ds
+from lmscale_jax import dataset
 from lmscale_jax import staging
 from tests.helpers import make_synthetic_dataset
 
@@ -40,7 +40,7 @@ def test_copy_verify_and_idempotent_rerun(src, tmp_path):
   # 12 shards + tokenizer.json, dataset_info.json, features.json (+ metadata.json, last)
   assert out["copied"] == len(os.listdir(src)) - 1 == 15
   assert sorted(os.listdir(dest)) == sorted(os.listdir(src) + [staging.STAGE_FILE])
-  assert ds.DatasetMeta.load(dest).verify() == []
+  assert dataset.DatasetMeta.load(dest).verify() == []
   for f in os.listdir(src):
     assert open(f"{dest}/{f}", "rb").read() == open(f"{src}/{f}", "rb").read(), f
   assert staging.read_state(dest)["status"] == "complete"
@@ -72,14 +72,14 @@ def test_corrupted_destination_file_is_recopied(src, tmp_path):
   flip_byte(victim)  # rewritten since staging verified it: re-hashed, mismatch, recopied
   out = stage(src, dest)
   assert out["copied"] == 1 and out["bytes_copied"] == os.path.getsize(victim)
-  assert ds.DatasetMeta.load(dest).verify() == []
+  assert dataset.DatasetMeta.load(dest).verify() == []
   # Corruption that leaves size, mtime and inode alone is found by --verify-all only.
   silent = os.path.join(dest, names[5])
   flip_byte(silent, keep_mtime=True)
   assert stage(src, dest)["copied"] == 0
   out = stage(src, dest, verify_all=True)
   assert out["copied"] == 1
-  assert ds.DatasetMeta.load(dest).verify() == []
+  assert dataset.DatasetMeta.load(dest).verify() == []
 
 
 def test_partial_copy_after_a_crash_is_recovered(src, tmp_path):
@@ -92,20 +92,20 @@ def test_partial_copy_after_a_crash_is_recovered(src, tmp_path):
     f.truncate(1000)
   shutil.copy(os.path.join(src, names[1]), os.path.join(dest, f".{names[1]}{staging.TMP_SUFFIX}"))
   os.unlink(os.path.join(dest, names[2]))
-  os.unlink(os.path.join(dest, ds.METADATA))
-  ds.atomic_write_json(os.path.join(dest, staging.STAGE_FILE),
+  os.unlink(os.path.join(dest, dataset.METADATA))
+  dataset.atomic_write_json(os.path.join(dest, staging.STAGE_FILE),
                        {"status": "copying", "source": src, "host": "h"})
   with pytest.raises(staging.StagingError, match="did not finish .*rerun tools/stage.py"):
     staging.check_dataset_dir(dest)
   out = stage(src, dest)
   assert out["copied"] == 2  # the truncated shard and the missing one
   assert not [f for f in os.listdir(dest) if f.endswith(staging.TMP_SUFFIX)]
-  assert ds.DatasetMeta.load(dest).verify() == []
+  assert dataset.DatasetMeta.load(dest).verify() == []
   staging.check_dataset_dir(dest)
 
 
 def test_only_needed(src, tmp_path):
-  meta = ds.DatasetMeta.load(src)
+  meta = dataset.DatasetMeta.load(src)
   train = [s["file"] for s in meta.splits["train"]["shards"]]
   # This loader (data.py) interleaves every shard over all processes: everything is needed.
   dest = str(tmp_path / "inter")
@@ -197,7 +197,7 @@ def test_too_little_space(src, tmp_path, monkeypatch):
 def test_bad_sources_and_destinations(src, tmp_path):
   bare = tmp_path / "bare"
   shutil.copytree(src, bare)
-  os.unlink(bare / ds.METADATA)
+  os.unlink(bare / dataset.METADATA)
   with pytest.raises(staging.StagingError, match=r"has no metadata.json: not a complete"):
     stage(str(bare), str(tmp_path / "d1"))
   # a corrupt shard at the source: detected by its checksum, recorded, refused by training
@@ -213,7 +213,7 @@ def test_bad_sources_and_destinations(src, tmp_path):
   state = staging.read_state(dest)
   assert state["status"] == "failed" and "checksum mismatch" in state["error"]
   assert not os.path.exists(os.path.join(dest, name))  # never renamed into place
-  assert not os.path.exists(os.path.join(dest, ds.METADATA))
+  assert not os.path.exists(os.path.join(dest, dataset.METADATA))
   with pytest.raises(staging.StagingError, match="staging from .* failed: .*checksum mismatch"):
     staging.check_dataset_dir(dest)
   # a destination that cannot be written (its parent is a file)

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from lmscale_jax import dataset as ds  # noqa: E402
+from lmscale_jax import dataset  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -26,8 +26,8 @@ def main(argv=None) -> int:
   p.add_argument("--seed", type=int, default=0)
   a = p.parse_args(argv)
   try:
-    meta = ds.DatasetMeta.load(a.dir)
-  except ds.DatasetError as e:
+    meta = dataset.DatasetMeta.load(a.dir)
+  except dataset.DatasetError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"dataset {a.dir}: {meta.name}, seq_len {meta.seq_len}, vocab {meta.vocab_size}, "
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     size = sum(s["bytes"] for s in info["shards"])
     print(f"  {split:<10} {info['records']:>10,} sequences in {len(info['shards'])} shards, "
           f"{size / 1e6:,.1f} MB")
-  spath = os.path.join(a.dir, ds.STATS)
+  spath = os.path.join(a.dir, dataset.STATS)
   if os.path.exists(spath):
     with open(spath) as f:
       st = json.load(f)
@@ -56,14 +56,14 @@ def main(argv=None) -> int:
     from array_record.python import array_record_module
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(os.path.join(a.dir, ds.TOKENIZER))
+    tok = Tokenizer.from_file(os.path.join(a.dir, dataset.TOKENIZER))
     rng = np.random.default_rng(a.seed)
     paths = meta.shard_paths("train")
     for _ in range(a.show):
       path = paths[rng.integers(len(paths))]
       reader = array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0")
       i = int(rng.integers(reader.num_records()))
-      ids = ds.decode_record(reader.read([i])[0], meta.seq_len, f"{path}[{i}]")
+      ids = dataset.decode_record(reader.read([i])[0], meta.seq_len, f"{path}[{i}]")
       reader.close()
       n = int(np.count_nonzero(ids != meta.pad_id))
       print(f"--- {os.path.basename(path)} record {i}: {n} tokens")
