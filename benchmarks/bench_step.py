@@ -4,7 +4,7 @@
   python benchmarks/bench_step.py --config configs/bert350m.py --batch 128 --set train.remat=dots
   python benchmarks/bench_step.py --matmul                       # bf16 8192^3 matmul TFLOP/s
 
-The step is the real one (``train.build_steps``: the same jitted, donated, sharded function
+The step is the real one (``steps.build_steps``: the same jitted, donated, sharded function
 ``train_and_evaluate`` runs) on synthetic batches, so the loader is measured separately
 (benchmarks/bench_loader.py, and the input-wait fraction of a real run): random token ids
 (no padding, like the peer's all-ones attention mask) with ``P = ceil(0.15 * seq)`` distinct
@@ -52,7 +52,7 @@ def parse_args(argv=None):
   ap.add_argument("--system", default="lmscale_jax")
   ap.add_argument("--variant", default="", help="free-form label of this measurement")
   ap.add_argument("--cudnn-mask", choices=["lengths", "bias"], default="lengths",
-                  help="how the cuDNN attention masks padding (model.CUDNN_MASK)")
+                  help="how the cuDNN attention masks padding (model.CUDNN_MASKS)")
   ap.add_argument("--xla-flags", default=None, help="XLA_FLAGS for this process")
   ap.add_argument("--profile", help="write a jax.profiler trace here; report top device ops")
   ap.add_argument("--matmul", action="store_true", help="measure the bf16 matmul peak instead")
@@ -158,19 +158,21 @@ def step_benchmark(args) -> dict:
   import jax
   import numpy as np
 
+  from lmscale_jax import dataset
   from lmscale_jax import flops as flops_lib
   from lmscale_jax import model as model_lib
+  from lmscale_jax import steps as steps_lib
   from lmscale_jax import train
   from tools.max_batch import load_config
 
-  model_lib.CUDNN_MASK = args.cudnn_mask
   config = load_config(args.config, args.set)
   config.model.vocab_size = config.model.seq_len = 0  # from the synthetic metadata
   if args.batch:
     config.train.batch_size = args.batch
-  meta = train.synthetic_meta(args.seq, args.vocab)
+  meta = dataset.DatasetMeta.synthetic(args.seq, args.vocab)
   s = train.build_setup(config, meta)
-  st = train.build_steps(config, s.model_cfg, s.predictions)
+  s.model_cfg.cudnn_mask = args.cudnn_mask
+  st = steps_lib.build_steps(config, s.model_cfg, s.predictions)
   t = config.train
   rng = np.random.default_rng(0)
   first_id = len(meta.special_ids)
@@ -178,11 +180,11 @@ def step_benchmark(args) -> dict:
           for _ in range(2)]
   batches = [jax.tree.map(lambda x: jax.make_array_from_process_local_data(st.batch_sharding,
                                                                             x), h) for h in host]
-  abstract_b = train.abstract_batch(t.batch_size, args.seq, s.predictions, st.batch_sharding)
+  abstract_b = flops_lib.abstract_batch(t.batch_size, args.seq, s.predictions, st.batch_sharding)
   t0 = time.perf_counter()
   compiled = st.train_step.lower(st.abstract_state, abstract_b).compile()
   compile_s = time.perf_counter() - t0
-  compiled_peak = train.peak_bytes(compiled.memory_analysis()) / 2**30
+  compiled_peak = flops_lib.peak_bytes(compiled.memory_analysis()) / 2**30
   state = st.init(jax.random.key(t.seed))
   for i in range(args.warmup):
     state, m = compiled(state, batches[i % 2])

@@ -1,5 +1,5 @@
 """Loader autotune: the fewest Grain worker processes whose input wait stays under a target
-fraction of the step time, recorded in the workdir so that a resume rebuilds the same iterator.
+fraction of the step time, recorded in the workdir so that a resume takes the same choice.
 
 Why a measured loop rather than ``grain.experimental.pick_performance_config``: that function
 (grain 0.2.18, ``prefetch_autotune.py``) sets ``num_workers = ram_budget_mb / element_mb``
@@ -14,15 +14,19 @@ idle, waiting on the next batch) and report the fraction of wall time spent bloc
 0, 1, 2, 4, … up to ``max_workers``; the first under the target wins (fewest processes, least
 host memory); if none is, the one with the least wait.
 
-Why recorded: Grain's ``mp_prefetch`` interleaves one iterator per worker, so a saved iterator
-state is only valid for the worker count that produced it. ``workdir/loader_autotune.json``
-holds the choice and the measurements; a resumed run reads it back and does not measure again.
-A run that already has checkpoints but no record (started without autotune) keeps
-``data.workers`` and records that.
+Why recorded: ``workdir/loader_autotune.json`` holds the choice and the measurements, so a
+resumed run takes the same choice without measuring again (tens of seconds of start-up) and
+the choice is visible after the fact. Nothing else depends on it: the loader's checkpointed
+state is ``{"next_batch": k}`` for any worker count, so a run without a record (started before
+autotune was switched on) simply measures like a fresh one.
+
+:func:`choose_for_run` is what training calls: it measures real steps of the run's own
+compiled step function (:func:`time_steps`) and real iterators of its own dataset.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -94,13 +98,13 @@ def choose_workers(make_iterator: Callable[[int], Iterator], step_seconds: float
   return best["workers"], results
 
 
-def resolve_workers(workdir: str, data_config, *, has_checkpoint: bool, is_writer: bool,
+def resolve_workers(workdir: str, data_config, *, is_writer: bool,
                     step_seconds: Callable[[], float],
                     make_iterator: Callable[[int], Iterator]) -> int:
-  """The worker count this run uses with ``data.autotune``: recorded, kept, or measured.
+  """The worker count this run uses with ``data.autotune``: recorded, or measured.
 
-  ``step_seconds`` (measuring a few real steps) and ``make_iterator`` are only called when a
-  measurement is needed: a fresh run without a record.
+  ``step_seconds`` (measuring a few real steps) and ``make_iterator`` are only called when
+  there is no record yet.
   """
   path = os.path.join(workdir, FILENAME)
   if os.path.exists(path):
@@ -108,20 +112,62 @@ def resolve_workers(workdir: str, data_config, *, has_checkpoint: bool, is_write
       record = json.load(f)
     logging.info("loader autotune: %d workers, as recorded in %s", record["workers"], path)
     return int(record["workers"])
-  if has_checkpoint:
-    workers = int(data_config.workers)
-    record = {"workers": workers, "reason": "resumed a run started without autotune: kept "
-              "data.workers, which the saved iterator state depends on"}
-  else:
-    max_workers = int(data_config.autotune_max_workers) or (os.cpu_count() or 1)
-    target = float(data_config.autotune_target)
-    step_s = float(step_seconds())
-    workers, results = choose_workers(make_iterator, step_s, target=target,
-                                      max_workers=max_workers)
-    record = {"workers": workers, "reason": "measured", "target": target,
-              "step_seconds": step_s, "max_workers": max_workers, "measurements": results}
+  max_workers = int(data_config.autotune_max_workers) or (os.cpu_count() or 1)
+  target = float(data_config.autotune_target)
+  step_s = float(step_seconds())
+  workers, results = choose_workers(make_iterator, step_s, target=target,
+                                    max_workers=max_workers)
+  record = {"workers": workers, "reason": "measured", "target": target,
+            "step_seconds": step_s, "max_workers": max_workers, "measurements": results}
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
     dataset.atomic_write_json(path, record)
   logging.info("loader autotune: %d workers (%s)", record["workers"], record["reason"])
   return int(record["workers"])
+
+
+def time_steps(steps, host_batch: dict, seed: int, n: int = 5) -> float:
+  """Seconds per training step of ``steps`` (a ``steps.Steps``), timed on a scratch state
+  (freed before returning)."""
+  import jax
+
+  batch = jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(steps.batch_sharding, x), host_batch)
+  state = steps.init(jax.random.key(seed))
+  state, metrics = steps.train_step(state, batch)  # compiles
+  jax.block_until_ready(metrics)
+  t0 = time.perf_counter()
+  for _ in range(n):
+    state, metrics = steps.train_step(state, batch)
+  jax.block_until_ready((state, metrics))
+  seconds = (time.perf_counter() - t0) / n
+  del state
+  return seconds
+
+
+def choose_for_run(config, meta, workdir: str, steps, *, is_writer: bool) -> int:
+  """``data.workers`` for this run (every process takes process 0's choice, the one
+  recorded): the loader of ``config``'s train split against ``steps``' measured step time."""
+  import jax
+  import numpy as np
+
+  from lmscale_jax import data
+
+  process_index, process_count = jax.process_index(), jax.process_count()
+
+  def make_iterator(workers: int):
+    candidate = copy.deepcopy(config)
+    candidate.data.workers = workers
+    return iter(data.make_dataset(candidate, meta, "train", train=True,
+                                  process_index=process_index, process_count=process_count))
+
+  def step_seconds() -> float:
+    return time_steps(steps, next(make_iterator(0)), int(config.train.seed))
+
+  workers = resolve_workers(workdir, config.data, is_writer=is_writer,
+                            step_seconds=step_seconds, make_iterator=make_iterator)
+  if process_count > 1:
+    from jax.experimental import multihost_utils
+
+    workers = int(multihost_utils.broadcast_one_to_all(np.int32(workers)))
+  return workers

@@ -3,18 +3,19 @@
 ``main`` runs, in this order (each failure is one ``error:`` line; multi-process: raised in
 every process, naming the process and host it concerns):
 
-1. :func:`check_config` (here): each key's value on its own: positive counts, known modes.
-2. :func:`check_batch` (here): ``train.batch_size`` splits evenly over the processes, their
-   devices and ``train.grad_accum_steps`` microbatches; the one owner of that rule (the
-   loader calls it for its per-process rows, preflight for the global mesh).
-3. :func:`check_model_fits_dataset` (here, called by ``model.resolve_model_config``): the
-   model's vocabulary and sequence length agree with the dataset's ``metadata.json``.
-4. ``distributed.preflight``: the processes run identical configs on one shared workdir, and
-   a checkpoint there was written by the same number of processes.
-5. ``staging.check_dataset_dir``: every shard this process reads (its read plan) is present.
-6. ``--verify_data`` only: the sha256 of those shards.
-
-``train.build_setup`` runs 1-3 again for library users (tests, tools), which is cheap.
+1. :func:`check_config` (here), before the runtime starts: each value on its own (positive
+   counts, known modes), so a typo never waits for start-up or staging.
+2. ``distributed.preflight``: :func:`check_batch` (here) over the global mesh, the one owner
+   of that rule (``train.batch_size`` splits evenly over processes, their devices and
+   ``train.grad_accum_steps`` microbatches; the loader calls it for its per-process rows);
+   then identical configs in every process, one shared workdir, and a checkpoint there
+   written by the same number of processes.
+3. ``staging.check_dataset_dir``, after staging (``data.stage_from``) if any: every shard of
+   this process's read plan is present.
+4. ``--verify_data`` only: the sha256 of those shards.
+5. ``train.build_setup``: :func:`check_model_fits_dataset` (here, through
+   ``model.resolve_model_config``) against the dataset's ``metadata.json``. It also runs 1 and
+   :func:`check_batch` again, for library callers (tests, tools); both are cheap.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from lmscale_jax.errors import UserError
+
 FORMAT = "lmscale_jax.dataset/1"
 FEATURE = "input_ids"
 DTYPE = "uint16"
@@ -39,7 +41,7 @@ STATS = "stats.json"
 TOKENIZER = "tokenizer.json"
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
   """A dataset directory or one of its files is missing, malformed or inconsistent."""
 
 
@@ -50,7 +52,7 @@ def record_prefix(seq_len: int) -> bytes:
 
   An Example with a single bytes feature serializes as a fixed header followed by the payload,
   so we encode/decode by concatenation/slicing instead of building a protobuf per record (the
-  loader's hot path). ``tests/test_dataset.py`` checks this against TFDS's own serializer.
+  loader's hot path). ``tests/test_prepare.py`` reads our shards back with TFDS's own reader.
   """
   payload = 2 * seq_len
 
@@ -236,6 +238,13 @@ class DatasetMeta:
                vocab_size=int(raw["vocab_size"]), special_ids=dict(raw["special_ids"]),
                splits=raw["splits"], raw=raw)
 
+  @classmethod
+  def synthetic(cls, seq_len: int, vocab_size: int) -> "DatasetMeta":
+    """Metadata for runs without a dataset (benchmarks and tools on synthetic batches)."""
+    return cls(path="<synthetic>", name="synthetic", seq_len=int(seq_len),
+               vocab_size=int(vocab_size),
+               special_ids={t: i for i, t in enumerate(SPECIAL_TOKENS)}, splits={}, raw={})
+
   def shard_paths(self, split: str) -> list[str]:
     if split not in self.splits:
       raise DatasetError(f"{self.path}: no split {split!r}; it has {sorted(self.splits)}")
@@ -282,6 +291,31 @@ class DatasetMeta:
     if n != shard["records"]:
       return f"{p}: {n} records, expected {shard['records']} (metadata.json)"
     return None
+
+
+# --------------------------------------------------------------------------- statistics
+def unigram_entropy(meta: DatasetMeta, max_records: int = 20_000) -> float:
+  """Entropy (nats) of the training split's token frequencies, specials excluded.
+
+  The loss of a model that ignores context and predicts the unigram distribution: an MLM must
+  get well below it to have learned anything.
+  """
+  from array_record.python import array_record_module
+
+  counts = np.zeros(meta.vocab_size, np.int64)
+  left = max_records
+  for path in meta.shard_paths("train"):
+    r = array_record_module.ArrayRecordReader(path)
+    n = min(left, r.num_records())
+    for rec in r.read(list(range(n))):
+      counts += np.bincount(decode_record(rec, meta.seq_len, path), minlength=meta.vocab_size)
+    r.close()
+    left -= n
+    if not left:
+      break
+  counts[list(meta.special_ids.values())] = 0
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())
 
 
 def finalize(directory: str, *, name: str, seq_len: int, vocab_size: int, special_ids: dict,

@@ -1,4 +1,5 @@
-"""Parameter counts, training FLOPs (the MFU numerator), a memory estimate, device peaks.
+"""Parameter counts, training FLOPs (the MFU numerator), memory (an analytic estimate and the
+compiled peak), device peaks.
 
 All functions take the *resolved* model config (``model.resolve_model_config``), in which
 ``vocab_size``, ``seq_len`` and ``remat`` are filled in.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from lmscale_jax import model as model_lib
@@ -132,6 +134,24 @@ DEVICE_PEAK_TFLOPS = {
     "H100 PCIe": {"bfloat16": 756.0, "float32": 378.0},
     "A100": {"bfloat16": 312.0, "float32": 156.0},
 }
+
+
+def peak_bytes(memory_analysis) -> int:
+  """Device bytes a compiled executable needs (``.compile().memory_analysis()``): arguments +
+  outputs - donated buffers reused as outputs + XLA's temporary buffer."""
+  m = memory_analysis
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes)
+
+
+def abstract_batch(batch_size: int, seq_len: int, predictions: int, sharding=None) -> dict:
+  """ShapeDtypeStructs of a global batch (for ``.lower()`` without data)."""
+  shapes = {"input_ids": ((batch_size, seq_len), jnp.int32),
+            "mlm_positions": ((batch_size, predictions), jnp.int32),
+            "mlm_labels": ((batch_size, predictions), jnp.int32),
+            "mlm_weights": ((batch_size, predictions), jnp.float32)}
+  return {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in shapes.items()}
+
 
 
 def _table_entry(device_kind: str) -> str | None:

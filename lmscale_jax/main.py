@@ -41,22 +41,24 @@ def main(argv):
   # Imported here, not at module level: Grain's worker processes re-import __main__.
   import jax
 
-  from lmscale_jax import checkpoint, dataset, distributed, preemption, staging, train
+  from lmscale_jax import config_checks, distributed, preemption, staging, train
+  from lmscale_jax.errors import UserError
 
-  # Bad settings or data: one line, no traceback (it is logged with --verbosity=1).
-  user_errors = (distributed.DistributedError, staging.StagingError, dataset.DatasetError,
-                 checkpoint.IncompatibleCheckpoint, train.NonFiniteLoss, ValueError)
+  # Bad settings or data (UserError): one line, no traceback (logged with --verbosity=1).
+  # Anything else is a bug and keeps its traceback.
   config = FLAGS.config
   if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage
     try:
       setup = train.build_setup(config)
-    except user_errors as e:
+    except UserError as e:
       logging.vlog(1, "traceback", exc_info=True)
       sys.exit(f"error: {e}")
     print(config)
     print(train.describe(setup))
     return
   try:
+    # The checks before any data is read, in order: lmscale_jax/config_checks.py.
+    config_checks.check_config(config)
     distributed.initialize(config)  # before anything touches a JAX backend
     preemption.install()  # after: the runtime installs its own SIGTERM handler
     distributed.preflight(config, FLAGS.workdir)
@@ -93,7 +95,7 @@ def main(argv):
               + distributed.explain_collective_failure(config.distributed.heartbeat_timeout),
               file=sys.stderr, flush=True)
       distributed.exit_now(1)
-    if isinstance(e, user_errors):
+    if isinstance(e, UserError):
       logging.vlog(1, "traceback", exc_info=True)
       sys.exit(f"error: {e}")
     raise

@@ -101,10 +101,6 @@ class MetricsWriter:
         parts.append(f"{key} " + fmt.format(v))
     logging.info(" | ".join(parts) + eta)
 
-  def flush(self) -> None:
-    if self.enabled:
-      self._tb.flush()
-
   def close(self) -> None:
     if self.enabled:
       self._jsonl.close()

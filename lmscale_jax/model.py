@@ -36,7 +36,6 @@ The decoder has no parameter of its own: it is the transposed word-embedding mat
 
 from __future__ import annotations
 
-import os
 
 import flax.linen as nn
 import jax
@@ -44,7 +43,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lmscale_jax import dataset
+from lmscale_jax import config_checks, dataset
+from lmscale_jax.errors import ConfigError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = {
@@ -56,9 +56,10 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-# How the cuDNN path masks padding: "lengths" (key lengths, cuDNN's padding mask) or "bias"
-# (the [B,1,S,S] boolean mask turned into a bias, the earlier way; kept for A/B benchmarks).
-CUDNN_MASK = "lengths"
+# How the cuDNN path masks padding (resolved config ``cudnn_mask``): "lengths" (key lengths,
+# cuDNN's padding mask) or "bias" (the [B,1,S,S] boolean mask turned into a bias, the earlier
+# way; kept for A/B benchmarks).
+CUDNN_MASKS = ("lengths", "bias")
 
 
 # --------------------------------------------------------------------------- config
@@ -67,29 +68,24 @@ def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: dataset.Dat
   """``config.model`` + the dataset's metadata → the config :class:`BertForMLM` takes.
 
   ``vocab_size``/``seq_len`` of 0 are taken from the dataset; a non-zero value must agree with
-  it. Adds ``pad_id`` (from the dataset's special ids) and ``remat`` (``config.train.remat``).
+  it. Adds ``pad_id`` (from the dataset's special ids), ``remat`` (``config.train.remat``) and
+  ``cudnn_mask`` (one of :data:`CUDNN_MASKS`; "lengths" unless a benchmark sets it).
   """
+  config_checks.check_model_fits_dataset(model_cfg, meta)
   cfg = ml_collections.ConfigDict(model_cfg.to_dict())
-  mpath = os.path.join(meta.path, dataset.METADATA)
-  for key, meta_value in (("vocab_size", meta.vocab_size), ("seq_len", meta.seq_len)):
-    value = cfg[key]
-    if value and value != meta_value:
-      raise ValueError(
-          f"model.{key}={value} disagrees with the dataset's {key}={meta_value} ({mpath}); set "
-          f"model.{key}=0 to take it from the dataset")
-    cfg[key] = meta_value
+  cfg.vocab_size, cfg.seq_len = meta.vocab_size, meta.seq_len
   cfg.pad_id = meta.pad_id
   cfg.remat = remat
-  cfg.attention_impl = cfg.get("attention_impl", "auto")
+  cfg.cudnn_mask = "lengths"  # see dot_product_attention; benchmarks A/B "bias"
   if cfg.hidden % cfg.heads:
-    raise ValueError(f"model.hidden={cfg.hidden} is not divisible by model.heads={cfg.heads}")
+    raise ConfigError(f"model.hidden={cfg.hidden} is not divisible by model.heads={cfg.heads}")
   if cfg.dtype not in DTYPES:
-    raise ValueError(f"model.dtype={cfg.dtype!r}: expected one of {sorted(DTYPES)}")
+    raise ConfigError(f"model.dtype={cfg.dtype!r}: expected one of {sorted(DTYPES)}")
   if remat not in REMAT_POLICIES:
-    raise ValueError(f"train.remat={remat!r}: expected one of {sorted(REMAT_POLICIES)}")
+    raise ConfigError(f"train.remat={remat!r}: expected one of {sorted(REMAT_POLICIES)}")
   if cfg.attention_impl not in ATTENTION_IMPLS:
-    raise ValueError(f"model.attention_impl={cfg.attention_impl!r}: expected one of "
-                     f"{list(ATTENTION_IMPLS)}")
+    raise ConfigError(f"model.attention_impl={cfg.attention_impl!r}: expected one of "
+                      f"{list(ATTENTION_IMPLS)}")
   return cfg
 
 
@@ -110,7 +106,7 @@ def attention_impl(cfg: ml_collections.ConfigDict, deterministic: bool) -> str:
 
 # --------------------------------------------------------------------------- layers
 def dot_product_attention(q, k, v, key_mask, *, impl: str, dropout_rate: float = 0.0,
-                          dropout_rng=None):
+                          dropout_rng=None, cudnn_mask: str = "lengths"):
   """Multi-head attention core. q/k/v [B,S,N,D] (BTNH), key_mask [B,S] bool → [B,S,N,D]."""
   if impl == "explicit":
     scale = 1.0 / np.sqrt(q.shape[-1])
@@ -123,7 +119,7 @@ def dot_product_attention(q, k, v, key_mask, *, impl: str, dropout_rate: float =
     return jnp.einsum("bnts,bsnd->btnd", probs.astype(v.dtype), v)
   b, s = key_mask.shape
   if impl == "cudnn":
-    if CUDNN_MASK == "lengths":
+    if cudnn_mask == "lengths":
       # cuDNN's padding mask type: no [B,1,S,S] bias tensor is built, and the kernel skips
       # fully padded key tiles. Exact because padding is trailing (see padding_lengths).
       return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=padding_lengths(
@@ -204,7 +200,7 @@ class BertLayer(nn.Module):
       impl = attention_impl(cfg, deterministic)
       ctx = dot_product_attention(
           heads("query"), heads("key"), heads("value"), key_mask, impl=impl,
-          dropout_rate=cfg.attention_dropout,
+          dropout_rate=cfg.attention_dropout, cudnn_mask=cfg.cudnn_mask,
           dropout_rng=self.make_rng("dropout") if impl == "explicit" else None)
       return dropout(_dense(cfg, h, "attention_output")(ctx.reshape(b, s, h)))
 

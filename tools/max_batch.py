@@ -6,7 +6,7 @@
 Peak memory comes from the compiler, not from running anything: the jitted training step is
 lowered with abstract (shape-only) state and batch and compiled, and
 ``compiled.memory_analysis()`` gives argument, output, alias and temporary sizes; the peak is
-arguments + outputs - donated aliases + temporaries (``train.peak_bytes``). Nothing is
+arguments + outputs - donated aliases + temporaries (``flops.peak_bytes``). Nothing is
 allocated, so the 1B model is measured on any machine that can compile it.
 
 Search: the step's memory is affine in the batch (state + per-sequence activations), so two
@@ -122,11 +122,11 @@ class Probe:
   def __init__(self, config, seq: int, vocab: int):
     import jax
 
-    from lmscale_jax import train
+    from lmscale_jax import dataset, flops, steps, train
 
-    self.jax, self.train = jax, train
+    self.jax, self.train, self.steps, self.flops = jax, train, steps, flops
     self.config, self.devices = config, jax.device_count()
-    self.meta = train.synthetic_meta(seq, vocab)
+    self.meta = dataset.DatasetMeta.synthetic(seq, vocab)
     self.cache: dict[int, dict] = {}
     self.compile_seconds = 0.0
 
@@ -145,14 +145,14 @@ class Probe:
       c = copy.deepcopy(self.config)
       c.train.batch_size = per_device * self.devices
       s = self.train.build_setup(c, self.meta)
-      st = self.train.build_steps(c, s.model_cfg, s.predictions)
-      batch = self.train.abstract_batch(c.train.batch_size, self.meta.seq_len, s.predictions,
+      st = self.steps.build_steps(c, s.model_cfg, s.predictions)
+      batch = self.flops.abstract_batch(c.train.batch_size, self.meta.seq_len, s.predictions,
                                         st.batch_sharding)
       t0 = time.perf_counter()
       m = st.train_step.lower(st.abstract_state, batch).compile().memory_analysis()
       self.compile_seconds += time.perf_counter() - t0
       self.cache[per_device] = {
-          "peak": self.train.peak_bytes(m), "temp": int(m.temp_size_in_bytes),
+          "peak": self.flops.peak_bytes(m), "temp": int(m.temp_size_in_bytes),
           "arguments": int(m.argument_size_in_bytes), "alias": int(m.alias_size_in_bytes),
           "params": s.param_count, "estimate": int(s.memory_bytes)}
     return self.cache[per_device]
