@@ -1,20 +1,27 @@
-"""Orbax checkpoints of the train state together with the Grain iterator, plus the saved config.
+"""Everything about ``workdir``'s checkpoints: the Orbax manager, what a checkpoint directory
+holds, whether a resume may use it, and when to save before a preemption.
 
 ``workdir/checkpoints/<step>/`` holds ``state`` (Orbax PyTree) and ``data`` (Grain's per-process
-iterator JSON); Orbax writes each step under a temporary name and renames it when complete, so
-an interrupted save is never taken for a checkpoint. ``workdir/config.json`` is the config of the
-run that created the workdir; a resume with an incompatible model is refused.
+iterator JSON, ``process_<i>-of-<n>.json``); Orbax writes each step under a temporary name and
+renames it when complete, so an interrupted save is never taken for a checkpoint (Orbax's step
+name format, :data:`STEP_NAMES`, is the one place that knows which names are complete steps).
+``workdir/config.json`` is the config of the run that created the workdir; a resume with an
+incompatible model (:func:`check_or_save_config`) or another process count
+(:func:`check_process_count`) is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
-from lmscale_jax import dataset
+from lmscale_jax import dataset, preemption
+from lmscale_jax.errors import UserError
 
 # Keys that change the parameter shapes or the meaning of the data: a checkpoint cannot be
 # resumed under a config that differs in any of them.
@@ -22,8 +29,16 @@ SHAPE_KEYS = ("layers", "hidden", "heads", "ffn", "vocab_size", "seq_len", "type
               "pre_ln")
 
 
-class IncompatibleCheckpoint(ValueError):
-  pass
+# Orbax's default step names (``<step>``, complete steps only), shared by the manager that
+# writes them and check_process_count, which reads them before any manager exists.
+STEP_NAMES = ocp.path.step.standard_name_format()
+# How Grain names each process's iterator state in a step's ``data`` item (its checkpoint
+# handler, grain/_src/python/checkpoint/handler.py, builds the name inline).
+_GRAIN_STATE_FILE = re.compile(r"process_\d+-of-(\d+)\.json")
+
+
+class IncompatibleCheckpoint(UserError, ValueError):
+  """The workdir's checkpoint cannot be resumed by this run (model shape, process count)."""
 
 
 def check_or_save_config(workdir: str, config, model_cfg, is_writer: bool) -> None:
@@ -47,30 +62,76 @@ def check_or_save_config(workdir: str, config, model_cfg, is_writer: bool) -> No
     dataset.atomic_write_json(path, resolved)
 
 
+def checkpoints_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def step_dir(workdir: str, step: int) -> str:
+  return os.path.join(checkpoints_dir(workdir), STEP_NAMES.build_name(step))
+
+
+def check_process_count(workdir: str, num_processes: int) -> None:
+  """Refuses to resume the latest checkpoint if another number of processes wrote it: the
+  data iterator state is per process (Grain writes one file per process).
+
+  Only reads (creates no directory, talks to no other process), so every process can call it
+  before training; no checkpoint, or none complete yet, passes.
+  """
+  latest = ocp.path.step.latest_step_metadata(checkpoints_dir(workdir), STEP_NAMES)
+  if latest is None:
+    return
+  data_dir = os.path.join(latest.path, "data")
+  written = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+  counts = {m.group(1) for name in written if (m := _GRAIN_STATE_FILE.fullmatch(name))}
+  if counts and counts != {str(num_processes)}:
+    raise IncompatibleCheckpoint(
+        f"{workdir}/checkpoints/{latest.step} was written by {'/'.join(sorted(counts))} "
+        f"process(es); this job has {num_processes}. The data iterator state is per process: "
+        "resume with the same number of processes (or start a new workdir)")
+
+
 RUN_STATE = "run_state.json"
 
 
 def write_run_state(workdir: str, state: str, step: int, total_steps: int) -> None:
-  """``workdir/run_state.json``: how the last run ended ("finished" or "preempted"), so a job
-  script can requeue itself (launch/slurm.sbatch) without parsing logs."""
+  """``workdir/run_state.json``: "running", or how the last run ended ("finished" or
+  "preempted"), so a job script can requeue itself (launch/slurm.sbatch) without parsing logs;
+  a crash leaves "running"."""
   dataset.atomic_write_json(os.path.join(workdir, RUN_STATE),
-                       {"state": state, "step": int(step), "total_steps": int(total_steps),
-                        "checkpoint": os.path.join(os.path.abspath(workdir), "checkpoints",
-                                                   str(step))})
+                            {"state": state, "step": int(step), "total_steps": int(total_steps),
+                             "checkpoint": step_dir(workdir, step)})
 
 
 class Checkpointer:
+  """The Orbax manager of ``workdir/checkpoints``: the train state and the Grain iterator of
+  each saved step. Every process builds one and calls each method at the same steps."""
 
   def __init__(self, workdir: str, *, keep: int, use_async: bool = True):
     self.manager = ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), "checkpoints"),
+        checkpoints_dir(workdir),
         item_names=("state", "data"),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=use_async,
-            cleanup_tmp_directories=True))
+            cleanup_tmp_directories=True, step_name_format=STEP_NAMES))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether to checkpoint and stop after ``step``: the same answer in every process for
+    the same step. Call it once per step, in every process, from the same first step.
+
+    Several processes: Orbax's ``CheckpointManager.reached_preemption``, which is JAX's
+    preemption sync point (``multihost_utils.reached_preemption_sync_point``, see
+    orbax/checkpoint/_src/multihost/multihost.py): the runtime's SIGTERM handler tells the
+    coordination service, the processes exchange the steps they have reached, and the one
+    after the highest is the sync point. Orbax answers False where that service is off, which
+    ``preemption.install`` refuses at start-up. One process: the flag set by preemption.py's
+    signal handler (without ``jax.distributed`` there is no sync manager).
+    """
+    if jax.process_count() > 1:
+      return self.manager.reached_preemption(step)
+    return preemption.requested()
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator) -> None:
     self.manager.save(step, args=ocp.args.Composite(

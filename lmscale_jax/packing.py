@@ -10,9 +10,16 @@ tail of every sequence; best-fit nearly fills them).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
 import numpy as np
+
+
+@dataclasses.dataclass
+class _OpenSequence:
+  free: int     # token slots left (after [CLS] and the [SEP] of every piece)
+  pieces: list  # token-id arrays, in order
 
 
 class Packer:
@@ -25,7 +32,7 @@ class Packer:
       raise ValueError(f"seq_len {seq_len} too short: need room for [CLS] x [SEP]")
     self.seq_len, self.cls, self.sep, self.pad = seq_len, cls_id, sep_id, pad_id
     self.mode, self.window = mode, window
-    self._open: list[list] = []  # each: [free slots, list of piece arrays]
+    self._open: list[_OpenSequence] = []
 
   def _sequence(self, pieces) -> np.ndarray:
     out = np.full(self.seq_len, self.pad, np.uint16)
@@ -52,23 +59,23 @@ class Packer:
   def _place(self, piece: np.ndarray) -> Iterator[np.ndarray]:
     need = len(piece) + 1  # the piece and its [SEP]
     best = None
-    for b in self._open:
-      if b[0] >= need and (best is None or b[0] < best[0]):
-        best = b
+    for candidate in self._open:
+      if candidate.free >= need and (best is None or candidate.free < best.free):
+        best = candidate
     if best is None:
-      best = [self.seq_len - 1, []]  # minus [CLS]
+      best = _OpenSequence(free=self.seq_len - 1, pieces=[])  # minus [CLS]
       self._open.append(best)
-    best[0] -= need
-    best[1].append(piece)
-    if best[0] < 2:  # nothing more fits
+    best.free -= need
+    best.pieces.append(piece)
+    if best.free < 2:  # nothing more fits
       self._open.remove(best)
-      yield self._sequence(best[1])
+      yield self._sequence(best.pieces)
     elif len(self._open) > self.window:
-      fullest = min(self._open, key=lambda b: b[0])
+      fullest = min(self._open, key=lambda sequence: sequence.free)
       self._open.remove(fullest)
-      yield self._sequence(fullest[1])
+      yield self._sequence(fullest.pieces)
 
   def flush(self) -> Iterator[np.ndarray]:
-    for b in self._open:
-      yield self._sequence(b[1])
+    for sequence in self._open:
+      yield self._sequence(sequence.pieces)
     self._open = []

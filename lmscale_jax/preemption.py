@@ -1,15 +1,17 @@
-"""Preemption: SIGTERM or SIGUSR1 -> finish the step, checkpoint, exit 0.
+"""Preemption signals: SIGTERM or SIGUSR1 -> finish the step, checkpoint, exit 0.
 
 Schedulers signal before they kill: Slurm sends ``--signal=USR1@T`` T seconds before the time
 limit and SIGTERM on preemption or ``scancel`` (then SIGKILL after ``KillWait``). The signal
 reaches the processes of a job at different times, or only some of them, but a checkpoint
-save is collective: every process must save at the same step.
+save is collective: every process must save at the same step. This module installs the
+signal handlers; ``checkpoint.Checkpointer.reached_preemption(step)`` gives the training loop
+the step to stop at, the same in every process:
 
 * Several processes: JAX's preemption sync manager (started by ``jax.distributed.initialize``)
   catches SIGTERM, tells the other processes through the coordination service, and they agree
-  on the first step none of them has passed; :func:`reached` is
-  ``multihost_utils.reached_preemption_sync_point``. SIGUSR1 is forwarded to it as SIGTERM.
-* One process: a Python handler sets a flag that :func:`reached` reads.
+  on the step after the highest any of them has reached (Orbax's ``reached_preemption``).
+  SIGUSR1 is forwarded to it as SIGTERM.
+* One process: a Python handler sets a flag, :func:`requested`.
 
 A second SIGTERM to a single process kills it at once (for an impatient ``kill``). Grain's
 worker processes ignore both signals (:func:`ignore_in_worker`): they are in the job's process
@@ -33,9 +35,9 @@ def install() -> None:
 
   multi = jax.process_count() > 1
   if multi:
-    from jax._src import distributed as jd  # where the runtime keeps its sync manager
+    from jax._src import distributed as jax_distributed  # holds the runtime's sync manager
 
-    if jd.global_state.preemption_sync_manager is None:
+    if jax_distributed.global_state.preemption_sync_manager is None:
       raise RuntimeError("jax.distributed started without its preemption service "
                          "(jax_enable_preemption_service=False?): processes could not agree "
                          "on a step to checkpoint at when preempted")
@@ -66,26 +68,10 @@ def _forward_to_runtime(signum, frame) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def reached(step: int) -> bool:
-  """Whether to checkpoint and stop after ``step``; every process gets the same answer for the
-  same step. Call it once per step, in every process, from the same first step."""
-  import jax
-
-  if jax.process_count() > 1:  # also when install() was not called (train used as a library)
-    from jax.experimental import multihost_utils
-
-    return multihost_utils.reached_preemption_sync_point(step)
-  return _requested.is_set()
-
-
 def requested() -> bool:
-  """Whether this process received a signal itself (other processes may have, too)."""
+  """Whether this process received a signal itself: the answer for a single process (several
+  agree through JAX's sync manager instead, see ``Checkpointer.reached_preemption``)."""
   return _requested.is_set()
-
-
-def reset() -> None:
-  """Forgets a request (tests that run several trainings in one process)."""
-  _requested.clear()
 
 
 def ignore_in_worker(worker_index: int, worker_count: int) -> None:

@@ -40,7 +40,7 @@ WORK = "_work"
 TOKENIZE_BATCH = 4096
 
 
-class PrepareError(ValueError):
+class PrepareError(UserError, ValueError):
   """Bad arguments, inputs or output directory: one clear message, nothing partial left visible."""
 
 
@@ -144,6 +144,19 @@ def _parts(kind: str, size: int) -> int:
   return 1 if kind != "binary" else max(1, min(64, -(-size // PART_BYTES)))
 
 
+# The corpus line format between the passes (extraction writes, tokenization reads):
+# "<the function's/document's 16-byte digest as 32 hex digits>\t<its text>\n". The text has
+# no newline or tab of its own (pretokens are space-separated).
+def format_corpus_line(digest: bytes, text: str) -> str:
+  return f"{digest.hex()}\t{text}\n"
+
+
+def parse_corpus_line(line: str) -> tuple[bytes, str]:
+  """-> (digest, text): the inverse of :func:`format_corpus_line`."""
+  digest_hex, text = line[:-1].split("\t", 1)
+  return bytes.fromhex(digest_hex), text
+
+
 def _extract_worker(args) -> tuple[FileResult, str]:
   """Pool task: one part of an input file → its lines streamed to a temp file (bounded memory)."""
   kind, path, part, parts, tmp, txt_docs, text_field = args
@@ -152,7 +165,7 @@ def _extract_worker(args) -> tuple[FileResult, str]:
         else text_corpus.iter_documents(path, res, txt_docs, text_field))
   with open(tmp, "w", encoding="utf-8") as f:
     for digest, text in it:
-      f.write(f"{digest.hex()}\t{text}\n")
+      f.write(format_corpus_line(digest, text))
   return res, tmp
 
 
@@ -235,7 +248,7 @@ def _extract(o: Options, work: str) -> list[str]:
   seen: set[bytes] = set()
   for path, _ in done:
     with open(path, encoding="utf-8") as f:
-      seen.update(bytes.fromhex(line[:32]) for line in f)
+      seen.update(parse_corpus_line(line)[0] for line in f)
   stats = done[-1][1]["stats"] if done else _empty_stats()
   if not done:
     for k, v in skipped.items():
@@ -281,7 +294,7 @@ def _extract(o: Options, work: str) -> list[str]:
         whole.skip = whole.skip or res.skip  # corrupt / other machine: said by every part
       with open(tmp, encoding="utf-8") as f:
         for line in f:
-          digest = bytes.fromhex(line[:32])
+          digest, _ = parse_corpus_line(line)
           if digest in seen:
             stats["deduplicated"] += 1
             continue
@@ -325,7 +338,7 @@ def _iter_texts(chunks: list[str], limit_bytes: int) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
       for line in f:
         if i % stride == 0:
-          yield line[33:-1]
+          yield parse_corpus_line(line)[1]
         i += 1
 
 
@@ -403,8 +416,9 @@ def _tokenize_chunk(path: str) -> dict:
   out = {s: {"seqs": [], "items": 0, "content_tokens": 0} for s in dataset.SPLITS}
   with open(path, encoding="utf-8") as f:
     while batch := [line for _, line in zip(range(TOKENIZE_BATCH), f)]:
-      for line, ids in zip(batch, w["encode"]([line[33:-1] for line in batch])):
-        split = _split_of(int(line[:16], 16), w["val_fraction"])
+      parsed = [parse_corpus_line(line) for line in batch]
+      for (digest, _), ids in zip(parsed, w["encode"]([text for _, text in parsed])):
+        split = _split_of(digest, w["val_fraction"])
         o = out[split]
         o["items"] += 1
         o["content_tokens"] += len(ids)
@@ -453,9 +467,10 @@ class _ShardSink:
     self.buf = []
 
 
-def _split_of(h: int, val_fraction: float) -> str:
+def _split_of(digest: bytes, val_fraction: float) -> str:
   # digest-derived, so a function/document always lands in the same split on every run.
-  return "validation" if (h % 1_000_000) < val_fraction * 1_000_000 else "train"
+  key = int.from_bytes(digest[:8], "big")
+  return "validation" if (key % 1_000_000) < val_fraction * 1_000_000 else "train"
 
 
 def _write_shards(o: Options, work: str, chunks: list[str], tok) -> dict:

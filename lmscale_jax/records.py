@@ -38,7 +38,8 @@ class _UnopenableShard:
 class ShardRecords:
   """Random access to a split's records, with errors that name the shard file.
 
-  One record at a time with ``seek(i); read()`` (see the module docstring). A reader is stateful (seek position), so each shard's reader is guarded by a lock for the
+  One record at a time with ``seek(i); read()`` (see the module docstring). A reader is
+  stateful (seek position), so each shard's reader is guarded by a lock for the
   ``ReadOptions`` threads that call the loader concurrently. Picklable: readers are opened
   lazily in whichever process reads (Grain workers).
 

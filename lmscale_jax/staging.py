@@ -37,6 +37,7 @@ import time
 from typing import Callable, Sequence
 
 from lmscale_jax import dataset
+from lmscale_jax.errors import UserError
 
 STAGE_FILE = "staging.json"
 TMP_SUFFIX = ".staging"
@@ -48,7 +49,7 @@ SPACE_MARGIN = 64 << 20
 PLANS = ("interleaved", "by_shard")
 
 
-class StagingError(RuntimeError):
+class StagingError(UserError, RuntimeError):
   """Staging cannot proceed, or a dataset directory's staging is not usable."""
 
 
@@ -73,8 +74,11 @@ def needed_shards(meta: dataset.DatasetMeta, num_processes: int, process_ids: Se
 
   ``by_shard`` (``data.shard_by_process=True``): process ``i`` reads only the shards
   ``i, i + P, i + 2P, …`` of *every* split (train and validation), so a node needs only its
-  processes' shards (``make_batch_loader(...).records.paths``; the tests check the two agree).
+  processes' shards: the loader's own read plan, ``data.process_shards``, decides which.
   """
+  # Imported here: the loader pulls in Grain, which staging's other paths do not need.
+  from lmscale_jax import data
+
   if plan not in PLANS:
     raise StagingError(f"read plan {plan!r}: expected one of {PLANS}")
   if num_processes < 1:
@@ -87,13 +91,12 @@ def needed_shards(meta: dataset.DatasetMeta, num_processes: int, process_ids: Se
   for split, info in meta.splits.items():
     shards = list(info["shards"])
     if plan == "by_shard":
-      if len(shards) < num_processes:
-        raise StagingError(
-            f"{meta.path}: split {split!r} has {len(shards)} shards for {num_processes} "
-            "processes: a by-shard split (data.shard_by_process) needs at least one shard per "
-            "process (prepare with smaller --shard-size-mb)")
-      ids = set(process_ids)
-      shards = [s for j, s in enumerate(shards) if j % num_processes in ids]
+      try:
+        read = {i for pid in process_ids
+                for i in data.process_shards(meta, split, pid, num_processes, by_shard=True)}
+      except dataset.DatasetError as e:
+        raise StagingError(str(e)) from e
+      shards = [s for i, s in enumerate(shards) if i in read]
     out[split] = shards
   return out
 

@@ -10,6 +10,7 @@ import ml_collections
 
 from lmscale_jax import config_defaults, dataset
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECIAL_IDS = {t: i for i, t in enumerate(dataset.SPECIAL_TOKENS)}
 
 

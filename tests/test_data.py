@@ -1,4 +1,5 @@
-"""lmscale_jax.data: MLM masking, the Grain loader, checkpointing, device prefetch, errors."""
+"""The input pipeline: MLM masking (masking.py), the shuffle (hashing.py), the Grain loader and
+its read plan (data.py), checkpointing, device prefetch (prefetch.py), errors (records.py)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import json
 import os
 import shutil
 
-import ml_collections
 import numpy as np
 import pytest
 
+from lmscale_jax import config_checks, dataset, hashing, masking, prefetch
 from lmscale_jax import data as data_lib
-from lmscale_jax import dataset
-from tests.helpers import SPECIAL_IDS, make_synthetic_dataset
+from lmscale_jax.errors import ConfigError
+from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset
 
 SEQ, VOCAB, N_TRAIN, N_VAL = 64, 128, 256, 32
 VOCAB_BIG = 30000  # for masking statistics: random replacements rarely equal the original
@@ -20,15 +21,22 @@ MASK = SPECIAL_IDS["[MASK]"]
 SPECIAL = np.array(sorted(SPECIAL_IDS.values()))
 
 
-def make_config(path, **data_overrides) -> ml_collections.ConfigDict:
-  """The config fields data.py reads (docs/design.md), independent of configs/*.py."""
-  c = ml_collections.ConfigDict()
-  c.data = ml_collections.ConfigDict(dict(
-      path=str(path), workers=0, seed=0, mask_prob=0.15, max_predictions=0,
-      prefetch_buffer=4, read_threads=2))
-  c.data.update(data_overrides)
-  c.train = ml_collections.ConfigDict(dict(batch_size=8, eval_batches=3))
-  return c
+def config(path, **data):
+  """The shared test config (the defaults users get) with ``data`` overrides, batches of 8
+  and 3 eval batches."""
+  return make_config(path, data=data, train=dict(batch_size=8, eval_batches=3))
+
+
+def make_dataset(cfg, split="train", **kwargs):
+  """``data.make_dataset`` with the dataset's metadata loaded here, as callers do once."""
+  kwargs.setdefault("train", split == "train")
+  return data_lib.make_dataset(cfg, dataset.DatasetMeta.load(cfg.data.path), split, **kwargs)
+
+
+def make_batch_loader(cfg, split="train", **kwargs):
+  kwargs.setdefault("train", split == "train")
+  return data_lib.make_batch_loader(cfg, dataset.DatasetMeta.load(cfg.data.path), split,
+                                    **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +141,7 @@ def test_mask_tokens_rates_and_invariants():
   rng = np.random.default_rng(0)
   seqs = random_sequences(rng, 1500, 128, VOCAB_BIG)
   p = 20
-  outs = [data_lib.mask_tokens(x, rng, special_ids=SPECIAL_IDS, vocab_size=VOCAB_BIG,
+  outs = [masking.mask_tokens(x, rng, special_ids=SPECIAL_IDS, vocab_size=VOCAB_BIG,
                                mask_prob=0.15, max_predictions=p) for x in seqs]
   batch = {k: np.stack([o[k] for o in outs]) for k in outs[0]}
   chosen, maskable, n_mask, n_kept, n_rand = check_masking(seqs, batch, p, VOCAB_BIG)
@@ -142,7 +150,7 @@ def test_mask_tokens_rates_and_invariants():
   assert abs(n_kept / chosen - 0.1) < 0.02
   assert abs(n_rand / chosen - 0.1) < 0.02
   seqs_in = seqs.copy()
-  data_lib.mask_tokens(seqs[0], rng, special_ids=SPECIAL_IDS, vocab_size=VOCAB_BIG)
+  masking.mask_tokens(seqs[0], rng, special_ids=SPECIAL_IDS, vocab_size=VOCAB_BIG)
   np.testing.assert_array_equal(seqs, seqs_in)  # the input is not modified
 
 
@@ -150,20 +158,20 @@ def test_mask_tokens_limits():
   rng = np.random.default_rng(1)
   kw = dict(special_ids=SPECIAL_IDS, vocab_size=VOCAB_BIG)
   body = np.arange(10, 110, dtype=np.uint16)  # 100 maskable tokens
-  out = data_lib.mask_tokens(body, rng, max_predictions=5, **kw)  # 15 wanted, capped at P=5
+  out = masking.mask_tokens(body, rng, max_predictions=5, **kw)  # 15 wanted, capped at P=5
   assert out["mlm_weights"].sum() == 5 and out["mlm_positions"].shape == (5,)
   specials = np.array([2, 3, 0, 0, 0], np.uint16)  # nothing maskable
-  out = data_lib.mask_tokens(specials, rng, max_predictions=3, **kw)
+  out = masking.mask_tokens(specials, rng, max_predictions=3, **kw)
   assert out["mlm_weights"].sum() == 0
   np.testing.assert_array_equal(out["input_ids"], specials)
   np.testing.assert_array_equal(out["mlm_positions"], 0)
   one = np.array([2, 50, 3, 0], np.uint16)  # 0.15 * 1 rounds to 0: still predict one token
-  out = data_lib.mask_tokens(one, rng, max_predictions=2, **kw)
+  out = masking.mask_tokens(one, rng, max_predictions=2, **kw)
   np.testing.assert_array_equal(out["mlm_weights"], [1, 0])
   np.testing.assert_array_equal(out["mlm_positions"], [1, 0])
   np.testing.assert_array_equal(out["mlm_labels"], [50, 0])
   # Default P = ceil(0.15 * S).
-  assert data_lib.mask_tokens(body, rng, **kw)["mlm_positions"].shape == (15,)
+  assert masking.mask_tokens(body, rng, **kw)["mlm_positions"].shape == (15,)
 
 
 def test_batch_masking_rates_and_keying():
@@ -171,7 +179,7 @@ def test_batch_masking_rates_and_keying():
   row's mask depends only on (seed, its global position), not on the rest of its batch."""
   rng = np.random.default_rng(2)
   ids = random_sequences(rng, 1500, 128, VOCAB_BIG).astype(np.int32)
-  masker = data_lib._Masker(SPECIAL_IDS, VOCAB_BIG, 0.15, 20, 128)
+  masker = masking.Masker(SPECIAL_IDS, VOCAB_BIG, 0.15, 20, 128)
   positions = np.arange(1500, dtype=np.int64) * 7 + 11
   out = masker.keyed(ids, positions, seed=5)
   chosen, maskable, n_mask, n_kept, n_rand = check_masking(ids, out, 20, VOCAB_BIG)
@@ -187,14 +195,24 @@ def test_batch_masking_rates_and_keying():
   assert not np.array_equal(other["mlm_positions"], out["mlm_positions"])
 
 
+def test_num_predictions_is_max_predictions_or_the_masking_rate_of_the_sequence():
+  assert masking.num_predictions(0.15, 0, 64) == 10  # ceil(9.6)
+  assert masking.num_predictions(0.15, 7, 64) == 7
+  assert masking.Masker(SPECIAL_IDS, VOCAB, 0.15, 0, 512).num_predictions == 77
+  with pytest.raises(ConfigError, match=r"data.mask_prob=1.5: expected a value in \(0, 1\)"):
+    masking.num_predictions(1.5, 0, 64)
+  with pytest.raises(ConfigError, match=r"data.max_predictions=-2: expected a positive count"):
+    masking.num_predictions(0.15, -2, 64)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097, 20011])
 def test_feistel_permute_is_a_permutation(n):
   k = np.arange(n)
-  p0 = data_lib.feistel_permute(k, n, seed=3, epoch=np.zeros(n, np.int64))
+  p0 = hashing.feistel_permute(k, n, seed=3, epoch=np.zeros(n, np.int64))
   assert sorted(p0.tolist()) == list(range(n))
   if n >= 64:
-    p1 = data_lib.feistel_permute(k, n, seed=3, epoch=np.ones(n, np.int64))
-    q0 = data_lib.feistel_permute(k, n, seed=4, epoch=np.zeros(n, np.int64))
+    p1 = hashing.feistel_permute(k, n, seed=3, epoch=np.ones(n, np.int64))
+    q0 = hashing.feistel_permute(k, n, seed=4, epoch=np.zeros(n, np.int64))
     assert sorted(p1.tolist()) == list(range(n))
     assert (p0 != p1).mean() > 0.9 and (p0 != q0).mean() > 0.9  # epochs and seeds reshuffle
     assert (p0 != k).mean() > 0.9  # not the identity
@@ -202,21 +220,21 @@ def test_feistel_permute_is_a_permutation(n):
 
 # --------------------------------------------------------------------------- loader
 def test_batches_follow_the_contract_and_are_deterministic(dataset_dir):
-  cfg = make_config(dataset_dir)
-  a = take(iter(data_lib.make_dataset(cfg, "train", train=True)), 5)
-  b = take(iter(data_lib.make_dataset(cfg, "train", train=True)), 5)
+  cfg = config(dataset_dir)
+  a = take(iter(make_dataset(cfg, "train", train=True)), 5)
+  b = take(iter(make_dataset(cfg, "train", train=True)), 5)
   assert_batches_equal(a, b)
   p = int(np.ceil(0.15 * SEQ))
   for batch in a:
     check_masking(unmask(batch), batch, p, VOCAB)
     assert batch["input_ids"].shape == (8, SEQ)
-  c = take(iter(data_lib.make_dataset(make_config(dataset_dir, seed=1), "train", train=True)), 5)
+  c = take(iter(make_dataset(config(dataset_dir, seed=1), "train", train=True)), 5)
   assert not np.array_equal(unmask(a[0]), unmask(c[0]))  # another seed, another order
 
 
 def test_train_order_is_a_fresh_permutation_every_epoch(dataset_dir):
   records = read_split(dataset_dir, "train")
-  it = iter(data_lib.make_dataset(make_config(dataset_dir), "train", train=True))
+  it = iter(make_dataset(config(dataset_dir), "train", train=True))
   per_epoch = N_TRAIN // 8
   rows = np.concatenate([unmask(b) for b in take(it, 2 * per_epoch)])
   epochs = rows[:N_TRAIN], rows[N_TRAIN:]
@@ -230,15 +248,15 @@ def test_train_order_is_a_fresh_permutation_every_epoch(dataset_dir):
 def test_process_slices_interleave_to_the_global_stream(dataset_dir):
   """Process i of 2 gets global positions i, i+2, ...: the slices are disjoint, together cover
   the single-process stream, and (masking keyed by global position) are identical to it."""
-  cfg = make_config(dataset_dir)
+  cfg = config(dataset_dir)
   whole = np.concatenate([b["input_ids"] for b in
-                          take(iter(data_lib.make_dataset(cfg, "train", train=True)), 24)])
-  parts = [np.concatenate([b["input_ids"] for b in take(iter(data_lib.make_dataset(
+                          take(iter(make_dataset(cfg, "train", train=True)), 24)])
+  parts = [np.concatenate([b["input_ids"] for b in take(iter(make_dataset(
       cfg, "train", train=True, process_index=i, process_count=2)), 24)]) for i in range(2)]
   assert parts[0].shape == (96, SEQ)
   np.testing.assert_array_equal(parts[0], whole[0::2])
   np.testing.assert_array_equal(parts[1], whole[1::2])
-  loader = [data_lib.make_batch_loader(cfg, "train", train=True, process_index=i,
+  loader = [make_batch_loader(cfg, "train", train=True, process_index=i,
                                        process_count=2) for i in range(2)]
   pos = [np.concatenate([l.positions(b) for b in range(24)]) for l in loader]
   assert not set(pos[0]) & set(pos[1])
@@ -246,14 +264,14 @@ def test_process_slices_interleave_to_the_global_stream(dataset_dir):
 
 
 def test_eval_is_fixed_finite_and_wraps_a_small_split(dataset_dir):
-  cfg = make_config(dataset_dir)
+  cfg = config(dataset_dir)
   cfg.train.eval_batches = 6  # 48 rows from a 32-record split
-  eval_ds = data_lib.make_dataset(cfg, "validation", train=False)
+  eval_ds = make_dataset(cfg, "validation", train=False)
   first, second = list(iter(eval_ds)), list(iter(eval_ds))
   assert len(first) == 6
   assert_batches_equal(first, second)  # every evaluation sees the same batches
   cfg.data.seed = 9  # and they do not depend on the training seed
-  assert_batches_equal(first, list(iter(data_lib.make_dataset(cfg, "validation", train=False))))
+  assert_batches_equal(first, list(iter(make_dataset(cfg, "validation", train=False))))
   rows = np.concatenate([unmask(b) for b in first])
   records = read_split(dataset_dir, "validation")
   np.testing.assert_array_equal(rows, records[np.arange(48) % N_VAL])  # file order, wrapped
@@ -261,7 +279,7 @@ def test_eval_is_fixed_finite_and_wraps_a_small_split(dataset_dir):
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_iterator_checkpoint_restores_identical_batches(dataset_dir, workers):
-  ds_ = data_lib.make_dataset(make_config(dataset_dir, workers=workers), "train", train=True)
+  ds_ = make_dataset(config(dataset_dir, workers=workers), "train", train=True)
   it = iter(ds_)
   take(it, 3)
   state = it.get_state()
@@ -316,26 +334,26 @@ def test_by_shard_processes_read_disjoint_shards_covering_every_record(sharded_d
     return real_reader(path, *args, **kwargs)
 
   monkeypatch.setattr(array_record_module, "ArrayRecordReader", spy)
-  cfg = make_config(sharded_dir, shard_by_process=True)
+  cfg = config(sharded_dir, shard_by_process=True)
   cfg.train.eval_batches = 8  # 16 rows per process: wraps every process's validation share
   seen, positions = [], []
   for pi in range(pc):
     opened.clear()
-    loader = data_lib.make_batch_loader(cfg, "train", train=True, process_index=pi,
+    loader = make_batch_loader(cfg, "train", train=True, process_index=pi,
                                         process_count=pc)
     assert [os.path.basename(p) for p in loader.records.paths] == expected["train"][pi]
     n = len(want["train"][pi])
     assert len(loader.records) == n
     batches = -(-2 * n // loader.local_batch)  # two epochs
     positions.append(np.concatenate([loader.positions(b) for b in range(batches)]))
-    rows = np.concatenate([unmask(b) for b in take(iter(data_lib.make_dataset(
+    rows = np.concatenate([unmask(b) for b in take(iter(make_dataset(
         cfg, "train", train=True, process_index=pi, process_count=pc)), batches)])
     epochs = [list(map(bytes, rows[:n])), list(map(bytes, rows[n:2 * n]))]
     for epoch in epochs:
       assert sorted(epoch) == sorted(want["train"][pi])
     assert epochs[0] != epochs[1] and epochs[0] != want["train"][pi]  # shuffled, reshuffled
     seen.append(set(epochs[0]))
-    ev = np.concatenate([unmask(b) for b in data_lib.make_dataset(
+    ev = np.concatenate([unmask(b) for b in make_dataset(
         cfg, "validation", train=False, process_index=pi, process_count=pc)])
     local_val = want["validation"][pi]
     assert list(map(bytes, ev)) == [local_val[i % len(local_val)] for i in range(16)]
@@ -347,43 +365,43 @@ def test_by_shard_processes_read_disjoint_shards_covering_every_record(sharded_d
 
 
 def test_by_shard_one_process_is_the_interleaved_stream(sharded_dir):
-  a = take(iter(data_lib.make_dataset(make_config(sharded_dir), "train", train=True)), 5)
-  b = take(iter(data_lib.make_dataset(make_config(sharded_dir, shard_by_process=True), "train",
+  a = take(iter(make_dataset(config(sharded_dir), "train", train=True)), 5)
+  b = take(iter(make_dataset(config(sharded_dir, shard_by_process=True), "train",
                                       train=True)), 5)
   assert_batches_equal(a, b)
 
 
 def test_by_shard_iterator_checkpoint_restores_identical_batches(sharded_dir):
-  cfg = make_config(sharded_dir, shard_by_process=True)
-  ds_ = data_lib.make_dataset(cfg, "train", train=True, process_index=1, process_count=2)
+  cfg = config(sharded_dir, shard_by_process=True)
+  ds_ = make_dataset(cfg, "train", train=True, process_index=1, process_count=2)
   it = iter(ds_)
   take(it, 70)  # past the end of the first local epoch (129 records, 4 per batch)
   state = it.get_state()
   json.dumps(state)
   expected = take(it, 4)
-  fresh = iter(data_lib.make_dataset(cfg, "train", train=True, process_index=1,
+  fresh = iter(make_dataset(cfg, "train", train=True, process_index=1,
                                      process_count=2))
   fresh.set_state(state)
   assert_batches_equal(take(fresh, 4), expected)
-  other = take(iter(data_lib.make_dataset(cfg, "train", train=True, process_index=0,
+  other = take(iter(make_dataset(cfg, "train", train=True, process_index=0,
                                           process_count=2)), 4)
   assert not np.array_equal(unmask(other[0]), unmask(expected[0]))
 
 
 def test_by_shard_needs_a_shard_per_process(dataset_dir):
-  cfg = make_config(dataset_dir, shard_by_process=True)  # 2 shards per split
+  cfg = config(dataset_dir, shard_by_process=True)  # 2 shards per split
   with pytest.raises(dataset.DatasetError, match=r"split 'validation' has 2 shards for 4 processes: "
                                             r"data.shard_by_process=True"):
-    data_lib.make_dataset(cfg, "validation", train=False, process_index=3, process_count=4)
+    make_dataset(cfg, "validation", train=False, process_index=3, process_count=4)
 
 
 # --------------------------------------------------------------------------- device prefetch
 def _prefetcher(dataset_dir, split="train", train=True, **data_overrides):
   import jax
 
-  cfg = make_config(dataset_dir, **data_overrides)
+  cfg = config(dataset_dir, **data_overrides)
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  it = iter(data_lib.make_dataset(cfg, split, train=train))
+  it = iter(make_dataset(cfg, split, train=train))
   return data_lib.DevicePrefetcher(it, data_lib.batch_sharding(mesh)), cfg
 
 
@@ -391,7 +409,7 @@ def test_device_prefetcher_state_matches_consumed_batches(dataset_dir):
   import jax
 
   pf, cfg = _prefetcher(dataset_dir)
-  host = take(iter(data_lib.make_dataset(cfg, "train", train=True)), 8)
+  host = take(iter(make_dataset(cfg, "train", train=True)), 8)
   got = take(pf, 3)
   assert all(isinstance(v, jax.Array) for v in got[0].values())
   assert got[0]["input_ids"].sharding == pf.sharding
@@ -411,7 +429,7 @@ def test_device_prefetcher_through_grains_orbax_handler(dataset_dir, tmp_path):
   from etils import epath
 
   pf, cfg = _prefetcher(dataset_dir)
-  host = take(iter(data_lib.make_dataset(cfg, "train", train=True)), 6)
+  host = take(iter(make_dataset(cfg, "train", train=True)), 6)
   take(pf, 2)
   handler = grain.checkpoint.CheckpointHandler()
   handler.save(epath.Path(tmp_path), args=grain.checkpoint.CheckpointSave(pf))
@@ -433,7 +451,7 @@ def test_device_prefetcher_wait_and_end(dataset_dir):
 
 # --------------------------------------------------------------------------- errors
 def _drain(cfg, split="train", batches=N_TRAIN // 8):
-  it = iter(data_lib.make_dataset(cfg, split, train=split == "train"))
+  it = iter(make_dataset(cfg, split, train=split == "train"))
   try:
     take(it, batches)
   finally:
@@ -458,7 +476,7 @@ def test_corrupt_shard_names_the_file(dataset_copy, damage, workers):
       f.write(bytes(b ^ 0xFF for b in chunk))
     expected = rf"{os.path.basename(shard)}: record \d+ \(split record \d+\): unreadable"
   with pytest.raises(dataset.DatasetError, match=expected):
-    _drain(make_config(dataset_copy, workers=workers))
+    _drain(config(dataset_copy, workers=workers))
 
 
 def test_malformed_record_names_file_and_record(dataset_copy):
@@ -470,7 +488,7 @@ def test_malformed_record_names_file_and_record(dataset_copy):
   os.remove(shard)
   dataset.write_array_record(shard, recs)
   with pytest.raises(dataset.DatasetError, match=rf"{os.path.basename(shard)}: record 5 .*malformed"):
-    _drain(make_config(dataset_copy))
+    _drain(config(dataset_copy))
 
 
 def test_token_id_beyond_vocab_is_reported(dataset_copy):
@@ -480,19 +498,19 @@ def test_token_id_beyond_vocab_is_reported(dataset_copy):
   mpath.write_text(json.dumps(raw))
   with pytest.raises(dataset.DatasetError, match=r"array_record.*record \d+.*token id \d+.*"
                                             r">= vocab_size 64"):
-    _drain(make_config(dataset_copy))
+    _drain(config(dataset_copy))
 
 
 def test_config_and_dataset_errors(dataset_dir, dataset_copy, tmp_path):
   with pytest.raises(ValueError, match="batch_size 8 is not a positive multiple of the process "
                                        "count 3"):
-    data_lib.make_dataset(make_config(dataset_dir), "train", train=True, process_index=0,
+    make_dataset(config(dataset_dir), "train", train=True, process_index=0,
                           process_count=3)
   with pytest.raises(dataset.DatasetError, match="does not exist"):
-    data_lib.make_dataset(make_config(tmp_path / "nope"), "train", train=True)
+    make_dataset(config(tmp_path / "nope"), "train", train=True)
   mpath = dataset_copy / dataset.METADATA
   raw = json.loads(mpath.read_text())
   raw["splits"]["validation"] = {"records": 0, "shards": []}
   mpath.write_text(json.dumps(raw))
   with pytest.raises(dataset.DatasetError, match="'validation' has zero shards"):
-    data_lib.make_dataset(make_config(dataset_copy), "validation", train=False)
+    make_dataset(config(dataset_copy), "validation", train=False)

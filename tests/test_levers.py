@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import make_synthetic_dataset
-from tests.test_train import ROOT, small_config
+from tests.helpers import ROOT, make_synthetic_dataset
+from tests.helpers import small_train_config as small_config
 
 LOSS_RTOL = 2e-6
 PARAM_ATOL = 2e-6
@@ -32,8 +32,9 @@ BF16_LOSS_RTOL = 1e-4
 _LEVERS = r"""
 import json, sys
 import jax, numpy as np
-from tests.test_train import small_config
-from lmscale_jax import checkpoint as ckpt_lib, data as data_lib, train
+from tests.helpers import small_train_config as small_config
+from lmscale_jax import checkpoint as ckpt_lib, data as data_lib, flops, prefetch
+from lmscale_jax import sharding, steps as steps_lib, train
 
 data, workdir = sys.argv[1:3]
 assert jax.device_count() == 4
@@ -47,18 +48,20 @@ def config(**train_kw):
 
 base = config()
 setup = train.build_setup(base)
-host_batches = [b for _, b in zip(range(4), iter(data_lib.make_dataset(base, "train", train=True)))]
+meta = setup.meta
+host_batches = [b for _, b in zip(range(4), iter(data_lib.make_dataset(base, meta, "train",
+                                                                       train=True)))]
 init_state = None
 
 def run(name, **kw):
   global init_state
   c = config(**kw)
-  s = train.build_setup(c)
-  st = train.build_steps(c, s.model_cfg, s.predictions)
+  s = train.build_setup(c, meta)
+  st = steps_lib.build_steps(c, s.model_cfg, s.predictions)
   if init_state is None:  # one initialization for every variant (same values, host copy)
     init_state = jax.device_get(st.init(jax.random.key(c.train.seed)))
   # One compilation serves both the memory analysis and the run.
-  abstract_b = train.abstract_batch(BATCH, s.meta.seq_len, s.predictions, st.batch_sharding)
+  abstract_b = flops.abstract_batch(BATCH, s.meta.seq_len, s.predictions, st.batch_sharding)
   step = st.train_step.lower(st.abstract_state, abstract_b).compile()
   mem = step.memory_analysis()
   state = jax.device_put(init_state, st.state_sharding)
@@ -72,11 +75,11 @@ def run(name, **kw):
   per_device = sum(sh.data.nbytes for x in jax.tree.leaves(state)
                    for sh in x.addressable_shards if sh.device == dev0)
   sharded = sum(1 for x in leaves if x.addressable_shards[0].data.shape != x.shape)
-  big_matrices = sum(1 for x in leaves if x.ndim == 2 and x.size >= train.FSDP_MIN_SIZE)
+  big_matrices = sum(1 for x in leaves if x.ndim == 2 and x.size >= sharding.FSDP_MIN_SIZE)
   return st, state, {"manual": st.manual, "losses": losses,
                      "params": [np.asarray(x).ravel().tolist() for x in leaves],
                      "state_bytes_dev0": per_device, "sharded_param_leaves": sharded,
-                     "big_matrices": big_matrices, "peak_bytes": train.peak_bytes(mem),
+                     "big_matrices": big_matrices, "peak_bytes": flops.peak_bytes(mem),
                      "argument_bytes": mem.argument_size_in_bytes}
 
 out = {}
@@ -93,22 +96,23 @@ for name, kw in [
     out["init_params"] = [np.asarray(x).ravel().tolist()
                           for x in jax.tree.leaves(init_state.params)]
     # grad_allreduce_dtype=float32 must be the plain step itself: the same program.
-    abstract_b = train.abstract_batch(BATCH, setup.meta.seq_len, setup.predictions,
+    abstract_b = flops.abstract_batch(BATCH, setup.meta.seq_len, setup.predictions,
                                       st.batch_sharding)
     fp32 = config(grad_allreduce_dtype="float32")
-    fp32_st = train.build_steps(fp32, train.build_setup(fp32).model_cfg, setup.predictions)
+    fp32_st = steps_lib.build_steps(fp32, train.build_setup(fp32, meta).model_cfg,
+                                    setup.predictions)
     out["fp32_same_program"] = (
         fp32_st.train_step.lower(fp32_st.abstract_state, abstract_b).as_text()
         == st.train_step.lower(st.abstract_state, abstract_b).as_text())
   if name == "fsdp_accum2_dots":
     # Orbax: save the sharded state, restore it FSDP-sharded and replicated.
-    it = data_lib.DevicePrefetcher(iter(data_lib.make_dataset(base, "train", train=True)),
-                                   st.batch_sharding)
+    it = prefetch.DevicePrefetcher(st.batch_sharding, reopen=lambda k: iter(
+        data_lib.make_dataset(base, meta, "train", train=True, start_batch=k)))
     ck = ckpt_lib.Checkpointer(workdir, keep=1, use_async=False)
     ck.save(4, state, it)
     ck.wait()
     fsdp_restored = ck.restore(4, st.abstract_state, it)
-    plain_st = train.build_steps(base, setup.model_cfg, setup.predictions)
+    plain_st = steps_lib.build_steps(base, setup.model_cfg, setup.predictions)
     repl_restored = ck.restore(4, plain_st.abstract_state, it)
     ck.close()
     same = lambda a, b: all(np.array_equal(np.asarray(x), np.asarray(y))
@@ -224,7 +228,7 @@ def test_compiled_memory_of_the_levers(runs):
 def test_fsdp_spec_rules():
   from jax.sharding import PartitionSpec as P
 
-  from lmscale_jax.train import fsdp_spec
+  from lmscale_jax.sharding import fsdp_spec
 
   assert fsdp_spec((768, 3072), 4) == P(None, "data")  # largest divisible dimension
   assert fsdp_spec((30522, 768), 4) == P(None, "data")  # 30522 % 4 != 0
@@ -237,15 +241,16 @@ def test_fsdp_spec_rules():
 
 def test_lever_config_validation(data):
   from lmscale_jax import train
+  from lmscale_jax.errors import ConfigError
 
-  with pytest.raises(ValueError, match="not divisible by train.grad_accum_steps=3"):
-    train.check_config(small_config(data, grad_accum_steps=3))
-  with pytest.raises(ValueError, match="grad_accum_steps=0"):
-    train.check_config(small_config(data, grad_accum_steps=0))
-  with pytest.raises(ValueError, match="grad_allreduce_dtype='float16'"):
-    train.check_config(small_config(data, grad_allreduce_dtype="float16"))
-  with pytest.raises(ValueError, match="dropout_rng='philox'"):
-    train.check_config(small_config(data, dropout_rng="philox"))
+  with pytest.raises(ConfigError, match="not divisible by train.grad_accum_steps=3"):
+    train.build_setup(small_config(data, grad_accum_steps=3))
+  with pytest.raises(ConfigError, match="grad_accum_steps=0"):
+    train.build_setup(small_config(data, grad_accum_steps=0))
+  with pytest.raises(ConfigError, match="grad_allreduce_dtype='float16'"):
+    train.build_setup(small_config(data, grad_allreduce_dtype="float16"))
+  with pytest.raises(ConfigError, match="dropout_rng='philox'"):
+    train.build_setup(small_config(data, dropout_rng="philox"))
   assert jax.device_count() == 1  # the in-process tests above run on one CPU device
 
 
@@ -285,12 +290,10 @@ def test_autotune_raises_workers_until_the_wait_is_small():
 
 
 def test_autotune_record_makes_resume_deterministic(tmp_path):
-  import ml_collections
-
   from lmscale_jax import autotune
+  from tests.helpers import make_config
 
-  data = ml_collections.ConfigDict(dict(workers=3, autotune_max_workers=2,
-                                        autotune_target=0.5))
+  data = make_config(data=dict(workers=3, autotune_max_workers=2, autotune_target=0.5)).data
   calls = []
 
   def measure_once(workers):
@@ -298,22 +301,17 @@ def test_autotune_record_makes_resume_deterministic(tmp_path):
     return iter(range(10**6))  # an instant loader: 0 workers already meets the target
 
   def never(*_):
-    raise AssertionError("a recorded or resumed run must not measure")
+    raise AssertionError("a recorded run must not measure")
 
-  w = autotune.resolve_workers(str(tmp_path / "fresh"), data, has_checkpoint=False,
-                               is_writer=True, step_seconds=lambda: 0.001,
-                               make_iterator=measure_once)
+  w = autotune.resolve_workers(str(tmp_path / "fresh"), data, is_writer=True,
+                               step_seconds=lambda: 0.001, make_iterator=measure_once)
   record = json.loads((tmp_path / "fresh" / autotune.FILENAME).read_text())
   assert w == 0 and calls == [0] and record["workers"] == 0 and record["reason"] == "measured"
   assert record["measurements"][0]["wait_frac"] < 0.5
-  # The resume reads the record back, whatever data.workers says now.
+  # The resume reads the record back, whatever data.workers says now, and does not measure.
   data.workers = 5
-  assert autotune.resolve_workers(str(tmp_path / "fresh"), data, has_checkpoint=True,
-                                  is_writer=True, step_seconds=never, make_iterator=never) == 0
-  # A run with checkpoints but no record keeps data.workers, and records it.
-  assert autotune.resolve_workers(str(tmp_path / "old"), data, has_checkpoint=True,
-                                  is_writer=True, step_seconds=never, make_iterator=never) == 5
-  assert json.loads((tmp_path / "old" / autotune.FILENAME).read_text())["workers"] == 5
+  assert autotune.resolve_workers(str(tmp_path / "fresh"), data, is_writer=True,
+                                  step_seconds=never, make_iterator=never) == 0
 
 
 def test_train_with_loader_autotune(data, tmp_path):
@@ -329,6 +327,9 @@ def test_train_with_loader_autotune(data, tmp_path):
   assert record["workers"] == 0 and record["reason"] == "measured"
   assert 0 < record["step_seconds"] < 5 and record["measurements"][0]["batches"] > 0
   assert out["step"] == 2 and np.isfinite(out["loss"])
+  # Decided before config.json is written, which records the workers the run used.
+  saved = json.loads((tmp_path / "w" / "config.json").read_text())
+  assert saved["config"]["data"]["workers"] == 0 and saved["config"]["data"]["autotune"]
 
 
 # ----------------------------------------------------------------------------- max batch search
@@ -378,4 +379,3 @@ def test_key_lengths_mask_equals_the_boolean_mask():
   by_lengths = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                             implementation="xla")
   np.testing.assert_allclose(by_lengths, by_mask, atol=1e-6)
-  assert M.CUDNN_MASK == "lengths"

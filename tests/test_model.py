@@ -15,24 +15,20 @@ import pytest
 from lmscale_jax import dataset
 from lmscale_jax import flops
 from lmscale_jax import model as M
-from tests.helpers import SPECIAL_IDS
+from tests.helpers import ROOT, SPECIAL_IDS, make_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("tiny", "bert120m", "bert350m")
 PAD = SPECIAL_IDS["[PAD]"]
 
 
 def fake_meta(seq_len=16, vocab_size=64, path="/data/ds"):
   return dataset.DatasetMeta(path=path, name="t", seq_len=seq_len, vocab_size=vocab_size,
-                        special_ids=dict(SPECIAL_IDS), splits={}, raw={})
+                             special_ids=dict(SPECIAL_IDS), splits={}, raw={})
 
 
 def small_cfg(remat="none", meta=None, **overrides):
-  model = ml_collections.ConfigDict(dict(
-      vocab_size=0, seq_len=0, layers=2, hidden=32, heads=4, ffn=64, dropout=0.0,
-      attention_dropout=0.0, type_vocab_size=2, layer_norm_eps=1e-12, initializer_range=0.02,
-      pre_ln=False, dtype="float32", attention_impl="auto"))
-  model.update(overrides)
+  model = make_config(model={**dict(layers=2, hidden=32, heads=4, ffn=64, dropout=0.0,
+                                    dtype="float32"), **overrides}).model
   return M.resolve_model_config(model, meta or fake_meta(), remat=remat)
 
 
@@ -164,11 +160,12 @@ def test_explicit_attention_matches_fused():
 
 @pytest.mark.skipif(jax.default_backend() != "gpu",
                     reason="cuDNN attention needs a GPU (run with JAX_PLATFORMS=cuda)")
-def test_cudnn_attention_matches_xla():
+@pytest.mark.parametrize("cudnn_mask", M.CUDNN_MASKS)
+def test_cudnn_attention_matches_xla(cudnn_mask):
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (2, 128, 4, 64), jnp.bfloat16) for key in (k1, k2, k3))
   mask = jnp.arange(128)[None, :] < jnp.array([[100], [128]])
-  cudnn = M.dot_product_attention(q, k, v, mask, impl="cudnn")
+  cudnn = M.dot_product_attention(q, k, v, mask, impl="cudnn", cudnn_mask=cudnn_mask)
   xla = M.dot_product_attention(q, k, v, mask, impl="xla")
   np.testing.assert_allclose(np.asarray(cudnn, np.float32), np.asarray(xla, np.float32),
                              atol=2e-2)

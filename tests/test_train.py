@@ -11,35 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import make_synthetic_dataset
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(name="tiny"):
-  import importlib.util
-
-  spec = importlib.util.spec_from_file_location(f"cfg_{name}",
-                                                os.path.join(ROOT, "configs", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
-
-
-def small_config(data_path, **train):
-  c = load_config()
-  c.data.path = str(data_path)
-  c.model.layers, c.model.hidden, c.model.heads, c.model.ffn = 2, 64, 2, 128
-  c.train.batch_size = 8
-  c.train.steps = 6
-  c.train.warmup_steps = 2
-  c.train.log_every = 1
-  c.train.eval_every = 3
-  c.train.eval_batches = 2
-  c.checkpoint.every = 3
-  for k, v in train.items():
-    c.train[k] = v
-  return c
+from tests.helpers import ROOT, make_synthetic_dataset
+from tests.helpers import small_train_config as small_config
 
 
 @pytest.fixture(scope="module")
@@ -99,18 +72,19 @@ def test_resume_sees_the_same_batches(data, tmp_path):
   number of loader workers before and after (the state is a batch index, not Grain's
   per-worker-count state)."""
   from lmscale_jax import data as data_lib
-  from lmscale_jax import train
+  from lmscale_jax import dataset, train
 
   w = tmp_path / "w"
   train.train_and_evaluate(small_config(data, steps=3), str(w))
   cfg = small_config(data)
-  ref = iter(data_lib.make_dataset(cfg, "train", train=True))
+  meta = dataset.DatasetMeta.load(str(data))
+  ref = iter(data_lib.make_dataset(cfg, meta, "train", train=True))
   expected = [next(ref) for _ in range(6)][3:]
   state_file = next((w / "checkpoints" / "3" / "data").glob("process_0-of-1.json"))
   state = json.loads(state_file.read_text())
   assert state == {"next_batch": 3}
   cfg.data.workers = 1
-  resumed = iter(data_lib.make_dataset(cfg, "train", train=True, start_batch=3))
+  resumed = iter(data_lib.make_dataset(cfg, meta, "train", train=True, start_batch=3))
   for e in expected:
     got = next(resumed)
     for k in e:
@@ -149,7 +123,8 @@ def test_unknown_config_key_names_the_closest(tmp_path):
 def test_batch_not_divisible_by_devices(data, tmp_path):
   r = _main([f"--config={ROOT}/configs/tiny.py", f"--config.data.path={data}",
              "--config.train.batch_size=6", f"--workdir={tmp_path}", "--dry_run"], devices=4)
-  assert r.returncode != 0 and "not divisible by the 4 devices" in r.stderr
+  # The one batch rule (config_checks.check_batch) and its one message.
+  assert r.returncode != 0 and "not divisible by the 4 global devices (1 process × 4)" in r.stderr
   assert r.stderr.strip().splitlines()[-1].startswith("error: train.batch_size=6")
   assert "Traceback" not in r.stderr  # one clear line
 
