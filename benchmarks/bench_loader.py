@@ -7,6 +7,12 @@ the same worker counts, in the same invocation.
 
   python benchmarks/bench_loader.py                      # synthetic seq-512 dataset, ~20k seqs
   python benchmarks/bench_loader.py --data DIR --workers 0,1,2 --seconds 10
+  python benchmarks/bench_loader.py --compare-shuffle      # Feistel vs Grain's index_shuffle
+
+``--compare-shuffle`` instead times the loader's batch function in-process (one batch of
+``--batch`` rows at a time, no workers) with its shuffle (``hashing.feistel_permute``) and
+with ``grain.experimental.index_shuffle`` in its place, in alternating rounds of the same run,
+and the permutation alone per batch: the measurement behind keeping ``feistel_permute``.
 
 Prints a table and appends one JSON line per measurement to
 benchmarks/results/<date>-cpu-loader.jsonl.
@@ -15,6 +21,7 @@ benchmarks/results/<date>-cpu-loader.jsonl.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -73,21 +80,21 @@ def export_tokens(path: str, out: str) -> np.ndarray:
 
 
 def config(path: str, batch: int, workers: int, read_threads: int, prefetch: int):
-  import ml_collections
+  """The default config (what users get) with the loader settings under test."""
+  from lmscale_jax import config_defaults
 
-  c = ml_collections.ConfigDict()
-  c.data = ml_collections.ConfigDict(dict(
-      path=path, workers=workers, seed=0, mask_prob=0.15, max_predictions=0,
-      prefetch_buffer=prefetch, read_threads=read_threads))
-  c.train = ml_collections.ConfigDict(dict(batch_size=batch, eval_batches=1))
+  c = config_defaults.get_base_config()
+  c.data.update(dict(path=path, workers=workers, prefetch_buffer=prefetch,
+                     read_threads=read_threads))
+  c.train.update(dict(batch_size=batch, eval_batches=1))
   return c
 
 
-def measure_ours(cfg, warmup: float, seconds: float) -> dict:
+def measure_ours(cfg, meta, warmup: float, seconds: float) -> dict:
   """samples/s of the host iterator, after ``warmup`` seconds (worker start, buffers full)."""
   from lmscale_jax import data as data_lib
 
-  it = iter(data_lib.make_dataset(cfg, "train", train=True))
+  it = iter(data_lib.make_dataset(cfg, meta, "train", train=True))
   t0 = time.perf_counter()
   next(it)
   first_batch_s = time.perf_counter() - t0
@@ -101,6 +108,59 @@ def measure_ours(cfg, warmup: float, seconds: float) -> dict:
   it.close()
   return {"samples_s": n / dt, "seconds": dt, "first_batch_s": first_batch_s,
           "main_process_cpu_frac": main_cpu}
+
+
+def index_shuffle_loader(loader):
+  """A copy of ``loader`` (a ``data.BatchLoader``) whose per-epoch permutation is
+  ``grain.experimental.index_shuffle``, as Grain's own ``shuffle`` calls it: one index per
+  call, seed ``(seed + epoch) mod 2**32``, 4 rounds."""
+  from grain.experimental import index_shuffle
+
+  class IndexShuffleLoader(type(loader)):
+    def record_indices(self, positions):
+      if self.local_stream:
+        positions = positions // self.process_count
+      n = len(self.records)
+      epoch, in_epoch = np.divmod(positions, n)
+      seeds = ((self.shuffle_seed + epoch) % (1 << 32)).tolist()
+      return np.array([index_shuffle(index, n - 1, seed, 4)
+                       for index, seed in zip(in_epoch.tolist(), seeds)], np.int64)
+
+  alternative = copy.copy(loader)
+  alternative.__class__ = IndexShuffleLoader
+  return alternative
+
+
+def compare_shuffle(cfg, meta, rounds: int, seconds: float) -> dict:
+  """samples/s of the batch function with each permutation, in alternating rounds (so load
+  changes on a shared machine hit both), and the permutation alone in us per batch."""
+  from lmscale_jax import data as data_lib
+
+  loaders = {"feistel_permute": data_lib.make_batch_loader(cfg, meta, "train", train=True)}
+  loaders["index_shuffle"] = index_shuffle_loader(loaders["feistel_permute"])
+  batch = loaders["feistel_permute"].local_batch
+  for loader in loaders.values():  # opens every shard, warms the page cache
+    for batch_index in range(20):
+      loader(batch_index)
+  rates = {name: [] for name in loaders}
+  next_batch = 1000  # every round reads batches not read before
+  for _ in range(rounds):
+    for name, loader in loaders.items():
+      built, start = 0, time.perf_counter()
+      while time.perf_counter() - start < seconds:
+        loader(next_batch)
+        next_batch, built = next_batch + 1, built + 1
+      rates[name].append(built * batch / (time.perf_counter() - start))
+  permute_us = {}
+  for name, loader in loaders.items():
+    positions = [loader.positions(b) for b in range(1000, 1200)]
+    start = time.perf_counter()
+    for p in positions:
+      loader.record_indices(p)
+    permute_us[name] = (time.perf_counter() - start) / len(positions) * 1e6
+  return {name: {"samples_s_median": float(np.median(rates[name])),
+                 "samples_s_rounds": [round(r) for r in rates[name]],
+                 "permute_us_per_batch": permute_us[name]} for name in loaders}
 
 
 def measure_peer(python: str, ids_path: str, batch: int, workers: int, seconds: float,
@@ -130,6 +190,9 @@ def main(argv=None) -> int:
   ap.add_argument("--prefetch", type=int, default=4, help="data.prefetch_buffer (batches)")
   ap.add_argument("--peer-python", default="/tmp/peervenv/bin/python")
   ap.add_argument("--no-peer", action="store_true")
+  ap.add_argument("--compare-shuffle", action="store_true",
+                  help="time feistel_permute vs grain's index_shuffle in the loader instead")
+  ap.add_argument("--rounds", type=int, default=6, help="--compare-shuffle: rounds of each")
   ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
   a = ap.parse_args(argv)
 
@@ -140,6 +203,15 @@ def main(argv=None) -> int:
   path = a.data or synthetic_dataset(a.synthetic_dir, a.records, a.seq_len, a.vocab)
   meta = dataset.DatasetMeta.load(path)
   workers = [int(w) for w in a.workers.split(",")]
+  if a.compare_shuffle:
+    cfg = config(path, a.batch, 0, a.read_threads, a.prefetch)
+    result = compare_shuffle(cfg, meta, a.rounds, a.seconds)
+    print(f"{cpu_description()}; seq_len {meta.seq_len}, batch {a.batch}, {a.rounds} rounds "
+          f"of {a.seconds:g} s each, in-process batch function")
+    for name, r in result.items():
+      print(f"  {name:16s} {r['samples_s_median']:9.0f} samples/s (median; rounds "
+            f"{r['samples_s_rounds']}), permutation {r['permute_us_per_batch']:.0f} us/batch")
+    return 0
 
   peer_python = None if a.no_peer else a.peer_python
   if peer_python and not (os.path.exists(peer_python) and subprocess.run(
@@ -164,7 +236,7 @@ def main(argv=None) -> int:
   rows = []
   for w in workers:
     cfg = config(path, a.batch, w, a.read_threads, a.prefetch)
-    ours = measure_ours(cfg, a.warmup, a.seconds)
+    ours = measure_ours(cfg, meta, a.warmup, a.seconds)
     rows.append({**common, "system": "lmscale_jax grain", "workers": w,
                  "read_threads": a.read_threads, "prefetch_buffer": a.prefetch,
                  "loadavg_1m": os.getloadavg()[0], **ours})

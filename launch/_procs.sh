@@ -1,5 +1,5 @@
 # Shared by launch/local.sh and launch/node.sh (sourced, not run): start this machine's
-# training processes with the LMSCALE_* variables lmscale_jax.distributed reads, prefix their
+# training processes with the LMSCALE_* variables lmscale_jax.topology reads, prefix their
 # output with the process id, and supervise them.
 
 # lmscale_python: the interpreter (PYTHON, else the checkout's .venv, else python3).

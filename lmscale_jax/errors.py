@@ -12,3 +12,7 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
   """A config value (``--config.a.b=…`` or a configs/*.py) is invalid or inconsistent."""
+
+
+class PrepareError(UserError, ValueError):
+  """Bad arguments, inputs or output directory of a data preparation (tools/prepare_*.py)."""

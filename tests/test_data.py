@@ -256,8 +256,8 @@ def test_process_slices_interleave_to_the_global_stream(dataset_dir):
   assert parts[0].shape == (96, SEQ)
   np.testing.assert_array_equal(parts[0], whole[0::2])
   np.testing.assert_array_equal(parts[1], whole[1::2])
-  loader = [make_batch_loader(cfg, "train", train=True, process_index=i,
-                                       process_count=2) for i in range(2)]
+  loader = [make_batch_loader(cfg, "train", train=True, process_index=i, process_count=2)
+            for i in range(2)]
   pos = [np.concatenate([l.positions(b) for b in range(24)]) for l in loader]
   assert not set(pos[0]) & set(pos[1])
   assert set(pos[0]) | set(pos[1]) == set(range(96 * 2))
@@ -339,8 +339,7 @@ def test_by_shard_processes_read_disjoint_shards_covering_every_record(sharded_d
   seen, positions = [], []
   for pi in range(pc):
     opened.clear()
-    loader = make_batch_loader(cfg, "train", train=True, process_index=pi,
-                                        process_count=pc)
+    loader = make_batch_loader(cfg, "train", train=True, process_index=pi, process_count=pc)
     assert [os.path.basename(p) for p in loader.records.paths] == expected["train"][pi]
     n = len(want["train"][pi])
     assert len(loader.records) == n
@@ -365,62 +364,101 @@ def test_by_shard_processes_read_disjoint_shards_covering_every_record(sharded_d
 
 
 def test_by_shard_one_process_is_the_interleaved_stream(sharded_dir):
-  a = take(iter(make_dataset(config(sharded_dir), "train", train=True)), 5)
-  b = take(iter(make_dataset(config(sharded_dir, shard_by_process=True), "train",
-                                      train=True)), 5)
+  a = take(iter(make_dataset(config(sharded_dir))), 5)
+  b = take(iter(make_dataset(config(sharded_dir, shard_by_process=True))), 5)
   assert_batches_equal(a, b)
 
 
 def test_by_shard_iterator_checkpoint_restores_identical_batches(sharded_dir):
   cfg = config(sharded_dir, shard_by_process=True)
-  ds_ = make_dataset(cfg, "train", train=True, process_index=1, process_count=2)
-  it = iter(ds_)
+  it = iter(make_dataset(cfg, process_index=1, process_count=2))
   take(it, 70)  # past the end of the first local epoch (129 records, 4 per batch)
   state = it.get_state()
   json.dumps(state)
   expected = take(it, 4)
-  fresh = iter(make_dataset(cfg, "train", train=True, process_index=1,
-                                     process_count=2))
+  fresh = iter(make_dataset(cfg, process_index=1, process_count=2))
   fresh.set_state(state)
   assert_batches_equal(take(fresh, 4), expected)
-  other = take(iter(make_dataset(cfg, "train", train=True, process_index=0,
-                                          process_count=2)), 4)
+  other = take(iter(make_dataset(cfg, process_index=0, process_count=2)), 4)
   assert not np.array_equal(unmask(other[0]), unmask(expected[0]))
+
+
+def test_process_shards_is_the_read_plan(sharded_dir):
+  """The one owner of "process i reads shards i::P" (staging.needed_shards asks it too)."""
+  meta = dataset.DatasetMeta.load(str(sharded_dir))
+  assert data_lib.process_shards(meta, "train", 1, 4, by_shard=False) is None  # all shards
+  assert data_lib.process_shards(meta, "train", 1, 4, by_shard=True) == [1, 5]
+  assert data_lib.process_shards(meta, "validation", 3, 4, by_shard=True) == [3]
+  assert data_lib.process_shards(meta, "train", 0, 1, by_shard=True) == list(range(6))
 
 
 def test_by_shard_needs_a_shard_per_process(dataset_dir):
   cfg = config(dataset_dir, shard_by_process=True)  # 2 shards per split
-  with pytest.raises(dataset.DatasetError, match=r"split 'validation' has 2 shards for 4 processes: "
-                                            r"data.shard_by_process=True"):
-    make_dataset(cfg, "validation", train=False, process_index=3, process_count=4)
+  # The message is data.process_shards', shared with tools/stage.py --only-needed.
+  with pytest.raises(dataset.DatasetError,
+                     match=r"split 'validation' has 2 shards for 4 processes: a by-shard split "
+                           r"\(data.shard_by_process=True\)"):
+    make_dataset(cfg, "validation", process_index=3, process_count=4)
 
 
 # --------------------------------------------------------------------------- device prefetch
-def _prefetcher(dataset_dir, split="train", train=True, **data_overrides):
-  import jax
+def _prefetcher(dataset_dir, split="train", opened=None, **data_overrides):
+  """A DevicePrefetcher as training builds it: ``reopen(k)`` is the dataset from batch ``k``
+  (the ``k`` of every call is appended to ``opened``)."""
+  from lmscale_jax import sharding
 
   cfg = config(dataset_dir, **data_overrides)
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  it = iter(make_dataset(cfg, split, train=train))
-  return data_lib.DevicePrefetcher(it, data_lib.batch_sharding(mesh)), cfg
+
+  def reopen(start_batch):
+    if opened is not None:
+      opened.append(start_batch)
+    return iter(make_dataset(cfg, split, start_batch=start_batch))
+
+  return prefetch.DevicePrefetcher(sharding.batch_sharding(sharding.data_mesh()), reopen), cfg
 
 
 def test_device_prefetcher_state_matches_consumed_batches(dataset_dir):
   import jax
 
-  pf, cfg = _prefetcher(dataset_dir)
-  host = take(iter(make_dataset(cfg, "train", train=True)), 8)
+  opened = []
+  pf, cfg = _prefetcher(dataset_dir, opened=opened)
+  host = take(iter(make_dataset(cfg)), 8)
+  assert opened == []  # the host iterator is built on the first next(), not before
   got = take(pf, 3)
+  assert opened == [0]
   assert all(isinstance(v, jax.Array) for v in got[0].values())
   assert got[0]["input_ids"].sharding == pf.sharding
   assert_batches_equal(got, host[:3])
   # The host iterator already produced batch 4 (index 3); the saved state must not skip it.
   state = pf.get_state()
-  assert state != pf.iterator.get_state()
-  restored, _ = _prefetcher(dataset_dir)
+  assert state == {"next_batch": 3}
+  json.dumps(state)  # Grain's Orbax handler stores it as JSON
+  restored_opened = []
+  restored, _ = _prefetcher(dataset_dir, opened=restored_opened)
   restored.set_state(state)
+  assert restored_opened == []  # a restore does not build (spawn) a host iterator itself
   assert_batches_equal(take(restored, 5), host[3:8])
+  assert restored_opened == [3]  # resumed exactly at the first batch not consumed
   assert_batches_equal(take(pf, 5), host[3:8])  # the original continues unaffected
+  pf.set_state({"next_batch": 1})  # a restore in the same process: reopened at batch 1
+  assert_batches_equal(take(pf, 2), host[1:3])
+  assert opened == [0, 1]
+  with pytest.raises(ValueError, match=r"expected \{'next_batch': k\}"):
+    pf.set_state({"iterator": 3})  # e.g. Grain's own per-worker state
+  for x in (pf, restored):
+    x.close()
+
+
+def test_device_prefetcher_state_does_not_depend_on_workers(dataset_dir):
+  """The state is the batch count: a run resumes with another data.workers."""
+  pf, cfg = _prefetcher(dataset_dir, workers=1)
+  host = take(iter(make_dataset(cfg)), 5)
+  take(pf, 2)
+  restored, _ = _prefetcher(dataset_dir, workers=0)
+  restored.set_state(pf.get_state())
+  assert_batches_equal(take(restored, 3), host[2:5])
+  for x in (pf, restored):
+    x.close()
 
 
 def test_device_prefetcher_through_grains_orbax_handler(dataset_dir, tmp_path):
@@ -429,7 +467,7 @@ def test_device_prefetcher_through_grains_orbax_handler(dataset_dir, tmp_path):
   from etils import epath
 
   pf, cfg = _prefetcher(dataset_dir)
-  host = take(iter(make_dataset(cfg, "train", train=True)), 6)
+  host = take(iter(make_dataset(cfg)), 6)
   take(pf, 2)
   handler = grain.checkpoint.CheckpointHandler()
   handler.save(epath.Path(tmp_path), args=grain.checkpoint.CheckpointSave(pf))
@@ -439,7 +477,7 @@ def test_device_prefetcher_through_grains_orbax_handler(dataset_dir, tmp_path):
 
 
 def test_device_prefetcher_wait_and_end(dataset_dir):
-  pf, cfg = _prefetcher(dataset_dir, split="validation", train=False)
+  pf, cfg = _prefetcher(dataset_dir, split="validation")
   batches = list(pf)
   assert len(batches) == cfg.train.eval_batches  # finite iterators end cleanly
   with pytest.raises(StopIteration):
@@ -451,7 +489,7 @@ def test_device_prefetcher_wait_and_end(dataset_dir):
 
 # --------------------------------------------------------------------------- errors
 def _drain(cfg, split="train", batches=N_TRAIN // 8):
-  it = iter(make_dataset(cfg, split, train=split == "train"))
+  it = iter(make_dataset(cfg, split))
   try:
     take(it, batches)
   finally:
@@ -487,7 +525,8 @@ def test_malformed_record_names_file_and_record(dataset_copy):
   recs[5] = dataset.encode_record(np.full(SEQ // 2, 7, np.uint16))  # a record of the wrong length
   os.remove(shard)
   dataset.write_array_record(shard, recs)
-  with pytest.raises(dataset.DatasetError, match=rf"{os.path.basename(shard)}: record 5 .*malformed"):
+  with pytest.raises(dataset.DatasetError,
+                     match=rf"{os.path.basename(shard)}: record 5 .*malformed"):
     _drain(config(dataset_copy))
 
 
@@ -497,20 +536,22 @@ def test_token_id_beyond_vocab_is_reported(dataset_copy):
   raw["vocab_size"] = 64  # the shards hold ids up to 127
   mpath.write_text(json.dumps(raw))
   with pytest.raises(dataset.DatasetError, match=r"array_record.*record \d+.*token id \d+.*"
-                                            r">= vocab_size 64"):
+                                                 r">= vocab_size 64"):
     _drain(config(dataset_copy))
 
 
 def test_config_and_dataset_errors(dataset_dir, dataset_copy, tmp_path):
-  with pytest.raises(ValueError, match="batch_size 8 is not a positive multiple of the process "
-                                       "count 3"):
-    make_dataset(config(dataset_dir), "train", train=True, process_index=0,
-                          process_count=3)
+  # The loader's rows per process come from config_checks.check_batch: the one shared rule
+  # for splitting train.batch_size (processes × devices × microbatches), hence its message.
+  with pytest.raises(ConfigError, match=r"train.batch_size=8 is not divisible by the 3 global "
+                                        r"devices \(3 processes × 1\)"):
+    make_dataset(config(dataset_dir), process_index=0, process_count=3)
+  assert config_checks.check_batch(8, processes=2) == 4  # what process_count=2 loads
   with pytest.raises(dataset.DatasetError, match="does not exist"):
-    make_dataset(config(tmp_path / "nope"), "train", train=True)
+    make_dataset(config(tmp_path / "nope"))
   mpath = dataset_copy / dataset.METADATA
   raw = json.loads(mpath.read_text())
   raw["splits"]["validation"] = {"records": 0, "shards": []}
   mpath.write_text(json.dumps(raw))
   with pytest.raises(dataset.DatasetError, match="'validation' has zero shards"):
-    make_dataset(config(dataset_copy), "validation", train=False)
+    make_dataset(config(dataset_copy), "validation")

@@ -1,6 +1,7 @@
-"""Multi-process training on CPU over localhost: start-up resolution (config > LMSCALE_* >
-Slurm > single), loss equality of 1/2/4 processes (launch/local.sh), a resume in 2 processes,
-per-node staging inside the job, a killed peer, and start-up errors.
+"""Multi-process training on CPU over localhost: topology resolution (config > LMSCALE_* >
+Slurm > single), the checkpoint's process count, loss equality of 1/2/4 processes
+(launch/local.sh), a resume in 2 processes, per-node staging inside the job, a killed peer, and
+start-up errors.
 
 Every subprocess runs in its own session with a timeout and is killed (whole group) on failure:
 nothing here can hang CI.
@@ -22,7 +23,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tests.helpers import make_synthetic_dataset
+from tests.helpers import make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Test-only: halves XLA:CPU compile time (LLVM optimisation off). Every run compared here uses
@@ -31,13 +32,9 @@ FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_pass
 
 
 # ----------------------------------------------------------------------------- resolution
-def dcfg(**kw) -> ml_collections.ConfigDict:
-  from lmscale_jax import config_defaults
-
-  d = config_defaults.get_base_config().distributed
-  for k, v in kw.items():
-    d[k] = v
-  return d
+def dcfg(**overrides) -> ml_collections.ConfigDict:
+  """``config.distributed`` of the shared test config, with ``overrides``."""
+  return make_config(distributed=overrides).distributed
 
 
 LM = {"LMSCALE_COORDINATOR": "10.0.0.1:1234", "LMSCALE_NUM_PROCESSES": "4",
@@ -48,7 +45,7 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
 
 
 def test_resolution_order():
-  from lmscale_jax.distributed import Topology, resolve
+  from lmscale_jax.topology import Topology, resolve
 
   assert resolve(dcfg(), {}) == Topology()  # nothing set: one process
   t = resolve(dcfg(), LM)
@@ -70,7 +67,7 @@ def test_resolution_order():
 
 
 def test_slurm_layouts():
-  from lmscale_jax.distributed import expand_hostlist, resolve, slurm_port
+  from lmscale_jax.topology import expand_hostlist, resolve, slurm_port
 
   assert expand_hostlist("gpu[007-010]") == ["gpu007", "gpu008", "gpu009", "gpu010"]
   assert expand_hostlist("a-1,r[1-2]n[01,03],x") == ["a-1", "r1n01", "r1n03", "r2n01", "r2n03",
@@ -112,10 +109,40 @@ def test_slurm_layouts():
     ({}, {"mode": "mpi"}, r"distributed.mode='mpi'"),
 ])
 def test_bad_settings(env, cfg, match):
-  from lmscale_jax.distributed import DistributedError, resolve
+  from lmscale_jax.topology import DistributedError, resolve
 
   with pytest.raises(DistributedError, match=match):
     resolve(dcfg(**cfg), env)
+
+
+def test_checkpoint_process_count(tmp_path):
+  """checkpoint.check_process_count reads the latest complete step only (Orbax's temporary
+  step names are not checkpoints) and creates nothing when there is no checkpoint."""
+  from lmscale_jax import checkpoint
+
+  for name, writers in (("3", 2), ("6.orbax-checkpoint-tmp-1700000000", 4)):
+    data_dir = tmp_path / "w" / "checkpoints" / name / "data"
+    data_dir.mkdir(parents=True)
+    for p in range(writers):
+      (data_dir / f"process_{p}-of-{writers}.json").write_text("{}")
+  checkpoint.check_process_count(str(tmp_path / "w"), 2)
+  with pytest.raises(checkpoint.IncompatibleCheckpoint,
+                     match=r"w/checkpoints/3 was written by 2 process\(es\); this job has 4"):
+    checkpoint.check_process_count(str(tmp_path / "w"), 4)
+  checkpoint.check_process_count(str(tmp_path / "fresh"), 4)
+  assert not (tmp_path / "fresh").exists()
+
+
+def test_job_errors_are_user_errors():
+  """main prints one line for these (a UserError), and callers catching the builtin base they
+  always had still catch them."""
+  from lmscale_jax import checkpoint, distributed, staging
+  from lmscale_jax.errors import UserError
+
+  for error, builtin in ((distributed.DistributedError, RuntimeError),
+                         (staging.StagingError, RuntimeError),
+                         (checkpoint.IncompatibleCheckpoint, ValueError)):
+    assert issubclass(error, UserError) and issubclass(error, builtin), error
 
 
 # ----------------------------------------------------------------------------- processes

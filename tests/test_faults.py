@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import make_synthetic_dataset
+from tests.helpers import make_synthetic_dataset, small_train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 24
@@ -259,21 +259,15 @@ def test_sigusr1_to_one_process_stops_both_at_one_step(data, cache, reference, t
 
 
 # ----------------------------------------------------------------------------- non-finite
-def small_config(data_path, **train):
-  from tests.test_train import small_config as base
-
-  c = base(data_path, **train)
-  c.checkpoint.every = 2
-  return c
-
-
 def test_nonfinite_error_names_step_and_last_good_checkpoint(data, tmp_path):
   from lmscale_jax import train
 
   w = tmp_path / "w"
+  config = small_train_config(data, steps=8, inject_nonfinite_steps="5")
+  config.checkpoint.every = 2
   with pytest.raises(train.NonFiniteLoss, match=r"at step 5; last good checkpoint: "
                      r".*/checkpoints/4"):
-    train.train_and_evaluate(small_config(data, steps=8, inject_nonfinite_steps="5"), str(w))
+    train.train_and_evaluate(config, str(w))
   # nothing past the bad step was checkpointed
   assert max(int(d) for d in os.listdir(w / "checkpoints") if d.isdigit()) == 4
 
@@ -285,15 +279,16 @@ def test_nonfinite_skip_counts_and_recovers(data, tmp_path):
 
   w = tmp_path / "w"
   out = train.train_and_evaluate(
-      small_config(data, steps=6, nonfinite="skip", inject_nonfinite_steps="3,4"), str(w))
+      small_train_config(data, steps=6, nonfinite="skip", inject_nonfinite_steps="3,4"),
+      str(w))
   got = rows(w)
   skipped = {r["step"]: r["nonfinite_skipped"] for r in got if "nonfinite_skipped" in r}
   assert skipped == {1: 0, 2: 0, 3: 1, 4: 1, 5: 0, 6: 0}
   assert np.isfinite(out["loss"]) and np.isfinite(out["eval_loss"])
   with pytest.raises(train.NonFiniteLoss, match=r"3 consecutive steps .*steps 2-4"):
     train.train_and_evaluate(
-        small_config(data, steps=6, nonfinite="skip", inject_nonfinite_steps="2,3,4",
-                     max_consecutive_nonfinite=3), str(tmp_path / "w2"))
+        small_train_config(data, steps=6, nonfinite="skip", inject_nonfinite_steps="2,3,4",
+                           max_consecutive_nonfinite=3), str(tmp_path / "w2"))
 
 
 # ----------------------------------------------------------------------------- requeue
@@ -333,7 +328,8 @@ def test_sbatch_requeues_a_preempted_run(tmp_path, state, requeued):
     ("inject_nonfinite_steps", "0", r"train.inject_nonfinite_steps='0': step numbers start at 1"),
 ])
 def test_bad_nonfinite_settings_are_named(data, key, value, match):
-  from lmscale_jax import train
+  from lmscale_jax import config_checks
+  from lmscale_jax.errors import ConfigError
 
-  with pytest.raises(ValueError, match=match):
-    train.check_config(small_config(data, **{key: value}))
+  with pytest.raises(ConfigError, match=match):
+    config_checks.check_config(small_train_config(data, **{key: value}))

@@ -14,14 +14,14 @@ import shutil
 import subprocess
 import sys
 
-import ml_collections
 import numpy as np
 import pytest
 
 from lmscale_jax import data as data_lib
 from lmscale_jax import dataset
 from lmscale_jax import staging
-from tests.helpers import SPECIAL_IDS, make_synthetic_dataset
+from lmscale_jax.errors import ConfigError
+from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, VOCAB, N_TRAIN, N_VAL, BATCH = 64, 128, 256, 32, 8
@@ -30,14 +30,14 @@ EPOCH = N_TRAIN // BATCH  # batches per epoch (one process)
 SKIP_WARNING = "data.on_corrupt='skip'"
 
 
-def make_config(path, **data) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.data = ml_collections.ConfigDict(dict(
-      path=str(path), workers=0, seed=0, mask_prob=0.15, max_predictions=0,
-      prefetch_buffer=4, read_threads=2, on_corrupt="error"))
-  c.data.update(data)
-  c.train = ml_collections.ConfigDict(dict(batch_size=BATCH, eval_batches=3))
-  return c
+def config(path, **data):
+  """The shared test config (the defaults users get) with ``data`` overrides."""
+  return make_config(path, data=data, train=dict(batch_size=BATCH, eval_batches=3))
+
+
+def make_dataset(cfg, split="train"):
+  meta = dataset.DatasetMeta.load(cfg.data.path)
+  return data_lib.make_dataset(cfg, meta, split, train=split == "train")
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +121,10 @@ def damage(path, kind: str) -> tuple[str, list[int]]:
 
 def epoch_batches(cfg, epochs=1):
   """``epochs`` epochs of train batches from make_dataset, and each batch's record indices."""
-  it = iter(data_lib.make_dataset(cfg, "train", train=True))
+  it = iter(make_dataset(cfg))
   batches = [next(it) for _ in range(EPOCH * epochs)]
-  loader = data_lib.make_batch_loader(cfg, "train", train=True)
+  loader = data_lib.make_batch_loader(cfg, dataset.DatasetMeta.load(cfg.data.path), "train",
+                                      train=True)
   indices = [loader.record_indices(loader.positions(b)) for b in range(len(batches))]
   return batches, indices
 
@@ -142,22 +143,19 @@ def test_corruption_is_an_error_naming_file_and_record(damaged, kind):
   else:  # the first bad record the shuffled stream reaches: 5 (malformed) or 9 (token id)
     expected = (rf"{name}: record (5 \(split record 5\): malformed|9 \(split record 9\): "
                 rf"token id {VOCAB + 50} at position 3 >= vocab_size {VOCAB})")
-  cfgs = [make_config(damaged)]
-  del cfgs[0].data["on_corrupt"]  # the default, and configs that predate the key
-  cfgs.append(make_config(damaged, on_corrupt="error"))
-  for cfg in cfgs:
-    it = iter(data_lib.make_dataset(cfg, "train", train=True))
+  for cfg in (config(damaged), config(damaged, on_corrupt="error")):  # default, explicit
+    it = iter(make_dataset(cfg))
     with pytest.raises(dataset.DatasetError, match=expected):
       for _ in range(EPOCH):
         next(it)
 
 
 def test_default_batches_have_no_corrupt_key_and_mode_is_validated(clean):
-  batch = next(iter(data_lib.make_dataset(make_config(clean), "train", train=True)))
+  batch = next(iter(make_dataset(config(clean))))
   assert set(batch) == {"input_ids", "mlm_positions", "mlm_labels", "mlm_weights"}
-  with pytest.raises(ValueError, match=r"data.on_corrupt 'ignore': expected one of "
-                                       r"\('error', 'skip'\)"):
-    data_lib.make_dataset(make_config(clean, on_corrupt="ignore"), "train", train=True)
+  with pytest.raises(ConfigError, match=r"data.on_corrupt 'ignore': expected one of "
+                                        r"\('error', 'skip'\)"):
+    make_dataset(config(clean, on_corrupt="ignore"))
 
 
 # --------------------------------------------------------------------------- skip
@@ -165,8 +163,8 @@ def test_default_batches_have_no_corrupt_key_and_mode_is_validated(clean):
 def test_skip_mode_pads_counts_and_warns_once(clean, damaged, kind, caplog):
   shard, bad = damage(damaged, kind)
   caplog.set_level("WARNING")
-  got, indices = epoch_batches(make_config(damaged, on_corrupt="skip"), epochs=2)
-  want, want_indices = epoch_batches(make_config(clean, on_corrupt="skip"), epochs=2)
+  got, indices = epoch_batches(config(damaged, on_corrupt="skip"), epochs=2)
+  want, want_indices = epoch_batches(config(clean, on_corrupt="skip"), epochs=2)
   for b, (g, w, idx) in enumerate(zip(got, want, indices)):
     np.testing.assert_array_equal(idx, want_indices[b])  # same order, corrupt or not
     assert g.keys() == w.keys() and g["corrupt"].dtype == np.int32
@@ -198,9 +196,9 @@ def test_skip_mode_eval_split(damaged):
   meta = dataset.DatasetMeta.load(str(damaged))
   shard = meta.shard_paths("validation")[0]
   k = flip_byte_in_a_record(shard)
-  cfg = make_config(damaged, on_corrupt="skip")
+  cfg = config(damaged, on_corrupt="skip")
   cfg.train.eval_batches = N_VAL // BATCH
-  batches = list(data_lib.make_dataset(cfg, "validation", train=False))
+  batches = list(make_dataset(cfg, "validation"))
   corrupt = np.concatenate([b["corrupt"] for b in batches])
   np.testing.assert_array_equal(np.flatnonzero(corrupt), [k])
   assert not np.concatenate([b["mlm_weights"] for b in batches])[k].any()

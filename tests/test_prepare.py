@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from lmscale_jax import dataset
-from lmscale_jax import elf_corpus, prepare
+from lmscale_jax import elf_corpus, prepare, shard_writer
 from lmscale_jax.pretokenize import Pretokenizer, normalize_number
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -309,7 +309,7 @@ def test_pretoken_memo_matches_the_tokenizer(built):
   from tokenizers import Tokenizer
 
   tok = Tokenizer.from_file(str(built[0] / dataset.TOKENIZER))
-  memo = prepare._PretokenIds(tok)
+  memo = shard_writer.PretokenIds(tok)
   texts = [t for p in small_elves(2) for _, t in elf_corpus.extract_file(p)[1]]
   texts.append("mov rax qword [ rbp - 0x18 ] [NEXT] vfrobnicate zmm31 [NEXT] ret")  # unseen word
   for t in texts:

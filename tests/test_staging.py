@@ -14,7 +14,7 @@ import pytest
 
 from lmscale_jax import dataset
 from lmscale_jax import staging
-from tests.helpers import make_synthetic_dataset
+from tests.helpers import make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,14 +137,9 @@ def test_only_needed(src, tmp_path):
 
 
 def by_shard_config(path):
-  import ml_collections
-
-  c = ml_collections.ConfigDict()
-  c.data = ml_collections.ConfigDict(dict(
-      path=str(path), workers=0, seed=0, mask_prob=0.15, max_predictions=0, prefetch_buffer=2,
-      read_threads=1, shard_by_process=True))
-  c.train = ml_collections.ConfigDict(dict(batch_size=8, eval_batches=2))
-  return c
+  """The shared test config reading ``path`` by shard (data.shard_by_process)."""
+  return make_config(path, data=dict(shard_by_process=True),
+                     train=dict(batch_size=8, eval_batches=2))
 
 
 def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
@@ -153,33 +148,39 @@ def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
   for those processes, refuses it for the others, and the loaders run from it."""
   from lmscale_jax import data as data_lib
 
-  num, ids = 4, [0, 2]
-  loaders = {(pi, split): data_lib.make_batch_loader(by_shard_config(src), split,
-                                                     train=split == "train", process_index=pi,
-                                                     process_count=num)
-             for pi in ids for split in ("train", "validation")}
-  read = sorted(os.path.basename(p) for l in loaders.values() for p in l.records.paths)
+  num_processes, ids = 4, [0, 2]
+  meta = dataset.DatasetMeta.load(src)
+  loaders = [data_lib.make_batch_loader(by_shard_config(src), meta, split,
+                                        train=split == "train", process_index=process_id,
+                                        process_count=num_processes)
+             for process_id in ids for split in ("train", "validation")]
+  read = sorted(os.path.basename(p) for loader in loaders for p in loader.records.paths)
   assert len(read) == len(set(read)) < len(shard_files(src))
   dest = tmp_path / "node"
   r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "stage.py"), src, str(dest),
-                      "--only-needed", "--plan", "by_shard", "--num-processes", str(num),
+                      "--only-needed", "--plan", "by_shard", "--num-processes",
+                      str(num_processes),
                       "--process-ids", ",".join(map(str, ids)), "--no-progress"],
                      capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
   assert shard_files(dest) == read
-  for pi in range(num):
-    check = lambda: staging.check_dataset_dir(str(dest), plan="by_shard", num_processes=num,
-                                              process_id=pi)
-    if pi in ids:
+  staged_meta = dataset.DatasetMeta.load(str(dest))
+  for process_id in range(num_processes):
+    def check():
+      staging.check_dataset_dir(str(dest), plan="by_shard", num_processes=num_processes,
+                                process_id=process_id)
+
+    if process_id in ids:
       check()
       for split in ("train", "validation"):
-        batch = next(iter(data_lib.make_dataset(by_shard_config(dest), split,
-                                                train=split == "train", process_index=pi,
-                                                process_count=num)))
+        batch = next(iter(data_lib.make_dataset(
+            by_shard_config(dest), staged_meta, split, train=split == "train",
+            process_index=process_id, process_count=num_processes)))
         assert batch["input_ids"].shape == (2, 32)
     else:
-      with pytest.raises(staging.StagingError, match=rf"process {pi} of 4 reads shards {pi}::4 "
-                                                     "of every split"):
+      with pytest.raises(staging.StagingError,
+                         match=rf"process {process_id} of 4 reads shards {process_id}::4 "
+                               "of every split"):
         check()
 
 

@@ -10,6 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lmscale_jax import prepare  # noqa: E402
+from lmscale_jax.errors import UserError  # noqa: E402
 
 
 def parser(kind: str) -> argparse.ArgumentParser:
@@ -57,7 +58,7 @@ def run(kind: str, argv=None) -> int:
          if kind == "text" else {}))
   try:
     stats = prepare.prepare(opts)
-  except (prepare.PrepareError, ValueError) as e:
+  except UserError as e:  # bad input: one line; a bug keeps its traceback
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(json.dumps(stats, indent=2))

@@ -1,0 +1,192 @@
+"""Pass 1 of data preparation: input files → functions/documents as normalised text, exact
+duplicates dropped (by digest, first occurrence wins), appended to ``corpus-NNNNN.txt`` chunks
+in the work directory. A chunk is complete when its ``.json`` sidecar exists; a rerun rebuilds
+the duplicate set from complete chunks and continues with the next input file."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Iterator
+
+from tqdm import tqdm
+
+from lmscale_jax import dataset, elf_corpus, text_corpus, worker_pool
+from lmscale_jax.elf_corpus import FileResult, InputError
+from lmscale_jax.errors import PrepareError
+
+if TYPE_CHECKING:
+  from lmscale_jax.prepare import Options
+
+
+@contextlib.contextmanager
+def input_errors():
+  """A bad input found inside a worker (e.g. a malformed .jsonl line) becomes one clear error."""
+  try:
+    yield
+  except InputError as e:
+    raise PrepareError(str(e)) from None
+
+
+PART_BYTES = 8 << 20  # ELF files larger than this are split over several tasks
+
+
+def _parts(kind: str, size: int) -> int:
+  # Depends only on the file size, so the task list (and the output) is the same for any
+  # number of workers; big libraries (libLLVM: 110 MB) no longer serialize the whole pool.
+  return 1 if kind != "binary" else max(1, min(64, -(-size // PART_BYTES)))
+
+
+# The corpus line format between the passes (extraction writes, tokenization reads):
+# "<the function's/document's 16-byte digest as 32 hex digits>\t<its text>\n". The text has
+# no newline or tab of its own (pretokens are space-separated).
+def format_corpus_line(digest: bytes, text: str) -> str:
+  return f"{digest.hex()}\t{text}\n"
+
+
+def parse_corpus_line(line: str) -> tuple[bytes, str]:
+  """-> (digest, text): the inverse of :func:`format_corpus_line`."""
+  digest_hex, text = line[:-1].split("\t", 1)
+  return bytes.fromhex(digest_hex), text
+
+
+def _extract_worker(args) -> tuple[FileResult, str]:
+  """Pool task: one part of an input file → its lines streamed to a temp file (bounded memory)."""
+  kind, path, part, parts, tmp, txt_docs, text_field = args
+  res = FileResult(path=path, file_bytes=os.path.getsize(path))
+  it = (elf_corpus.iter_functions(path, res, part, parts) if kind == "binary"
+        else text_corpus.iter_documents(path, res, txt_docs, text_field))
+  with open(tmp, "w", encoding="utf-8") as f:
+    for digest, text in it:
+      f.write(format_corpus_line(digest, text))
+  return res, tmp
+
+
+def chunks(work: str) -> list[tuple[str, dict]]:
+  out, i = [], 0
+  while os.path.exists(side := os.path.join(work, f"corpus-{i:05d}.json")):
+    with open(side) as f:
+      out.append((os.path.join(work, f"corpus-{i:05d}.txt"), json.load(f)))
+    i += 1
+  return out
+
+
+def empty_stats() -> dict:
+  return {"input_files": 0, "input_bytes": 0, "code_bytes": 0, "seen": 0, "kept": 0,
+          "deduplicated": 0, "partially_decoded": 0, "files_skipped": {}}
+
+
+def extract(o: Options, work: str) -> list[str]:
+  """Pass 1. Returns the corpus chunk paths."""
+  skipped: dict = {}
+  if o.kind == "binary":
+    try:
+      files = [c.path for c in elf_corpus.list_inputs(o.inputs, o.max_input_bytes, skipped)]
+    except InputError as e:
+      raise PrepareError(str(e)) from None
+    if not files:
+      raise PrepareError(f"no ELF files found under {', '.join(o.inputs)}")
+  else:
+    try:
+      files = text_corpus.check_inputs(o.inputs, o.max_input_bytes)
+    except InputError as e:
+      raise PrepareError(str(e)) from None
+
+  done = chunks(work)
+  seen: set[bytes] = set()
+  for path, _ in done:
+    with open(path, encoding="utf-8") as f:
+      seen.update(parse_corpus_line(line)[0] for line in f)
+  stats = done[-1][1]["stats"] if done else empty_stats()
+  if not done:
+    for k, v in skipped.items():
+      stats["files_skipped"][k] = stats["files_skipped"].get(k, 0) + v
+  start = done[-1][1]["next_file"] if done else 0
+  if done and done[-1][1].get("last"):
+    return [p for p, _ in done]
+
+  index = len(done)
+  tmpdir = os.path.join(work, "extract")
+  os.makedirs(tmpdir, exist_ok=True)
+  chunk_path = os.path.join(work, f"corpus-{index:05d}.txt")
+  chunk = open(chunk_path + ".partial", "w", encoding="utf-8")
+  sizes = [os.path.getsize(p) for p in files]
+  tasks = [(i, (o.kind, files[i], part, _parts(o.kind, sizes[i]),
+                 os.path.join(tmpdir, f"{i:06d}-{part:02d}.tsv"), o.txt_docs, o.text_field))
+           for i in range(start, len(files)) for part in range(_parts(o.kind, sizes[i]))]
+  bar = tqdm(total=sum(sizes), initial=sum(sizes[:start]), unit="B", unit_scale=True,
+             desc="extract", disable=not o.progress)
+
+  def close_chunk(next_file: int, last: bool) -> None:
+    nonlocal chunk, chunk_path, index
+    chunk.flush()
+    os.fsync(chunk.fileno())
+    chunk.close()
+    os.replace(chunk_path + ".partial", chunk_path)
+    dataset.atomic_write_json(chunk_path[:-4] + ".json",
+                         {"next_file": next_file, "last": last, "stats": stats})
+    index += 1
+    chunk_path = os.path.join(work, f"corpus-{index:05d}.txt")
+    if not last:
+      chunk = open(chunk_path + ".partial", "w", encoding="utf-8")
+
+  with worker_pool.ordered_map(o.workers) as pmap, input_errors():
+    for (i, args), (res, tmp) in zip(tasks, pmap(_extract_worker, [a for _, a in tasks])):
+      part, parts = args[2], args[3]
+      if part == 0:
+        whole = FileResult(path=res.path, file_bytes=res.file_bytes)
+      whole.functions += res.functions
+      whole.code_bytes += res.code_bytes
+      whole.partial += res.partial
+      if res.skip and res.skip not in ("no_functions", "no_documents"):
+        whole.skip = whole.skip or res.skip  # corrupt / other machine: said by every part
+      with open(tmp, encoding="utf-8") as f:
+        for line in f:
+          digest, _ = parse_corpus_line(line)
+          if digest in seen:
+            stats["deduplicated"] += 1
+            continue
+          seen.add(digest)
+          stats["kept"] += 1
+          chunk.write(line)
+      os.unlink(tmp)
+      bar.update(res.file_bytes / parts)
+      if part + 1 < parts:
+        continue
+      # The whole file is in: count it once.
+      stats["input_files"] += 1
+      skip = whole.skip or ("" if whole.functions else
+                            "no_functions" if o.kind == "binary" else "no_documents")
+      if skip:
+        stats["files_skipped"][skip] = stats["files_skipped"].get(skip, 0) + 1
+      if whole.functions:
+        stats["input_bytes"] += whole.file_bytes
+        stats["code_bytes"] += whole.code_bytes
+        stats["seen"] += whole.functions
+        stats["partially_decoded"] += whole.partial
+      if chunk.tell() >= o.chunk_mb * (1 << 20) and i + 1 < len(files):
+        close_chunk(i + 1, last=False)
+  bar.close()
+  close_chunk(len(files), last=True)
+  shutil.rmtree(tmpdir, ignore_errors=True)
+  if stats["kept"] == 0:
+    what = "functions" if o.kind == "binary" else "documents"
+    raise PrepareError(f"no {what} found in {', '.join(o.inputs)} "
+                       f"(files skipped: {stats['files_skipped'] or 'none'})")
+  return [p for p, _ in chunks(work)]
+
+
+def iter_texts(chunks: list[str], limit_bytes: int) -> Iterator[str]:
+  """About ``limit_bytes`` of corpus text: every k-th line, so the sample spans all inputs
+  (the first bytes alone would be the alphabetically first libraries)."""
+  total = sum(os.path.getsize(p) for p in chunks)
+  stride = max(1, -(-total // max(1, limit_bytes)))
+  i = 0
+  for path in chunks:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        if i % stride == 0:
+          yield parse_corpus_line(line)[1]
+        i += 1
