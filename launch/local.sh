@@ -19,7 +19,9 @@ shift
 [[ "${1:-}" == "--" ]] && shift
 LMSCALE_PY=$(lmscale_python "$root")
 cd "$root"
-port=${PORT:-$("$LMSCALE_PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
+# A port the kernel has just handed out, hence free (a race with other programs is unlikely).
+free_port='import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+port=${PORT:-$("$LMSCALE_PY" -c "$free_port")}
 if (( $(lmscale_gpu_count) >= n )); then devices=gpu-each; else devices=cpu; fi
 echo "launch: $n process(es) on localhost:$port ($devices)" >&2
 set +e

@@ -41,6 +41,7 @@ fi
 LMSCALE_PY=$(lmscale_python "$root")
 cd "$root"
 args=("$@")
+first=$((NODE_RANK * procs))  # this node's first process id
 if [[ -n "${STAGE_FROM:-}" ]]; then
   : "${DATA_DIR:?set DATA_DIR (node-local) together with STAGE_FROM}"
   progress=--no-progress
@@ -49,16 +50,15 @@ if [[ -n "${STAGE_FROM:-}" ]]; then
   only=()
   if [[ -n "${STAGE_ONLY_NEEDED:-}" && "$STAGE_ONLY_NEEDED" != 0 ]]; then
     only=(--only-needed --plan by_shard --num-processes $((NUM_NODES * procs))
-          --process-ids "$(seq -s, $((NODE_RANK * procs)) $((NODE_RANK * procs + procs - 1)))")
+          --process-ids "$(seq -s, "$first" $((first + procs - 1)))")
     args+=(--config.data.shard_by_process=True)
   fi
   "$LMSCALE_PY" tools/stage.py "$STAGE_FROM" "$DATA_DIR" --workers "${STAGE_WORKERS:-16}" \
     $progress ${only[@]+"${only[@]}"}
   args+=(--config.data.path="$DATA_DIR")
 fi
-echo "node $NODE_RANK of $NUM_NODES: processes $((NODE_RANK * procs))…$((NODE_RANK * procs + procs - 1))" \
+echo "node $NODE_RANK of $NUM_NODES: processes $first…$((first + procs - 1))" \
   "of $((NUM_NODES * procs)), coordinator $COORDINATOR ($devices)" >&2
 set +e
-lmscale_run "$procs" $((NODE_RANK * procs)) $((NUM_NODES * procs)) "$COORDINATOR" "$devices" \
-  -- "${args[@]}"
+lmscale_run "$procs" "$first" $((NUM_NODES * procs)) "$COORDINATOR" "$devices" -- "${args[@]}"
 exit $?

@@ -66,12 +66,12 @@ def _wrap64(value: int) -> int:
   return value & _MASK64
 
 
-# Kept rather than grain.experimental.index_shuffle (the same construction: a 4-round Feistel
-# network with cycle-walking), measured by benchmarks/bench_loader.py --compare-shuffle in one
-# run (seq 512, batch 184, one process, 2-core Xeon, 6 alternating 2 s rounds each): the
-# loader's samples/s with feistel_permute 97.8k, with index_shuffle 77.2k (-21%); the
-# permutation alone per batch 131 us vs 706 us. index_shuffle takes one index per call
-# (pybind, ~3.8 us each), this is vectorised over the batch; it also takes 32-bit seeds only.
+# Kept rather than grain.experimental.index_shuffle (also a Feistel network with
+# cycle-walking) because it is faster for the loader. benchmarks/bench_loader.py
+# --compare-shuffle, one run, seq 512, batch 184, in-process, 2-core AMD EPYC, 6 alternating
+# 2 s rounds each: the loader's batch function 100.0k samples/s with feistel_permute, 75.9k
+# with index_shuffle (-24%); the permutation alone 134 vs 693 us per batch. index_shuffle
+# takes one index per (pybind) call, ~3.8 us each, this is vectorised over the batch.
 def feistel_permute(index: np.ndarray, n: int, seed: int, epoch: np.ndarray) -> np.ndarray:
   """``perm_{seed,epoch}(index)``: a pseudo-random permutation of ``[0, n)``, vectorised.
 

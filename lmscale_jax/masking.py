@@ -45,7 +45,6 @@ class Masker:
       raise ValueError(f"special_ids has no '[MASK]' entry: {dict(special_ids)}")
     self.mask_id = int(special_ids["[MASK]"])
     self.mask_prob = float(mask_prob)
-    self.seq_len = int(seq_len)
     self.num_predictions = num_predictions(mask_prob, max_predictions, seq_len)
     # Lookup over the whole uint16 range, so out-of-vocab ids (checked elsewhere) index safely.
     self.special = np.zeros(1 << 16, bool)

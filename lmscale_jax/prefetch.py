@@ -85,8 +85,13 @@ class DevicePrefetcher(grain.DatasetIterator):
 
   def set_state(self, state: dict[str, Any]) -> None:
     if set(state) != {"next_batch"}:
-      raise ValueError(f"loader state {state!r}: expected {{'next_batch': k}} (a checkpoint "
-                       "written by another version of lmscale_jax?)")
+      # Imported here: checkpoint pulls in Orbax, which building batches does not need.
+      from lmscale_jax.checkpoint import IncompatibleCheckpoint
+
+      raise IncompatibleCheckpoint(
+          f"loader state {state!r}: expected {{'next_batch': k}} (a checkpoint written by "
+          "another version of lmscale_jax? resume it with that version, or start a new "
+          "workdir)")
     self._next_batch = int(state["next_batch"])
     self._ahead = _NOT_PULLED
     self._close_host()

@@ -55,9 +55,12 @@ class StagingError(UserError, RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class FileSpec:
+  """A file to stage and the sha256 it must have: ``metadata.json``'s for a shard, the source
+  file's own for a side file (``metadata.json`` lists no checksum for those)."""
+
   name: str
   bytes: int
-  sha256: str | None  # None: side file without a checksum in metadata.json (compared to source)
+  sha256: str
 
 
 # --------------------------------------------------------------------------- planning
@@ -114,6 +117,8 @@ def side_files(src: str) -> list[str]:
 
 # --------------------------------------------------------------------------- state file
 def read_state(directory: str) -> dict | None:
+  """``directory/staging.json`` (None if it was never staged); an unreadable one counts as a
+  failed staging."""
   path = os.path.join(directory, STAGE_FILE)
   if not os.path.exists(path):
     return None
@@ -126,7 +131,7 @@ def read_state(directory: str) -> dict | None:
 
 def _write_state(directory: str, **state) -> None:
   dataset.atomic_write_json(os.path.join(directory, STAGE_FILE),
-                       {"host": socket.gethostname(), "time": time.time(), **state})
+                            {"host": socket.gethostname(), "time": time.time(), **state})
 
 
 def check_dataset_dir(path: str, *, plan: str = "interleaved", num_processes: int = 1,
@@ -186,15 +191,15 @@ def verify_shards(path: str, *, splits: Sequence[str] = ("train", "validation"),
   Raises :class:`StagingError` (one line: the first bad file, expected and actual value);
   returns ``{"files", "bytes", "seconds", "mb_per_s"}`` and logs the rate.
   """
-  log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+  log = log or _log_to_stderr
   meta = dataset.DatasetMeta.load(path)
   needed = needed_shards(meta, num_processes, [process_id], plan)
   shards = [s for split in splits for s in needed.get(split, [])]
 
-  t0 = time.perf_counter()
+  started = time.perf_counter()
   with cf.ThreadPoolExecutor(max(1, workers)) as pool:  # hashing releases the GIL
-    problems = [m for m in pool.map(meta.shard_problem, shards) if m]
-  secs = time.perf_counter() - t0
+    problems = [problem for problem in pool.map(meta.shard_problem, shards) if problem]
+  secs = time.perf_counter() - started
   if problems:
     more = f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""
     raise StagingError(f"data verification failed: {problems[0]}{more}: the shard is corrupt; "
@@ -250,23 +255,23 @@ def _copy_one(src: str, dst: str, expected_sha: str, expected_bytes: int,
   ``dst`` only when hash and size are the expected ones, else deleted.
   """
   tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}{TMP_SUFFIX}")
-  h = hashlib.sha256()
+  hasher = hashlib.sha256()
   buf = bytearray(CHUNK)
   view = memoryview(buf)
   size = 0
   try:
     with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
-      while n := fin.readinto(buf):
-        chunk = view[:n]
-        h.update(chunk)
+      while count := fin.readinto(buf):
+        chunk = view[:count]
+        hasher.update(chunk)
         written = 0
-        while written < n:
+        while written < count:  # unbuffered writes may be partial
           written += fout.write(chunk[written:])
-        size += n
-        progress.update(n)
+        size += count
+        progress.update(count)
       os.fsync(fout.fileno())
     os.chmod(tmp, 0o644)
-    digest = h.hexdigest()
+    digest = hasher.hexdigest()
     if digest != expected_sha or size != expected_bytes:
       os.unlink(tmp)
       return digest
@@ -291,26 +296,21 @@ def _check_writable(dest: str) -> None:
                        "$SLURM_TMPDIR)") from e
 
 
-def _human(n: float) -> str:
-  for unit in ("B", "KB", "MB", "GB", "TB"):
-    if n < 1000 or unit == "TB":
-      return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-    n /= 1000
-  return f"{n:.1f} TB"
+def _human(size: float) -> str:
+  """``1.0 MB``: decimal units, one decimal (whole bytes below 1 KB)."""
+  for unit in ("B", "KB", "MB", "GB"):
+    if size < 1000:
+      return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+    size /= 1000
+  return f"{size:.1f} TB"
 
 
-def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
-          num_processes: int = 1, process_ids: Sequence[int] = (0,), plan: str = "interleaved",
-          verify_all: bool = False, progress: bool = True,
-          log: Callable[[str], None] | None = None) -> dict:
-  """Stages ``src`` into ``dest`` (see the module docstring); returns a summary dict.
+def _log_to_stderr(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
 
-  Raises :class:`StagingError` (bad source, no space, unwritable destination, checksum
-  mismatch at the source) after recording it in ``dest/staging.json``.
-  """
-  log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-  t0 = time.perf_counter()
-  src, dest = os.path.abspath(src), os.path.abspath(dest)
+
+def _check_source_and_dest(src: str, dest: str, workers: int) -> dataset.DatasetMeta:
+  """The source's metadata, once source, destination and workers are known to be usable."""
   if not os.path.isdir(src):
     raise StagingError(f"staging source {src} is not a directory")
   if not os.path.exists(os.path.join(src, dataset.METADATA)):
@@ -326,74 +326,64 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   _check_writable(dest)
   if workers < 1:
     raise StagingError(f"--workers {workers}: expected >= 1")
+  return meta
 
+
+def _plan_files(meta: dataset.DatasetMeta, src: str, *, only_needed: bool, num_processes: int,
+                process_ids: Sequence[int], plan: str, log: Callable[[str], None]
+                ) -> list[FileSpec]:
+  """The shards to stage (all, or those ``process_ids`` read) and the side files."""
   splits = (needed_shards(meta, num_processes, list(process_ids), plan) if only_needed
-            else {s: list(i["shards"]) for s, i in meta.splits.items()})
+            else {split: list(info["shards"]) for split, info in meta.splits.items()})
   specs = [FileSpec(s["file"], int(s["bytes"]), s["sha256"])
            for shards in splits.values() for s in shards]
-  n_all = sum(len(i["shards"]) for i in meta.splits.values())
   if only_needed:
-    log(f"--only-needed ({plan}): {len(specs)} of {n_all} shards for processes "
+    total = sum(len(info["shards"]) for info in meta.splits.values())
+    log(f"--only-needed ({plan}): {len(specs)} of {total} shards for processes "
         f"{list(process_ids)} of {num_processes}"
         + (" (the loader interleaves every shard over all processes: all are needed; "
            "data.shard_by_process=True with --plan by_shard needs 1/P)"
            if plan == "interleaved" else ""))
-  side = side_files(src)
-  side_sha = {}
-  for name in side:
-    side_sha[name] = _hash_file(os.path.join(src, name))
-    specs.append(FileSpec(name, os.path.getsize(os.path.join(src, name)), None))
+  for name in side_files(src):
+    path = os.path.join(src, name)
+    specs.append(FileSpec(name, os.path.getsize(path), _hash_file(path)))
+  return specs
 
-  # Leftovers of an interrupted run: temp copies are never trusted.
+
+def _remove_temp_copies(dest: str) -> None:
+  """Leftovers of an interrupted run: temp copies are never trusted."""
   for name in os.listdir(dest):
     if name.endswith(TMP_SUFFIX):
       os.unlink(os.path.join(dest, name))
 
-  state = read_state(dest) or {}
-  # Files this stager copied or hashed earlier, by signature and hash: unchanged ones need no
-  # re-hash (sha256 runs at ~200 MB/s per core without SHA instructions, so re-hashing a
-  # large dataset at every job start would cost minutes). verify_all re-hashes everything.
-  recorded = {} if verify_all else dict(state.get("verified") or {})
+
+def _find_good(dest: str, specs: list[FileSpec], recorded: dict, workers: int
+               ) -> tuple[list[FileSpec], dict[str, list]]:
+  """(the files still to copy, the record of those already good in ``dest``: name -> [size,
+  mtime_ns, inode, sha256]). A file whose signature and hash equal ``recorded`` (an earlier
+  staging's record) is not hashed again."""
   verified: dict[str, list] = {}
   lock = threading.Lock()
 
-  def expected(spec):
-    return spec.sha256 or side_sha[spec.name]
-
-  def check(spec):
+  def is_good(spec: FileSpec) -> bool:
     path = os.path.join(dest, spec.name)
-    sig = _signature(path)
-    if sig is None or sig[0] != spec.bytes:
+    signature = _signature(path)
+    if signature is None or signature[0] != spec.bytes:
       return False
-    if recorded.get(spec.name) == sig + [expected(spec)]:
-      ok = True
-    else:
-      ok = _hash_file(path) == expected(spec)
-    if ok:
-      with lock:
-        verified[spec.name] = sig + [expected(spec)]
-    return ok
+    record = signature + [spec.sha256]
+    if recorded.get(spec.name) != record and _hash_file(path) != spec.sha256:
+      return False
+    with lock:
+      verified[spec.name] = record
+    return True
 
   with cf.ThreadPoolExecutor(max(1, workers)) as pool:
-    good = list(pool.map(check, specs))
-  todo = [s for s, ok in zip(specs, good) if not ok]
-  kept = len(specs) - len(todo)
-  todo_bytes = sum(s.bytes for s in todo)
-  src_meta = os.path.join(src, dataset.METADATA)
-  dst_meta = os.path.join(dest, dataset.METADATA)
-  plan_desc = ({"plan": plan, "num_processes": num_processes, "process_ids": list(process_ids)}
-               if only_needed else None)
-  same_meta = (os.path.exists(dst_meta) and _hash_file(dst_meta) == _hash_file(src_meta))
-  if (not todo and same_meta and state.get("status") == "complete"
-      and state.get("only_needed") == plan_desc):
-    secs = time.perf_counter() - t0
-    if verified != state.get("verified"):
-      _write_state(dest, **{**state, "verified": verified})
-    log(f"staged {dest}: all {len(specs)} files present and verified, nothing to copy "
-        f"({secs:.1f} s)")
-    return {"copied": 0, "kept": kept, "bytes_copied": 0, "seconds": secs, "mb_per_s": 0.0,
-            "dest": dest}
+    good = list(pool.map(is_good, specs))
+  return [spec for spec, ok in zip(specs, good) if not ok], verified
 
+
+def _check_space(dest: str, todo: list[FileSpec], only_needed: bool) -> None:
+  todo_bytes = sum(spec.bytes for spec in todo)
   free = shutil.disk_usage(dest).free
   if todo_bytes + SPACE_MARGIN > free:
     raise StagingError(
@@ -402,59 +392,123 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
         "choose another directory"
         + ("" if only_needed else ", or stage only this node's shards with --only-needed"))
 
+
+def _copy_verified(src: str, dest: str, spec: FileSpec, progress: _Progress) -> list:
+  """Copies one file, once more if the bytes read do not hash right; returns its record."""
+  source, target = os.path.join(src, spec.name), os.path.join(dest, spec.name)
+  for _attempt in range(2):  # a second read tells a flaky read from a corrupt source
+    digest = _copy_one(source, target, spec.sha256, spec.bytes, progress)
+    if digest == spec.sha256:
+      return _signature(target) + [digest]
+  raise StagingError(
+      f"checksum mismatch at the source: {source} reads as sha256 {digest[:16]}… (twice), "
+      f"metadata.json says {spec.sha256[:16]}…; the shared copy is corrupt (re-prepare the "
+      "dataset or restore the file)")
+
+
+def _copy_all(src: str, dest: str, todo: list[FileSpec], workers: int, progress: _Progress,
+              verified: dict[str, list]) -> None:
+  """Copies ``todo`` in parallel, largest first, adding each copied file to ``verified``; the
+  first failure cancels what has not started."""
+  lock = threading.Lock()
+
+  def copy(spec: FileSpec) -> None:
+    record = _copy_verified(src, dest, spec, progress)
+    with lock:
+      verified[spec.name] = record
+
+  with cf.ThreadPoolExecutor(max(1, workers)) as pool:
+    futures = [pool.submit(copy, spec) for spec in sorted(todo, key=lambda s: -s.bytes)]
+    try:
+      for done in cf.as_completed(futures):
+        done.result()
+    except BaseException:
+      for future in futures:
+        future.cancel()
+      raise
+
+
+def _commit_metadata(src: str, dest: str) -> None:
+  """``metadata.json`` last, atomically: its presence says every file is in place."""
+  dst_meta = os.path.join(dest, dataset.METADATA)
+  shutil.copyfile(os.path.join(src, dataset.METADATA), dst_meta + TMP_SUFFIX)
+  with open(dst_meta + TMP_SUFFIX, "rb+") as f:
+    os.fsync(f.fileno())
+  os.replace(dst_meta + TMP_SUFFIX, dst_meta)
+  dataset.fsync_dir(dest)
+
+
+def _same_metadata(src: str, dest: str) -> bool:
+  dst_meta = os.path.join(dest, dataset.METADATA)
+  return (os.path.exists(dst_meta)
+          and _hash_file(dst_meta) == _hash_file(os.path.join(src, dataset.METADATA)))
+
+
+def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
+          num_processes: int = 1, process_ids: Sequence[int] = (0,), plan: str = "interleaved",
+          verify_all: bool = False, progress: bool = True,
+          log: Callable[[str], None] | None = None) -> dict:
+  """Stages ``src`` into ``dest`` (see the module docstring); returns a summary dict.
+
+  Raises :class:`StagingError` (bad source, no space, unwritable destination, checksum
+  mismatch at the source) after recording it in ``dest/staging.json``.
+  """
+  log = log or _log_to_stderr
+  started = time.perf_counter()
+  src, dest = os.path.abspath(src), os.path.abspath(dest)
+  meta = _check_source_and_dest(src, dest, workers)
+  specs = _plan_files(meta, src, only_needed=only_needed, num_processes=num_processes,
+                      process_ids=process_ids, plan=plan, log=log)
+  _remove_temp_copies(dest)
+  state = read_state(dest) or {}
+  # Files this stager copied or hashed earlier, by signature and hash: unchanged ones need no
+  # re-hash (sha256 runs at ~200 MB/s per core without SHA instructions, so re-hashing a
+  # large dataset at every job start would cost minutes). verify_all re-hashes everything.
+  recorded = {} if verify_all else dict(state.get("verified") or {})
+  todo, verified = _find_good(dest, specs, recorded, workers)
+  kept = len(specs) - len(todo)
+  todo_bytes = sum(spec.bytes for spec in todo)
+  plan_desc = ({"plan": plan, "num_processes": num_processes, "process_ids": list(process_ids)}
+               if only_needed else None)
+  if (not todo and _same_metadata(src, dest) and state.get("status") == "complete"
+      and state.get("only_needed") == plan_desc):
+    if verified != state.get("verified"):
+      _write_state(dest, **{**state, "verified": verified})
+    secs = time.perf_counter() - started
+    log(f"staged {dest}: all {len(specs)} files present and verified, nothing to copy "
+        f"({secs:.1f} s)")
+    return {"copied": 0, "kept": kept, "bytes_copied": 0, "seconds": secs, "mb_per_s": 0.0,
+            "dest": dest}
+
+  _check_space(dest, todo, only_needed)
   _write_state(dest, status="copying", source=src, only_needed=plan_desc, pid=os.getpid(),
                verified=verified)
+  dst_meta = os.path.join(dest, dataset.METADATA)
   if os.path.exists(dst_meta):
     os.unlink(dst_meta)  # absent until every file is verified: never a half-staged dataset
   dataset.fsync_dir(dest)
   log(f"staging {src} -> {dest}: {len(todo)} files, {_human(todo_bytes)} to copy, {kept} "
       f"already verified; {workers} workers")
   bar = _Progress(todo_bytes, progress, "staging")
-  t1 = time.perf_counter()
+  copy_started = time.perf_counter()
   try:
-    def copy(spec):
-      s, d = os.path.join(src, spec.name), os.path.join(dest, spec.name)
-      for attempt in (1, 2):
-        digest = _copy_one(s, d, expected(spec), spec.bytes, bar)
-        if digest == expected(spec):
-          sig = _signature(d)
-          with lock:
-            verified[spec.name] = sig + [digest]
-          return
-      raise StagingError(
-          f"checksum mismatch at the source: {s} reads as sha256 {digest[:16]}… (twice), "
-          f"metadata.json says {expected(spec)[:16]}…; the shared copy is corrupt (re-prepare "
-          "the dataset or restore the file)")
-
-    with cf.ThreadPoolExecutor(max(1, workers)) as pool:
-      futures = [pool.submit(copy, s) for s in sorted(todo, key=lambda s: -s.bytes)]
-      try:
-        for f in cf.as_completed(futures):
-          f.result()
-      except BaseException:
-        for f in futures:
-          f.cancel()
-        raise
+    _copy_all(src, dest, todo, workers, bar, verified)
     bar.close()
-    copy_secs = time.perf_counter() - t1
-    shutil.copyfile(src_meta, dst_meta + TMP_SUFFIX)
-    with open(dst_meta + TMP_SUFFIX, "rb+") as f:
-      os.fsync(f.fileno())
-    os.replace(dst_meta + TMP_SUFFIX, dst_meta)
-    dataset.fsync_dir(dest)
+    copy_secs = time.perf_counter() - copy_started
+    _commit_metadata(src, dest)
     _write_state(dest, status="complete", source=src, only_needed=plan_desc,
-                 files=len(specs), bytes=sum(s.bytes for s in specs), verified=verified)
+                 files=len(specs), bytes=sum(spec.bytes for spec in specs), verified=verified)
   except BaseException as e:
     bar.close()
     try:
       _write_state(dest, status="failed", source=src, only_needed=plan_desc,
                    error=f"{type(e).__name__}: {e}", verified=verified)
     except OSError:
-      pass
+      pass  # the destination itself failed: the error below says so
     if isinstance(e, OSError):
       raise StagingError(f"staging {src} -> {dest} failed: {e}") from e
     raise
-  secs = time.perf_counter() - t0
+  secs = time.perf_counter() - started
   rate = todo_bytes / max(copy_secs, 1e-9) / 1e6
   log(f"staged {dest}: copied {len(todo)} files, {_human(todo_bytes)} in {copy_secs:.1f} s "
       f"({rate:.0f} MB/s, sha256 verified); {kept} kept; total {secs:.1f} s")

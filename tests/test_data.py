@@ -443,7 +443,9 @@ def test_device_prefetcher_state_matches_consumed_batches(dataset_dir):
   pf.set_state({"next_batch": 1})  # a restore in the same process: reopened at batch 1
   assert_batches_equal(take(pf, 2), host[1:3])
   assert opened == [0, 1]
-  with pytest.raises(ValueError, match=r"expected \{'next_batch': k\}"):
+  from lmscale_jax.checkpoint import IncompatibleCheckpoint
+
+  with pytest.raises(IncompatibleCheckpoint, match=r"expected \{'next_batch': k\}"):
     pf.set_state({"iterator": 3})  # e.g. Grain's own per-worker state
   for x in (pf, restored):
     x.close()

@@ -20,36 +20,42 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lmscale_jax import staging  # noqa: E402
 
 
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("src", metavar="SRC_DATASET_DIR", help="prepared dataset (shared storage)")
+  parser.add_argument("dest", metavar="DEST_DIR", help="node-local directory to stage into")
+  parser.add_argument("--workers", type=int, default=8, help="parallel file copies (default 8)")
+  parser.add_argument("--only-needed", action="store_true",
+                      help="copy only the shards that --process-ids will read (see --plan)")
+  parser.add_argument("--num-processes", type=int, default=1,
+                      help="processes in the whole job")
+  parser.add_argument("--process-ids", default="0",
+                      help="comma-separated ids of this node's processes (with --only-needed)")
+  parser.add_argument("--plan", choices=staging.PLANS, default="interleaved",
+                      help="how the loader assigns shards to processes: 'interleaved' (the "
+                           "default, data.shard_by_process=False: every process reads every "
+                           "shard) or 'by_shard' (data.shard_by_process=True: process i reads "
+                           "shards i::P of every split)")
+  parser.add_argument("--verify-all", action="store_true",
+                      help="re-hash every file already in DEST, even those unchanged since "
+                           "they were verified")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return parser
+
+
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("src", metavar="SRC_DATASET_DIR", help="prepared dataset (shared storage)")
-  p.add_argument("dest", metavar="DEST_DIR", help="node-local directory to stage into")
-  p.add_argument("--workers", type=int, default=8, help="parallel file copies (default 8)")
-  p.add_argument("--only-needed", action="store_true",
-                 help="copy only the shards that --process-ids will read (see --plan)")
-  p.add_argument("--num-processes", type=int, default=1, help="processes in the whole job")
-  p.add_argument("--process-ids", default="0",
-                 help="comma-separated ids of this node's processes (with --only-needed)")
-  p.add_argument("--plan", choices=staging.PLANS, default="interleaved",
-                 help="how the loader assigns shards to processes: 'interleaved' (the "
-                      "default, data.shard_by_process=False: every process reads every shard) "
-                      "or 'by_shard' (data.shard_by_process=True: process i reads shards i::P "
-                      "of every split)")
-  p.add_argument("--verify-all", action="store_true",
-                 help="re-hash every file already in DEST, even those unchanged since they "
-                      "were verified")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar")
-  a = p.parse_args(argv)
-  if not a.only_needed and (a.num_processes != 1 or a.process_ids != "0"):
-    p.error("--num-processes/--process-ids only make sense with --only-needed")
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if not args.only_needed and (args.num_processes != 1 or args.process_ids != "0"):
+    parser.error("--num-processes/--process-ids only make sense with --only-needed")
   try:
-    ids = [int(x) for x in a.process_ids.split(",") if x.strip()]
+    ids = [int(x) for x in args.process_ids.split(",") if x.strip()]
   except ValueError:
-    p.error(f"--process-ids {a.process_ids!r}: expected comma-separated integers")
+    parser.error(f"--process-ids {args.process_ids!r}: expected comma-separated integers")
   try:
-    out = staging.stage(a.src, a.dest, workers=a.workers, only_needed=a.only_needed,
-                        num_processes=a.num_processes, process_ids=ids, plan=a.plan,
-                        verify_all=a.verify_all, progress=not a.no_progress)
+    out = staging.stage(args.src, args.dest, workers=args.workers, only_needed=args.only_needed,
+                        num_processes=args.num_processes, process_ids=ids, plan=args.plan,
+                        verify_all=args.verify_all, progress=not args.no_progress)
   except staging.StagingError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
