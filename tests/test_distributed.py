@@ -107,6 +107,10 @@ def test_slurm_layouts():
     ({"LMSCALE_LOCAL_DEVICE_IDS": "0,x"}, {}, r"LMSCALE_LOCAL_DEVICE_IDS='0,x'"),
     ({"LMSCALE_NUM_PROCESSES": "1", "LMSCALE_PROCESS_ID": "1"}, {}, r"1-process job"),
     ({}, {"mode": "mpi"}, r"distributed.mode='mpi'"),
+    ({**SLURM, "LMSCALE_COORDINATOR_PORT": "x"}, {},
+     r"LMSCALE_COORDINATOR_PORT='x': expected an integer"),
+    ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x"}, {},
+     r"Slurm tasks-per-node SLURM_STEP_TASKS_PER_NODE='2\(x' \(expected e.g. 2\(x3\),1\)"),
 ])
 def test_bad_settings(env, cfg, match):
   from lmscale_jax.topology import DistributedError, resolve
@@ -223,7 +227,7 @@ def rows(workdir):
 
 
 def series(workdir, key="loss"):
-  return {r["step"]: r[key] for r in rows(workdir) if key in r}
+  return {row["step"]: row[key] for row in rows(workdir) if key in row}
 
 
 @pytest.fixture(scope="module")
@@ -233,15 +237,15 @@ def runs(data, tmp_path_factory):
   base = tmp_path_factory.mktemp("runs")
   out = {}
   for n in (1, 2, 4):
-    w = base / f"p{n}"
+    workdir = base / f"p{n}"
     extra = {}
     if n == 2:
       extra = {"data.path": base / "local_ds", "data.stage_from": data}
     t0 = time.monotonic()
-    r = local_sh(n, train_args(data, w, **extra))
+    result = local_sh(n, train_args(data, workdir, **extra))
     print(f"{n} process(es): {time.monotonic() - t0:.1f} s")
-    assert r.returncode == 0, f"{n} processes:\n{r.stderr[-5000:]}"
-    out[n] = (w, r)
+    assert result.returncode == 0, f"{n} processes:\n{result.stderr[-5000:]}"
+    out[n] = (workdir, result)
   out["local_ds"] = base / "local_ds"
   return out
 
@@ -289,22 +293,25 @@ def test_two_process_checkpoint_resumes_exactly(runs, data, tmp_path):
   ckpt = straight / "checkpoints" / "3" / "data"
   assert sorted(f for f in os.listdir(ckpt) if f.endswith(".json")) == [
       "process_0-of-2.json", "process_1-of-2.json"]
-  w = tmp_path / "resumed"
-  shutil.copytree(straight, w)
-  shutil.rmtree(w / "checkpoints" / "6")  # as if the run had stopped after step 3's checkpoint
-  with open(w / "metrics.jsonl", "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows(straight) if r["step"] <= 3)
-  r = local_sh(2, train_args(data, w, **{"data.path": runs["local_ds"]}))
-  assert r.returncode == 0, r.stderr[-5000:]
-  assert "resumed from" in r.stderr
-  a, b = series(straight), series(w)
+  workdir = tmp_path / "resumed"
+  shutil.copytree(straight, workdir)
+  # as if the run had stopped after step 3's checkpoint
+  shutil.rmtree(workdir / "checkpoints" / "6")
+  with open(workdir / "metrics.jsonl", "w") as f:
+    f.writelines(json.dumps(row) + "\n" for row in rows(straight) if row["step"] <= 3)
+  result = local_sh(2, train_args(data, workdir, **{"data.path": runs["local_ds"]}))
+  assert result.returncode == 0, result.stderr[-5000:]
+  assert "resumed from" in result.stderr
+  a, b = series(straight), series(workdir)
   assert [a[s] for s in (4, 5, 6)] == [b[s] for s in (4, 5, 6)]  # bitwise
   # a different process count is refused before any step, in every process
-  r = local_sh(4, train_args(data, w, **{"data.path": runs["local_ds"], "train.steps": 9}))
-  assert r.returncode != 0
-  assert r.stderr.count("was written by 2 process(es); this job has 4") >= 4, r.stderr[-3000:]
-  r = local_sh(1, train_args(data, w, **{"data.path": runs["local_ds"], "train.steps": 9}))
-  assert r.returncode != 0 and "was written by 2 process(es); this job has 1" in r.stderr
+  longer = {"data.path": runs["local_ds"], "train.steps": 9}
+  result = local_sh(4, train_args(data, workdir, **longer))
+  assert result.returncode != 0
+  assert result.stderr.count("was written by 2 process(es); this job has 4") >= 4, \
+      result.stderr[-3000:]
+  result = local_sh(1, train_args(data, workdir, **longer))
+  assert result.returncode != 0 and "was written by 2 process(es); this job has 1" in result.stderr
 
 
 @pytest.mark.parametrize("victim", [1, 0])
@@ -313,14 +320,14 @@ def test_killed_process_stops_the_others(data, tmp_path, victim):
   (victim 0 is the coordinator: the survivor loses the runtime service itself)."""
   heartbeat = 5
   port = free_port()
-  w = tmp_path / "w"
-  args = train_args(data, w, **{"train.steps": 100000, "train.eval_every": 100000,
+  workdir = tmp_path / "w"
+  args = train_args(data, workdir, **{"train.steps": 100000, "train.eval_every": 100000,
                                 "checkpoint.every": 100000,
                                 "distributed.heartbeat_timeout": heartbeat})
   procs = [spawn(i, 2, port, args) for i in range(2)]
   try:
     deadline = time.monotonic() + 150
-    while not (w / "metrics.jsonl").exists() or not series(w):
+    while not (workdir / "metrics.jsonl").exists() or not series(workdir):
       assert time.monotonic() < deadline, "training did not start"
       assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
       time.sleep(0.2)
@@ -388,11 +395,11 @@ def test_processes_disagree(data, tmp_path):
 
 
 def test_batch_not_divisible_and_config_mismatch(data, tmp_path):
-  r = local_sh(2, train_args(data, tmp_path / "w", **{"train.batch_size": 6}),
-               DEVICES_PER_PROCESS="2")
-  assert r.returncode != 0
+  result = local_sh(2, train_args(data, tmp_path / "w", **{"train.batch_size": 6}),
+                    DEVICES_PER_PROCESS="2")
+  assert result.returncode != 0
   msg = "train.batch_size=6 is not divisible by the 4 global devices (2 processes × 2)"
-  assert r.stderr.count(msg) >= 2, r.stderr[-3000:]  # both processes say it
+  assert result.stderr.count(msg) >= 2, result.stderr[-3000:]  # both processes say it
 
   port = free_port()
   procs = [spawn(i, 2, port, train_args(data, tmp_path / "w2", **{"train.steps": 6 + i}))
@@ -415,18 +422,19 @@ def test_by_shard_dataset_check(data, tmp_path):
   local = tmp_path / "local_ds"
   staging.stage(str(data), str(local), only_needed=True, num_processes=2, process_ids=[0],
                 plan="by_shard", progress=False, log=lambda m: None)
-  r = local_sh(2, train_args(str(local), tmp_path / "w", **{"data.shard_by_process": True}),
-               timeout=120)
-  assert r.returncode != 0
+  result = local_sh(2, train_args(str(local), tmp_path / "w", **{"data.shard_by_process": True}),
+                    timeout=120)
+  assert result.returncode != 0
   msg = "With data.shard_by_process=True process 1 of 2 reads shards 1::2 of every split"
-  assert r.stderr.count(msg) >= 2, r.stderr[-3000:]  # process 1's error, reported by both
-  assert "dataset check failed in 1 of 2 processes: process 1 on" in r.stderr
+  assert result.stderr.count(msg) >= 2, result.stderr[-3000:]  # process 1's error, reported by both
+  assert "dataset check failed in 1 of 2 processes: process 1 on" in result.stderr
   # Staged for both processes: the by-shard job trains, every process reading its own shards.
   staging.stage(str(data), str(local), only_needed=True, num_processes=2, process_ids=[0, 1],
                 plan="by_shard", progress=False, log=lambda m: None)
-  w = tmp_path / "w2"
-  r = local_sh(2, train_args(str(local), w, **{"data.shard_by_process": True}), timeout=200)
-  assert r.returncode == 0, r.stderr[-5000:]
-  losses, evals = series(w), series(w, "eval_loss")
+  workdir = tmp_path / "w2"
+  result = local_sh(2, train_args(str(local), workdir, **{"data.shard_by_process": True}),
+                    timeout=200)
+  assert result.returncode == 0, result.stderr[-5000:]
+  losses, evals = series(workdir), series(workdir, "eval_loss")
   assert sorted(losses) == [1, 2, 3, 4, 5, 6] and sorted(evals) == [3, 6]
   assert all(np.isfinite(v) for v in [*losses.values(), *evals.values()])

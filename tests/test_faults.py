@@ -136,16 +136,16 @@ def wait_for(p: subprocess.Popen, cond, timeout: float = 180, poll: float = 0.05
 @pytest.fixture(scope="module")
 def reference(data, cache, tmp_path_factory):
   """The uninterrupted run every faulted run must reproduce."""
-  w = tmp_path_factory.mktemp("ref") / "w"
-  run(args(data, w), cache)
-  assert sorted(series(w)) == list(range(1, STEPS + 1))
-  return w
+  workdir = tmp_path_factory.mktemp("ref") / "w"
+  run(args(data, workdir), cache)
+  assert sorted(series(workdir)) == list(range(1, STEPS + 1))
+  return workdir
 
 
-def assert_same_run(w, ref) -> None:
+def assert_same_run(workdir, ref) -> None:
   """Bitwise: the same float32 losses, accuracies and eval losses at every step."""
   for key in ("loss", "mlm_accuracy", "eval_loss"):
-    assert series(w, key) == series(ref, key), key
+    assert series(workdir, key) == series(ref, key), key
 
 
 # ----------------------------------------------------------------------------- kill -9
@@ -156,34 +156,34 @@ def test_kill9_at_random_times_resumes_bitwise(data, cache, reference, tmp_path)
   survives."""
   seed = int(os.environ.get("LMSCALE_FAULT_SEED", time.time_ns() % 10**6))
   rng = random.Random(seed)
-  w = tmp_path / "w"
+  workdir = tmp_path / "w"
   trials = []
   for trial in range(5):
-    p = start(args(data, w), cache)
+    p = start(args(data, workdir), cache)
     try:
       during_save = trial in (1, 3)
       if during_save:
         # Poll fast: a save of this model keeps its temporary directory for a few ms only.
-        wait_for(p, lambda: saving(w), poll=0.0005)
+        wait_for(p, lambda: saving(workdir), poll=0.0005)
       else:
-        target = min(STEPS - 4, last_step(w) + rng.randint(1, 4))
+        target = min(STEPS - 4, last_step(workdir) + rng.randint(1, 4))
         time.sleep(rng.uniform(0.0, 0.3))
         # Between checkpoints: no save in progress (saves of this tiny model take longer
         # than its steps, so an unconditioned kill would nearly always land in one).
-        wait_for(p, lambda: last_step(w) >= target and not saving(w), poll=0.002)
+        wait_for(p, lambda: last_step(workdir) >= target and not saving(workdir), poll=0.002)
       kill(p)
-      caught = saving(w)
+      caught = saving(workdir)
     finally:
       kill(p)
       p.communicate()
-    trials.append({"killed_at_step": last_step(w), "during_save": during_save,
+    trials.append({"killed_at_step": last_step(workdir), "during_save": during_save,
                    "tmp_dir_left": caught})
-  run(args(data, w), cache)
+  run(args(data, workdir), cache)
   print(f"kill -9 trials (seed {seed}): {trials}")
-  assert_same_run(w, reference)
-  assert not saving(w), os.listdir(w / "checkpoints")
+  assert_same_run(workdir, reference)
+  assert not saving(workdir), os.listdir(workdir / "checkpoints")
   assert any(t["tmp_dir_left"] for t in trials), f"no kill landed inside a save: {trials}"
-  with open(w / "run_state.json") as f:
+  with open(workdir / "run_state.json") as f:
     assert json.load(f)["state"] == "finished"
 
 
@@ -191,10 +191,10 @@ def test_kill9_at_random_times_resumes_bitwise(data, cache, reference, tmp_path)
 def test_sigterm_checkpoints_and_exits_0(data, cache, reference, tmp_path):
   """SIGTERM to the whole process group (as Slurm sends it; the Grain worker gets it too):
   the current step finishes, a checkpoint of it is written, exit 0; the rerun loses no step."""
-  w = tmp_path / "w"
-  p = start(args(data, w, **{"data.workers": 1}), cache)
+  workdir = tmp_path / "w"
+  p = start(args(data, workdir, **{"data.workers": 1}), cache)
   try:
-    wait_for(p, lambda: last_step(w) >= 6)
+    wait_for(p, lambda: last_step(workdir) >= 6)
     kill(p, signal.SIGTERM)
     signalled = time.monotonic()
     err = finish(p, timeout=90)
@@ -204,14 +204,14 @@ def test_sigterm_checkpoints_and_exits_0(data, cache, reference, tmp_path):
   print(f"SIGTERM -> exit {p.returncode} in {took:.1f} s")
   assert p.returncode == 0, err[-4000:]
   assert took < 60
-  with open(w / "run_state.json") as f:
+  with open(workdir / "run_state.json") as f:
     state = json.load(f)
   assert state["state"] == "preempted" and 6 <= state["step"] < STEPS, state
-  assert str(state["step"]) in os.listdir(w / "checkpoints")
+  assert str(state["step"]) in os.listdir(workdir / "checkpoints")
   assert "SIGTERM received" in err and "preempted: stopped after step" in err
-  assert last_step(w) == state["step"]  # every step up to the checkpoint was logged
-  run(args(data, w), cache)  # in-process loader now: the loader state is worker-agnostic
-  assert_same_run(w, reference)
+  assert last_step(workdir) == state["step"]  # every step up to the checkpoint was logged
+  run(args(data, workdir), cache)  # in-process loader now: the loader state is worker-agnostic
+  assert_same_run(workdir, reference)
 
 
 def free_port() -> int:
@@ -224,16 +224,16 @@ def test_sigusr1_to_one_process_stops_both_at_one_step(data, cache, reference, t
   """Slurm's time-limit signal reaching one process of two: both checkpoint the same step
   (their agreement is JAX's preemption sync) and exit 0; resuming in 2 processes continues the
   trajectory (equal to 1 process within float32 all-reduce rounding, rtol 1e-5)."""
-  w = tmp_path / "w"
+  workdir = tmp_path / "w"
 
   def spawn(i, port):
-    return start(args(data, w), cache, LMSCALE_COORDINATOR=f"localhost:{port}",
+    return start(args(data, workdir), cache, LMSCALE_COORDINATOR=f"localhost:{port}",
                  LMSCALE_NUM_PROCESSES="2", LMSCALE_PROCESS_ID=str(i))
 
   port = free_port()
   procs = [spawn(i, port) for i in range(2)]
   try:
-    wait_for(procs[0], lambda: last_step(w) >= 6)
+    wait_for(procs[0], lambda: last_step(workdir) >= 6)
     procs[1].send_signal(signal.SIGUSR1)  # this process only
     signalled = time.monotonic()
     errs = [finish(p, timeout=90) for p in procs]
@@ -243,17 +243,17 @@ def test_sigusr1_to_one_process_stops_both_at_one_step(data, cache, reference, t
       kill(p)
   assert [p.returncode for p in procs] == [0, 0], errs[1][-3000:] + errs[0][-3000:]
   print(f"SIGUSR1 to process 1 -> both exited 0 in {took:.1f} s")
-  with open(w / "run_state.json") as f:
+  with open(workdir / "run_state.json") as f:
     state = json.load(f)
   assert state["state"] == "preempted", state
-  files = os.listdir(w / "checkpoints" / str(state["step"]) / "data")
+  files = os.listdir(workdir / "checkpoints" / str(state["step"]) / "data")
   assert sorted(f for f in files if f.endswith(".json")) == ["process_0-of-2.json",
                                                              "process_1-of-2.json"]
   port = free_port()
   procs = [spawn(i, port) for i in range(2)]
   errs = [finish(p) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:]
-  a, b = series(w), series(reference)
+  a, b = series(workdir), series(reference)
   assert sorted(a) == sorted(b)
   np.testing.assert_allclose([a[s] for s in sorted(b)], [b[s] for s in sorted(b)], rtol=1e-5)
 
@@ -262,14 +262,14 @@ def test_sigusr1_to_one_process_stops_both_at_one_step(data, cache, reference, t
 def test_nonfinite_error_names_step_and_last_good_checkpoint(data, tmp_path):
   from lmscale_jax import train
 
-  w = tmp_path / "w"
+  workdir = tmp_path / "w"
   config = small_train_config(data, steps=8, inject_nonfinite_steps="5")
   config.checkpoint.every = 2
   with pytest.raises(train.NonFiniteLoss, match=r"at step 5; last good checkpoint: "
                      r".*/checkpoints/4"):
-    train.train_and_evaluate(config, str(w))
+    train.train_and_evaluate(config, str(workdir))
   # nothing past the bad step was checkpointed
-  assert max(int(d) for d in os.listdir(w / "checkpoints") if d.isdigit()) == 4
+  assert max(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()) == 4
 
 
 def test_nonfinite_skip_counts_and_recovers(data, tmp_path):
@@ -277,11 +277,11 @@ def test_nonfinite_skip_counts_and_recovers(data, tmp_path):
   losses; too many in a row is an error."""
   from lmscale_jax import train
 
-  w = tmp_path / "w"
+  workdir = tmp_path / "w"
   out = train.train_and_evaluate(
       small_train_config(data, steps=6, nonfinite="skip", inject_nonfinite_steps="3,4"),
-      str(w))
-  got = rows(w)
+      str(workdir))
+  got = rows(workdir)
   skipped = {r["step"]: r["nonfinite_skipped"] for r in got if "nonfinite_skipped" in r}
   assert skipped == {1: 0, 2: 0, 3: 1, 4: 1, 5: 0, 6: 0}
   assert np.isfinite(out["loss"]) and np.isfinite(out["eval_loss"])
@@ -296,13 +296,13 @@ def test_nonfinite_skip_counts_and_recovers(data, tmp_path):
 def test_sbatch_requeues_a_preempted_run(tmp_path, state, requeued):
   """launch/slurm.sbatch under a fake Slurm (srun/scontrol on PATH record their calls; the
   training srun leaves run_state.json as main.py does): requeue exactly when preempted."""
-  bin_dir, w = tmp_path / "bin", tmp_path / "runs" / "w"
+  bin_dir, workdir = tmp_path / "bin", tmp_path / "runs" / "w"
   bin_dir.mkdir()
   log = tmp_path / "calls.log"
   (bin_dir / "srun").write_text(
       "#!/bin/bash\necho \"srun $*\" >> " + str(log) + "\n"
-      "if [[ \"$*\" == *lmscale_jax.main* ]]; then mkdir -p " + str(w) + " && "
-      "echo '{\"state\": \"" + state + "\", \"step\": 7}' > " + str(w / "run_state.json") +
+      "if [[ \"$*\" == *lmscale_jax.main* ]]; then mkdir -p " + str(workdir) + " && "
+      "echo '{\"state\": \"" + state + "\", \"step\": 7}' > " + str(workdir / "run_state.json") +
       "; fi\n")
   (bin_dir / "scontrol").write_text("#!/bin/bash\necho \"scontrol $*\" >> " + str(log) + "\n")
   for f in ("srun", "scontrol"):
@@ -311,7 +311,7 @@ def test_sbatch_requeues_a_preempted_run(tmp_path, state, requeued):
            SLURM_JOB_ID="777", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n[1-2]",
            SLURM_NTASKS="4", DATA_SRC=str(tmp_path / "shared_ds"), PYTHON=sys.executable)
   r = subprocess.run(["bash", os.path.join(ROOT, "launch", "slurm.sbatch"),
-                      "--config=configs/tiny.py", "--workdir", str(w)], env=e, cwd=ROOT,
+                      "--config=configs/tiny.py", "--workdir", str(workdir)], env=e, cwd=ROOT,
                      capture_output=True, text=True, timeout=60)
   assert r.returncode == 0, r.stderr
   calls = log.read_text().splitlines()
