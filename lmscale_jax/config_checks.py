@@ -10,9 +10,9 @@ every process, naming the process and host it concerns):
    ``train.grad_accum_steps`` microbatches; the loader calls it for its per-process rows);
    then identical configs in every process, one shared workdir, and a checkpoint there
    written by the same number of processes.
-3. ``staging.check_dataset_dir``, after staging (``data.stage_from``) if any: every shard of
+3. ``data_checks.check_dataset_dir``, after staging (``data.stage_from``) if any: every shard of
    this process's read plan is present.
-4. ``--verify_data`` only: the sha256 of those shards.
+4. ``--verify_data`` only (``data_checks.verify_shards``): the sha256 of those shards.
 5. ``train.build_setup``: :func:`check_model_fits_dataset` (here, through
    ``model.resolve_model_config``) against the dataset's ``metadata.json``. It also runs 1 and
    :func:`check_batch` again, for library callers (tests, tools); both are cheap.

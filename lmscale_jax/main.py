@@ -41,7 +41,7 @@ def main(argv):
   # Imported here, not at module level: Grain's worker processes re-import __main__.
   import jax
 
-  from lmscale_jax import config_checks, distributed, preemption, staging, train
+  from lmscale_jax import config_checks, data_checks, distributed, preemption, staging, train
   from lmscale_jax.errors import UserError
 
   # Bad settings or data (UserError): one line, no traceback (logged with --verbosity=1).
@@ -66,16 +66,16 @@ def main(argv):
       staging.stage_per_node(config.data.stage_from, config.data.path,
                              workers=int(config.data.stage_workers),
                              timeout_s=float(config.data.stage_timeout), log=logging.info)
-    # The shards this process reads (lmscale_jax/data.py modes = staging read plans).
+    # The shards this process reads (data.process_shards, the loader's read plan).
     reads = dict(num_processes=jax.process_count(), process_id=jax.process_index(),
                  plan="by_shard" if config.data.shard_by_process else "interleaved")
-    distributed.agree("dataset check",
-                      lambda: staging.check_dataset_dir(config.data.path, **reads))
+    meta = distributed.agree("dataset check",
+                             lambda: data_checks.check_dataset_dir(config.data.path, **reads))
     if FLAGS.verify_data:
-      distributed.agree("data verification", lambda: staging.verify_shards(
-          config.data.path, log=logging.info, **reads))
+      distributed.agree("data verification", lambda: data_checks.verify_shards(
+          meta, log=logging.info, **reads))
     logging.info("workdir %s", FLAGS.workdir)
-    train.train_and_evaluate(config, FLAGS.workdir)
+    train.train_and_evaluate(config, FLAGS.workdir, meta=meta)
   except Exception as e:
     if jax.distributed.is_initialized():
       # The other processes may be blocked in a collective with this one: report and leave

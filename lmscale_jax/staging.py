@@ -18,8 +18,8 @@ reading its own local copy does not (the paper's second finding). :func:`stage`:
   ``complete`` or ``failed`` (with the error) at the end. While copying, ``metadata.json`` is
   absent from the destination, so a crashed staging is never taken for a complete dataset.
 
-:func:`check_dataset_dir` is what training calls: it refuses a directory whose staging failed
-or never finished, or that lacks shards the loader will read.
+What training checks on a (staged) dataset directory before reading it is
+``lmscale_jax/data_checks.py``.
 """
 
 from __future__ import annotations
@@ -134,83 +134,6 @@ def _write_state(directory: str, **state) -> None:
                             {"host": socket.gethostname(), "time": time.time(), **state})
 
 
-def check_dataset_dir(path: str, *, plan: str = "interleaved", num_processes: int = 1,
-                      process_id: int = 0) -> None:
-  """Refuses a staged dataset directory that training must not read.
-
-  A directory without ``staging.json`` was not staged (e.g. a prepared dataset on shared
-  storage): :class:`~lmscale_jax.dataset.DatasetMeta` checks it as usual. A staged one must
-  have finished (``complete``) and hold every shard that process ``process_id`` of
-  ``num_processes`` reads under ``plan`` (the loader's: ``by_shard`` when
-  ``data.shard_by_process``), with the size ``metadata.json`` gives.
-  """
-  state = read_state(path)
-  if state is None:
-    return
-  status = state.get("status")
-  if status == "failed":
-    raise StagingError(f"{path}: staging from {state.get('source')} failed: "
-                       f"{state.get('error')}; rerun tools/stage.py (it recopies what is bad)")
-  if status != "complete":
-    raise StagingError(f"{path}: staging from {state.get('source')} did not finish (status "
-                       f"{status!r}, host {state.get('host')}): interrupted? rerun "
-                       "tools/stage.py to complete it")
-  meta = dataset.DatasetMeta.load(path)
-  needed = needed_shards(meta, num_processes, [process_id], plan)
-  missing = []
-  for shards in needed.values():
-    for s in shards:
-      p = os.path.join(path, s["file"])
-      if not os.path.exists(p) or os.path.getsize(p) != s["bytes"]:
-        missing.append(s["file"])
-  if missing:
-    staged = state.get("only_needed")
-    how = (f" (staged with --only-needed, plan {staged['plan']!r}, processes "
-           f"{staged['process_ids']} of {staged['num_processes']})" if staged else "")
-    if plan == "by_shard":
-      fix = (f"with data.shard_by_process=True process {process_id} of {num_processes} reads "
-             f"shards {process_id}::{num_processes} of every split: stage them (tools/stage.py "
-             f"--only-needed --plan by_shard --num-processes {num_processes} --process-ids "
-             "<this node's ids>) or the whole dataset")
-    else:
-      fix = ("with data.shard_by_process=False the loader interleaves records over all shards "
-             "in every process: stage the whole dataset (without --only-needed), or train "
-             "with --config.data.shard_by_process=True on a dataset staged with --plan by_shard")
-    raise StagingError(
-        f"{path}: {len(missing)} shards the loader reads are missing or the wrong size"
-        f"{how}, e.g. {missing[0]}. {fix[0].upper()}{fix[1:]}")
-
-
-def verify_shards(path: str, *, splits: Sequence[str] = ("train", "validation"),
-                  plan: str = "interleaved", num_processes: int = 1, process_id: int = 0,
-                  workers: int = 4, log: Callable[[str], None] | None = None) -> dict:
-  """``--verify_data``: re-hashes every shard of ``splits`` that process ``process_id`` of
-  ``num_processes`` reads under ``plan`` and compares size, sha256 and record count with
-  ``metadata.json`` (``DatasetMeta.shard_problem``).
-
-  Raises :class:`StagingError` (one line: the first bad file, expected and actual value);
-  returns ``{"files", "bytes", "seconds", "mb_per_s"}`` and logs the rate.
-  """
-  log = log or _log_to_stderr
-  meta = dataset.DatasetMeta.load(path)
-  needed = needed_shards(meta, num_processes, [process_id], plan)
-  shards = [s for split in splits for s in needed.get(split, [])]
-
-  started = time.perf_counter()
-  with cf.ThreadPoolExecutor(max(1, workers)) as pool:  # hashing releases the GIL
-    problems = [problem for problem in pool.map(meta.shard_problem, shards) if problem]
-  secs = time.perf_counter() - started
-  if problems:
-    more = f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""
-    raise StagingError(f"data verification failed: {problems[0]}{more}: the shard is corrupt; "
-                       "restore it (rerun tools/stage.py, or re-prepare the dataset)")
-  total = sum(int(s["bytes"]) for s in shards)
-  rate = total / max(secs, 1e-9) / 1e6
-  log(f"verified {len(shards)} shards of {path} ({', '.join(splits)}): {_human(total)} in "
-      f"{secs:.1f} s ({rate:.0f} MB/s, sha256)")
-  return {"files": len(shards), "bytes": total, "seconds": secs, "mb_per_s": rate}
-
-
 # --------------------------------------------------------------------------- copying
 def _hash_file(path: str) -> str:
   return dataset.sha256_file(path, chunk=CHUNK)
@@ -296,7 +219,7 @@ def _check_writable(dest: str) -> None:
                        "$SLURM_TMPDIR)") from e
 
 
-def _human(size: float) -> str:
+def human_bytes(size: float) -> str:
   """``1.0 MB``: decimal units, one decimal (whole bytes below 1 KB)."""
   for unit in ("B", "KB", "MB", "GB"):
     if size < 1000:
@@ -305,7 +228,7 @@ def _human(size: float) -> str:
   return f"{size:.1f} TB"
 
 
-def _log_to_stderr(msg: str) -> None:
+def log_to_stderr(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
@@ -387,8 +310,8 @@ def _check_space(dest: str, todo: list[FileSpec], only_needed: bool) -> None:
   free = shutil.disk_usage(dest).free
   if todo_bytes + SPACE_MARGIN > free:
     raise StagingError(
-        f"not enough space in {dest}: staging needs {_human(todo_bytes)} for {len(todo)} "
-        f"files (+{_human(SPACE_MARGIN)} margin) but only {_human(free)} is free; free space, "
+        f"not enough space in {dest}: staging needs {human_bytes(todo_bytes)} for {len(todo)} "
+        f"files (+{human_bytes(SPACE_MARGIN)} margin) but only {human_bytes(free)} is free; free space, "
         "choose another directory"
         + ("" if only_needed else ", or stage only this node's shards with --only-needed"))
 
@@ -453,7 +376,7 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   Raises :class:`StagingError` (bad source, no space, unwritable destination, checksum
   mismatch at the source) after recording it in ``dest/staging.json``.
   """
-  log = log or _log_to_stderr
+  log = log or log_to_stderr
   started = time.perf_counter()
   src, dest = os.path.abspath(src), os.path.abspath(dest)
   meta = _check_source_and_dest(src, dest, workers)
@@ -487,7 +410,7 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   if os.path.exists(dst_meta):
     os.unlink(dst_meta)  # absent until every file is verified: never a half-staged dataset
   dataset.fsync_dir(dest)
-  log(f"staging {src} -> {dest}: {len(todo)} files, {_human(todo_bytes)} to copy, {kept} "
+  log(f"staging {src} -> {dest}: {len(todo)} files, {human_bytes(todo_bytes)} to copy, {kept} "
       f"already verified; {workers} workers")
   bar = _Progress(todo_bytes, progress, "staging")
   copy_started = time.perf_counter()
@@ -510,7 +433,7 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
     raise
   secs = time.perf_counter() - started
   rate = todo_bytes / max(copy_secs, 1e-9) / 1e6
-  log(f"staged {dest}: copied {len(todo)} files, {_human(todo_bytes)} in {copy_secs:.1f} s "
+  log(f"staged {dest}: copied {len(todo)} files, {human_bytes(todo_bytes)} in {copy_secs:.1f} s "
       f"({rate:.0f} MB/s, sha256 verified); {kept} kept; total {secs:.1f} s")
   return {"copied": len(todo), "kept": kept, "bytes_copied": todo_bytes, "seconds": secs,
           "mb_per_s": rate, "dest": dest}

@@ -235,10 +235,12 @@ def evaluate(steps: steps_lib.Steps, params, eval_batches) -> dict:
 
 
 # ----------------------------------------------------------------------------- the loop
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains (resuming from ``workdir`` if it holds a checkpoint); returns the last metrics."""
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       meta: dataset.DatasetMeta | None = None) -> dict:
+  """Trains (resuming from ``workdir`` if it holds a checkpoint); returns the last metrics.
+  ``meta``: the dataset's metadata if the caller has loaded it (main has), else loaded here."""
   config = copy.deepcopy(config)  # data.workers may be set by the autotune below
-  setup = build_setup(config)
+  setup = build_setup(config, meta)
   t, meta = config.train, setup.meta
   is_writer = jax.process_index() == 0
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())

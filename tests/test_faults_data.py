@@ -19,7 +19,7 @@ import pytest
 
 from lmscale_jax import data as data_lib
 from lmscale_jax import dataset
-from lmscale_jax import staging
+from lmscale_jax import data_checks, staging
 from lmscale_jax.errors import ConfigError
 from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset
 
@@ -207,25 +207,26 @@ def test_skip_mode_eval_split(damaged):
 # --------------------------------------------------------------------------- --verify_data
 def test_verify_shards(clean, damaged):
   logs = []
-  out = staging.verify_shards(str(clean), log=logs.append)
   meta = dataset.DatasetMeta.load(str(clean))
+  out = data_checks.verify_shards(meta, log=logs.append)
   assert out["files"] == 4 and out["bytes"] == sum(
       s["bytes"] for sp in meta.splits.values() for s in sp["shards"])
   assert len(logs) == 1 and "verified 4 shards" in logs[0] and "MB/s" in logs[0]
-  assert staging.verify_shards(str(clean), splits=("validation",), log=logs.append)["files"] == 2
+  assert data_checks.verify_shards(meta, splits=("validation",), log=logs.append)["files"] == 2
 
   shard, _ = damage(damaged, "flip")  # same size, different bytes
+  damaged_meta = dataset.DatasetMeta.load(str(damaged))
   entry = next(s for s in meta.splits["train"]["shards"] if s["file"] == os.path.basename(shard))
   actual = dataset.sha256_file(shard)
   with pytest.raises(staging.StagingError) as e:
-    staging.verify_shards(str(damaged), log=logs.append)
+    data_checks.verify_shards(damaged_meta, log=logs.append)
   msg = str(e.value)
   assert "\n" not in msg
   assert f"{shard}: sha256 {actual}, expected {entry['sha256']} (metadata.json)" in msg
   os.truncate(shard, 1000)
   with pytest.raises(staging.StagingError,
                      match=rf"{re.escape(shard)}: size 1000 bytes, expected {entry['bytes']}"):
-    staging.verify_shards(str(damaged), log=logs.append)
+    data_checks.verify_shards(damaged_meta, log=logs.append)
 
 
 def test_verify_data_flag_stops_before_training(damaged, tmp_path):

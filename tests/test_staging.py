@@ -13,7 +13,7 @@ from collections import namedtuple
 import pytest
 
 from lmscale_jax import dataset
-from lmscale_jax import staging
+from lmscale_jax import data_checks, staging
 from tests.helpers import make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ def test_copy_verify_and_idempotent_rerun(src, tmp_path):
   for f in os.listdir(src):
     assert open(f"{dest}/{f}", "rb").read() == open(f"{src}/{f}", "rb").read(), f
   assert staging.read_state(dest)["status"] == "complete"
-  staging.check_dataset_dir(dest)  # training accepts it
+  data_checks.check_dataset_dir(dest)  # training accepts it
   mtimes = {f: os.stat(os.path.join(dest, f)).st_mtime_ns for f in os.listdir(dest)}
   again = stage(src, dest, workers=3)
   assert again["copied"] == 0 and again["bytes_copied"] == 0
@@ -96,12 +96,12 @@ def test_partial_copy_after_a_crash_is_recovered(src, tmp_path):
   dataset.atomic_write_json(os.path.join(dest, staging.STAGE_FILE),
                        {"status": "copying", "source": src, "host": "h"})
   with pytest.raises(staging.StagingError, match="did not finish .*rerun tools/stage.py"):
-    staging.check_dataset_dir(dest)
+    data_checks.check_dataset_dir(dest)
   out = stage(src, dest)
   assert out["copied"] == 2  # the truncated shard and the missing one
   assert not [f for f in os.listdir(dest) if f.endswith(staging.TMP_SUFFIX)]
   assert dataset.DatasetMeta.load(dest).verify() == []
-  staging.check_dataset_dir(dest)
+  data_checks.check_dataset_dir(dest)
 
 
 def test_only_needed(src, tmp_path):
@@ -111,7 +111,7 @@ def test_only_needed(src, tmp_path):
   dest = str(tmp_path / "inter")
   stage(src, dest, only_needed=True, num_processes=4, process_ids=[1, 3])
   assert shard_files(dest) == shard_files(src)
-  staging.check_dataset_dir(dest)
+  data_checks.check_dataset_dir(dest)
   # By shard (data.shard_by_process: process i reads shards i::P of every split): this node's
   # share only (test_only_needed_matches_the_by_shard_loader derives it from the loader).
   val = [s["file"] for s in meta.splits["validation"]["shards"]]
@@ -124,10 +124,10 @@ def test_only_needed(src, tmp_path):
   with pytest.raises(staging.StagingError, match=r"6 shards the loader reads are missing .*"
                      r"--only-needed, plan 'by_shard', processes \[1, 3\] of 4.*"
                      r"data.shard_by_process=False"):
-    staging.check_dataset_dir(dest)
+    data_checks.check_dataset_dir(dest)
   # a rerun without --only-needed completes it
   assert stage(src, dest)["copied"] == 6  # the other 3 train and 3 validation shards
-  staging.check_dataset_dir(dest)
+  data_checks.check_dataset_dir(dest)
   with pytest.raises(staging.StagingError, match=r"--process-ids \[4\]: expected ids in \[0, 4\)"):
     stage(src, str(tmp_path / "x"), only_needed=True, num_processes=4, process_ids=[4])
   with pytest.raises(staging.StagingError, match="split 'train' has 6 shards for 7 processes: "
@@ -167,7 +167,7 @@ def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
   staged_meta = dataset.DatasetMeta.load(str(dest))
   for process_id in range(num_processes):
     def check():
-      staging.check_dataset_dir(str(dest), plan="by_shard", num_processes=num_processes,
+      data_checks.check_dataset_dir(str(dest), plan="by_shard", num_processes=num_processes,
                                 process_id=process_id)
 
     if process_id in ids:
@@ -216,7 +216,7 @@ def test_bad_sources_and_destinations(src, tmp_path):
   assert not os.path.exists(os.path.join(dest, name))  # never renamed into place
   assert not os.path.exists(os.path.join(dest, dataset.METADATA))
   with pytest.raises(staging.StagingError, match="staging from .* failed: .*checksum mismatch"):
-    staging.check_dataset_dir(dest)
+    data_checks.check_dataset_dir(dest)
   # a destination that cannot be written (its parent is a file)
   blocker = tmp_path / "file"
   blocker.write_text("x")
