@@ -77,7 +77,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0   # 0 = from the device table (lmscale_jax/flops.py)
 
-  # Multi-process start-up (lmscale_jax/distributed.py): unset fields come from LMSCALE_* env,
+  # Multi-process start-up (lmscale_jax/topology.py): unset fields come from LMSCALE_* env,
   # then Slurm; nothing set = one process.
   c.distributed = ml_collections.ConfigDict()
   c.distributed.mode = "auto"          # auto | single (ignore env and Slurm)

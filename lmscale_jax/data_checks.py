@@ -29,20 +29,21 @@ def check_dataset_dir(path: str, *, plan: str = "interleaved", num_processes: in
     return dataset.DatasetMeta.load(path)
   status = state.get("status")
   if status == "failed":
-    raise staging.StagingError(f"{path}: staging from {state.get('source')} failed: "
-                       f"{state.get('error')}; rerun tools/stage.py (it recopies what is bad)")
+    raise staging.StagingError(
+        f"{path}: staging from {state.get('source')} failed: {state.get('error')}; rerun "
+        "tools/stage.py (it recopies what is bad)")
   if status != "complete":
-    raise staging.StagingError(f"{path}: staging from {state.get('source')} did not finish (status "
-                       f"{status!r}, host {state.get('host')}): interrupted? rerun "
-                       "tools/stage.py to complete it")
+    raise staging.StagingError(
+        f"{path}: staging from {state.get('source')} did not finish (status {status!r}, host "
+        f"{state.get('host')}): interrupted? rerun tools/stage.py to complete it")
   meta = dataset.DatasetMeta.load(path)
   needed = staging.needed_shards(meta, num_processes, [process_id], plan)
   missing = []
   for shards in needed.values():
-    for s in shards:
-      p = os.path.join(path, s["file"])
-      if not os.path.exists(p) or os.path.getsize(p) != s["bytes"]:
-        missing.append(s["file"])
+    for shard in shards:
+      shard_path = os.path.join(path, shard["file"])
+      if not os.path.exists(shard_path) or os.path.getsize(shard_path) != shard["bytes"]:
+        missing.append(shard["file"])
   if missing:
     staged = state.get("only_needed")
     how = (f" (staged with --only-needed, plan {staged['plan']!r}, processes "
@@ -83,10 +84,11 @@ def verify_shards(meta: dataset.DatasetMeta, *, splits: Sequence[str] = ("train"
   secs = time.perf_counter() - started
   if problems:
     more = f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""
-    raise staging.StagingError(f"data verification failed: {problems[0]}{more}: the shard is corrupt; "
-                       "restore it (rerun tools/stage.py, or re-prepare the dataset)")
+    raise staging.StagingError(
+        f"data verification failed: {problems[0]}{more}: the shard is corrupt; restore it "
+        "(rerun tools/stage.py, or re-prepare the dataset)")
   total = sum(int(s["bytes"]) for s in shards)
   rate = total / max(secs, 1e-9) / 1e6
-  log(f"verified {len(shards)} shards of {path} ({', '.join(splits)}): {staging.human_bytes(total)} in "
-      f"{secs:.1f} s ({rate:.0f} MB/s, sha256)")
+  log(f"verified {len(shards)} shards of {path} ({', '.join(splits)}): "
+      f"{staging.human_bytes(total)} in {secs:.1f} s ({rate:.0f} MB/s, sha256)")
   return {"files": len(shards), "bytes": total, "seconds": secs, "mb_per_s": rate}

@@ -311,8 +311,8 @@ def _check_space(dest: str, todo: list[FileSpec], only_needed: bool) -> None:
   if todo_bytes + SPACE_MARGIN > free:
     raise StagingError(
         f"not enough space in {dest}: staging needs {human_bytes(todo_bytes)} for {len(todo)} "
-        f"files (+{human_bytes(SPACE_MARGIN)} margin) but only {human_bytes(free)} is free; free space, "
-        "choose another directory"
+        f"files (+{human_bytes(SPACE_MARGIN)} margin) but only {human_bytes(free)} is free; "
+        "free space, choose another directory"
         + ("" if only_needed else ", or stage only this node's shards with --only-needed"))
 
 

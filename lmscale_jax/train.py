@@ -77,12 +77,14 @@ def build_setup(config: ml_collections.ConfigDict,
 
 
 def describe(setup: Setup) -> str:
-  t, cfg = setup.config.train, setup.model_cfg
-  levers = (f"remat {t.remat}, grad_accum_steps {t.grad_accum_steps}, fsdp {bool(t.fsdp)}, "
-            f"grad_allreduce_dtype {t.grad_allreduce_dtype}")
+  train_config, cfg = setup.config.train, setup.model_cfg
+  levers = (f"remat {train_config.remat}, grad_accum_steps {train_config.grad_accum_steps}, "
+            f"fsdp {bool(train_config.fsdp)}, "
+            f"grad_allreduce_dtype {train_config.grad_allreduce_dtype}")
   return (f"model: {setup.param_count:,} parameters ({cfg.layers} layers × {cfg.hidden}, "
           f"vocab {cfg.vocab_size}, seq {setup.meta.seq_len}); "
-          f"{setup.flops_per_step / 1e12:.3f} TFLOP per step (global batch {t.batch_size}, "
+          f"{setup.flops_per_step / 1e12:.3f} TFLOP per step (global batch "
+          f"{train_config.batch_size}, "
           f"{setup.predictions} predictions/sequence); "
           f"≈{setup.memory_bytes / 2**30:.2f} GiB per device ({levers})")
 
@@ -183,14 +185,14 @@ class TrainLog:
 
   def _log(self, window: Window) -> None:
     host = jax.device_get(window.metrics)
-    t = self.train_config
+    train_config = self.train_config
     self._raise_on_bad_steps(window.first_step, [m["nonfinite"] for m in host])
     run = int(host[-1].get("consecutive_nonfinite", 0))  # present in skip mode only
-    if run >= t.max_consecutive_nonfinite:
+    if run >= train_config.max_consecutive_nonfinite:
       raise NonFiniteLoss(
           f"{run} consecutive steps with a non-finite loss or gradient (steps "
           f"{window.last_step - run + 1}-{window.last_step}, all skipped; "
-          f"train.max_consecutive_nonfinite={t.max_consecutive_nonfinite}); last good "
+          f"train.max_consecutive_nonfinite={train_config.max_consecutive_nonfinite}); last good "
           f"checkpoint: {self._last_good()}")
     good = [m for m in host if not m["nonfinite"]] or host
     row = {
@@ -200,10 +202,10 @@ class TrainLog:
         "grad_norm": float(good[-1]["grad_norm"]),
         **metrics_lib.throughput(
             steps=len(host), seconds=window.seconds, wait_seconds=window.input_wait,
-            global_batch=t.batch_size, tokens=float(sum(m["tokens"] for m in host)),
+            global_batch=train_config.batch_size, tokens=float(sum(m["tokens"] for m in host)),
             flops_per_step=self.setup.flops_per_step, peak_flops_total=self.peak_total),
     }
-    if t.nonfinite == "skip":
+    if train_config.nonfinite == "skip":
       row["nonfinite_skipped"] = int(sum(m["nonfinite"] for m in host))
     if "corrupt_records" in host[0]:
       row["corrupt_records"] = int(sum(m["corrupt_records"] for m in host))
@@ -241,7 +243,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   ``meta``: the dataset's metadata if the caller has loaded it (main has), else loaded here."""
   config = copy.deepcopy(config)  # data.workers may be set by the autotune below
   setup = build_setup(config, meta)
-  t, meta = config.train, setup.meta
+  train_config, meta = config.train, setup.meta
   is_writer = jax.process_index() == 0
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
@@ -261,29 +263,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     logging.info("resumed from %s/checkpoints/%d", workdir, start)
   else:
     start = 0
-    state = steps.init(jax.random.key(t.seed))
+    state = steps.init(jax.random.key(train_config.seed))
   if is_writer:  # a crash leaves "running": job scripts requeue only a "preempted" run
-    ckpt_lib.write_run_state(workdir, "running", start, t.steps)
+    ckpt_lib.write_run_state(workdir, "running", start, train_config.steps)
 
   log = TrainLog(setup, workdir, start, checkpointer, train_iter)
   preempted, step = False, start
   try:
-    for step in range(start + 1, t.steps + 1):
+    for step in range(start + 1, train_config.steps + 1):
       state, metrics = steps.train_step(state, next(train_iter))
       log.after_step(step, metrics)
-      if step % t.eval_every == 0 or step == t.steps:
+      if step % train_config.eval_every == 0 or step == train_config.steps:
         log.eval_row(step, evaluate(steps, state.params, eval_batches))
       # Every process asks at every step and gets the same answer.
-      preempted = checkpointer.reached_preemption(step) and step < t.steps
-      if step % config.checkpoint.every == 0 or step == t.steps or preempted:
+      preempted = checkpointer.reached_preemption(step) and step < train_config.steps
+      if step % config.checkpoint.every == 0 or step == train_config.steps or preempted:
         log.check_before_save(step)
         checkpointer.save(step, state, train_iter)
       if preempted:
         checkpointer.wait()  # synchronous: the process may be killed soon after it exits
         if is_writer:
           logging.warning("preempted: stopped after step %d of %d; checkpoint %s/checkpoints/%d "
-                          "saved. Rerun the same command to continue from it.", step, t.steps,
-                          workdir, step)
+                          "saved. Rerun the same command to continue from it.", step,
+                          train_config.steps, workdir, step)
         break
     log.finish(step)
   except NonFiniteLoss:
@@ -294,5 +296,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   checkpointer.close()
   log.close()
   if is_writer:
-    ckpt_lib.write_run_state(workdir, "preempted" if preempted else "finished", step, t.steps)
+    ckpt_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,
+                             train_config.steps)
   return {**log.last, "step": int(jax.device_get(state.step))}
