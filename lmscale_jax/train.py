@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import time
 
 import jax
@@ -180,8 +179,7 @@ class TrainLog:
 
   def _last_good(self) -> str:
     latest = self.checkpointer.latest_step()
-    return os.path.join(self.workdir, "checkpoints", str(latest)) if latest is not None \
-        else "none"
+    return ckpt_lib.step_dir(self.workdir, latest) if latest is not None else "none"
 
   def _log(self, window: Window) -> None:
     host = jax.device_get(window.metrics)
@@ -260,7 +258,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   eval_batches = data.make_dataset(config, meta, "validation", train=False, **process)
   if start is not None:
     state = checkpointer.restore(start, steps.abstract_state, train_iter)
-    logging.info("resumed from %s/checkpoints/%d", workdir, start)
+    logging.info("resumed from %s", ckpt_lib.step_dir(workdir, start))
   else:
     start = 0
     state = steps.init(jax.random.key(train_config.seed))
@@ -283,9 +281,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if preempted:
         checkpointer.wait()  # synchronous: the process may be killed soon after it exits
         if is_writer:
-          logging.warning("preempted: stopped after step %d of %d; checkpoint %s/checkpoints/%d "
-                          "saved. Rerun the same command to continue from it.", step,
-                          train_config.steps, workdir, step)
+          logging.warning("preempted: stopped after step %d of %d; checkpoint %s saved. Rerun "
+                          "the same command to continue from it.", step, train_config.steps,
+                          ckpt_lib.step_dir(workdir, step))
         break
     log.finish(step)
   except NonFiniteLoss:
