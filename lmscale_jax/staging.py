@@ -13,7 +13,10 @@ reading its own local copy does not (the paper's second finding). :func:`stage`:
 * checks free space for what it will copy, then copies in parallel threads (file reads,
   writes and hashing release the GIL), hashing the bytes as they pass, into a temporary name
   (``.{file}.staging``), fsyncs, and renames only when the hash matches ``metadata.json``;
-  a mismatch is retried once from the source, then is a "checksum mismatch at the source";
+  a mismatch is retried once from the source, then is a "checksum mismatch at the source",
+  unless the source's ``metadata.json`` changed since staging began (re-prepared or replaced
+  mid-copy): that is its own error, and ``metadata.json`` is only committed, from the bytes
+  planned with, while the source still has them;
 * records its state in ``staging.json`` in the destination: ``copying`` while it runs,
   ``complete`` or ``failed`` (with the error) at the end. While copying, ``metadata.json`` is
   absent from the destination, so a crashed staging is never taken for a complete dataset.
@@ -232,6 +235,17 @@ def log_to_stderr(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
+def _metadata_bytes(src: str, meta: dataset.DatasetMeta) -> bytes:
+  """The bytes of ``src/metadata.json`` that ``meta`` was parsed from (what staging plans with
+  and commits)."""
+  with open(os.path.join(src, dataset.METADATA), "rb") as f:
+    data = f.read()
+  if json.loads(data) != meta.raw:
+    raise StagingError(f"the source dataset {src} changed while staging read its "
+                       f"{dataset.METADATA}; rerun tools/stage.py")
+  return data
+
+
 def _check_source_and_dest(src: str, dest: str, workers: int) -> dataset.DatasetMeta:
   """The source's metadata, once source, destination and workers are known to be usable."""
   if not os.path.isdir(src):
@@ -316,13 +330,30 @@ def _check_space(dest: str, todo: list[FileSpec], only_needed: bool) -> None:
         + ("" if only_needed else ", or stage only this node's shards with --only-needed"))
 
 
-def _copy_verified(src: str, dest: str, spec: FileSpec, progress: _Progress) -> list:
+def _check_source_unchanged(src: str, source_metadata: bytes) -> None:
+  """Refuses to go on when ``src/metadata.json`` is no longer the one staging planned with:
+  the dataset was re-prepared or replaced while it was being copied."""
+  try:
+    with open(os.path.join(src, dataset.METADATA), "rb") as f:
+      now = f.read()
+  except OSError as e:
+    now = f"unreadable: {e}".encode()
+  if now != source_metadata:
+    raise StagingError(
+        f"the source dataset {src} changed while it was being staged ({dataset.METADATA} "
+        "differs from the one staging started with: re-prepared or replaced?); nothing "
+        "half-copied is kept as complete: rerun tools/stage.py to stage the new version")
+
+
+def _copy_verified(src: str, dest: str, spec: FileSpec, progress: _Progress,
+                   source_metadata: bytes) -> list:
   """Copies one file, once more if the bytes read do not hash right; returns its record."""
   source, target = os.path.join(src, spec.name), os.path.join(dest, spec.name)
   for _attempt in range(2):  # a second read tells a flaky read from a corrupt source
     digest = _copy_one(source, target, spec.sha256, spec.bytes, progress)
     if digest == spec.sha256:
       return _signature(target) + [digest]
+  _check_source_unchanged(src, source_metadata)  # a replaced dataset is not a corrupt one
   raise StagingError(
       f"checksum mismatch at the source: {source} reads as sha256 {digest[:16]}… (twice), "
       f"metadata.json says {spec.sha256[:16]}…; the shared copy is corrupt (re-prepare the "
@@ -330,13 +361,13 @@ def _copy_verified(src: str, dest: str, spec: FileSpec, progress: _Progress) -> 
 
 
 def _copy_all(src: str, dest: str, todo: list[FileSpec], workers: int, progress: _Progress,
-              verified: dict[str, list]) -> None:
+              verified: dict[str, list], source_metadata: bytes) -> None:
   """Copies ``todo`` in parallel, largest first, adding each copied file to ``verified``; the
   first failure cancels what has not started."""
   lock = threading.Lock()
 
   def copy(spec: FileSpec) -> None:
-    record = _copy_verified(src, dest, spec, progress)
+    record = _copy_verified(src, dest, spec, progress, source_metadata)
     with lock:
       verified[spec.name] = record
 
@@ -351,14 +382,12 @@ def _copy_all(src: str, dest: str, todo: list[FileSpec], workers: int, progress:
       raise
 
 
-def _commit_metadata(src: str, dest: str) -> None:
-  """``metadata.json`` last, atomically: its presence says every file is in place."""
-  dst_meta = os.path.join(dest, dataset.METADATA)
-  shutil.copyfile(os.path.join(src, dataset.METADATA), dst_meta + TMP_SUFFIX)
-  with open(dst_meta + TMP_SUFFIX, "rb+") as f:
-    os.fsync(f.fileno())
-  os.replace(dst_meta + TMP_SUFFIX, dst_meta)
-  dataset.fsync_dir(dest)
+def _commit_metadata(src: str, dest: str, source_metadata: bytes) -> None:
+  """``metadata.json`` last, atomically: its presence says every file is in place. The bytes
+  are the ones staging planned with, and only while the source still has them: a source
+  replaced mid-copy would otherwise pair new metadata with old shards."""
+  _check_source_unchanged(src, source_metadata)
+  dataset.atomic_write_bytes(os.path.join(dest, dataset.METADATA), source_metadata)
 
 
 def _same_metadata(src: str, dest: str) -> bool:
@@ -380,6 +409,7 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   started = time.perf_counter()
   src, dest = os.path.abspath(src), os.path.abspath(dest)
   meta = _check_source_and_dest(src, dest, workers)
+  source_metadata = _metadata_bytes(src, meta)
   specs = _plan_files(meta, src, only_needed=only_needed, num_processes=num_processes,
                       process_ids=process_ids, plan=plan, log=log)
   _remove_temp_copies(dest)
@@ -415,10 +445,10 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   bar = _Progress(todo_bytes, progress, "staging")
   copy_started = time.perf_counter()
   try:
-    _copy_all(src, dest, todo, workers, bar, verified)
+    _copy_all(src, dest, todo, workers, bar, verified, source_metadata)
     bar.close()
     copy_secs = time.perf_counter() - copy_started
-    _commit_metadata(src, dest)
+    _commit_metadata(src, dest, source_metadata)
     _write_state(dest, status="complete", source=src, only_needed=plan_desc,
                  files=len(specs), bytes=sum(spec.bytes for spec in specs), verified=verified)
   except BaseException as e:

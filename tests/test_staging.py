@@ -255,3 +255,44 @@ def test_cli(src, tmp_path):
                       str(tmp_path / "nope"), str(dest)], capture_output=True, text=True,
                      timeout=120)
   assert r.returncode == 2 and r.stderr.startswith("error: staging source")
+
+
+def _re_prepare(directory, seed):
+  """Replaces a dataset in place by another valid one, the way a re-preparation does."""
+  shutil.rmtree(directory)
+  make_synthetic_dataset(directory, seq_len=32, vocab_size=64, n_train=192, n_val=24, shards=6,
+                         seed=seed)
+
+
+@pytest.mark.parametrize("when", ["before the copies", "after the copies"])
+def test_source_replaced_while_staging_is_named_and_never_committed(src, tmp_path, when,
+                                                                    monkeypatch):
+  """A source re-prepared mid-staging is "changed", not "corrupt"; no half-old, half-new copy
+  ever gets a metadata.json; a rerun stages the new version."""
+  source = str(tmp_path / "shared")
+  shutil.copytree(src, source)
+  dest = str(tmp_path / "local")
+
+  def log(message):  # stage() logs "staging SRC -> DEST …" just before it copies
+    if message.startswith("staging ") and when == "before the copies":
+      _re_prepare(source, seed=1)
+
+  if when == "after the copies":
+    real_copy_all = staging._copy_all
+
+    def copy_then_replace(*args, **kw):  # the real copies, then the source changes
+      real_copy_all(*args, **kw)
+      _re_prepare(source, seed=2)
+
+    monkeypatch.setattr(staging, "_copy_all", copy_then_replace)
+  with pytest.raises(staging.StagingError, match=r"changed while it was being staged.*"
+                     r"rerun tools/stage.py to stage the new version") as e:
+    staging.stage(source, dest, progress=False, log=log, workers=2)
+  assert "corrupt" not in str(e.value)
+  assert not os.path.exists(os.path.join(dest, dataset.METADATA))
+  assert staging.read_state(dest)["status"] == "failed"
+  monkeypatch.undo()
+  stage(source, dest, workers=2)  # the rerun succeeds, with the new version
+  assert dataset.DatasetMeta.load(dest).verify() == []
+  for f in os.listdir(source):
+    assert open(f"{dest}/{f}", "rb").read() == open(f"{source}/{f}", "rb").read(), f

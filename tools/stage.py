@@ -18,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lmscale_jax import staging  # noqa: E402
+from lmscale_jax.errors import UserError  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     out = staging.stage(args.src, args.dest, workers=args.workers, only_needed=args.only_needed,
                         num_processes=args.num_processes, process_ids=ids, plan=args.plan,
                         verify_all=args.verify_all, progress=not args.no_progress)
-  except staging.StagingError as e:
+  except UserError as e:  # bad input: one line; a bug keeps its traceback
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
