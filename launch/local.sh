@@ -13,6 +13,10 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$root/launch/_procs.sh"
 usage() { sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # asked for: stdout, success
+  sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 [[ $# -ge 1 && "$1" =~ ^[1-9][0-9]*$ ]] || usage
 n=$1
 shift

@@ -15,6 +15,8 @@
 # GPUS_PER_NODE=0 runs PROCS_PER_NODE CPU processes (testing the launch without GPUs).
 # The workdir (--workdir) must be on storage every node sees.
 set -euo pipefail
+usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$root/launch/_procs.sh"
 : "${COORDINATOR:?set COORDINATOR=host:port (node 0)}" "${NUM_NODES:?set NUM_NODES}"

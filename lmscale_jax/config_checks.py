@@ -3,8 +3,9 @@
 ``main`` runs, in this order (each failure is one ``error:`` line; multi-process: raised in
 every process, naming the process and host it concerns):
 
-1. :func:`check_config` (here), before the runtime starts: each value on its own (positive
-   counts, known modes), so a typo never waits for start-up or staging.
+1. :func:`check_config` (here), before the runtime starts: each value on its own (every
+   numeric key finite, of its type and in its range; known modes; renamed keys), so a typo
+   never waits for start-up or staging.
 2. ``distributed.preflight``: :func:`check_batch` (here) over the global mesh, the one owner
    of that rule (``train.batch_size`` splits evenly over processes, their devices and
    ``train.grad_accum_steps`` microbatches; the loader calls it for its per-process rows);
@@ -20,15 +21,79 @@ every process, naming the process and host it concerns):
 
 from __future__ import annotations
 
+import math
 import os
 
 from lmscale_jax.errors import ConfigError
 
 
-def _positive(section, key: str, where: str) -> None:
-  value = section[key]
-  if int(value) <= 0:
-    raise ConfigError(f"{where}.{key}={value}: expected a positive integer")
+# Every numeric key and the values it may take, checked where the config is parsed so that no
+# value reaches the step that cannot be right (a NaN or negative learning rate trains on
+# silently otherwise). Integers: (key, minimum). Floats: (key, low, high, low_open, high_open).
+_INTS = (
+    *[(f"train.{k}", 1) for k in ("batch_size", "steps", "log_every", "eval_every",
+                                  "eval_batches", "grad_accum_steps",
+                                  "max_consecutive_nonfinite")],
+    ("train.warmup_steps", 0), ("train.seed", 0),
+    ("checkpoint.every", 1), ("checkpoint.keep", 1),
+    *[(f"model.{k}", 1) for k in ("layers", "hidden", "heads", "ffn", "type_vocab_size")],
+    ("model.vocab_size", 0), ("model.seq_len", 0),  # 0 = from the dataset
+    ("data.seed", 0), ("data.max_predictions", 0), ("data.workers", 0),
+    ("data.prefetch_buffer", 1), ("data.read_threads", 1), ("data.stage_workers", 1),
+    ("data.stage_timeout", 1), ("data.autotune_max_workers", 0),
+)
+_INF = float("inf")
+_FLOATS = (
+    ("train.learning_rate", 0.0, _INF, True, True),
+    ("train.end_lr_frac", 0.0, 1.0, False, False),
+    ("train.weight_decay", 0.0, _INF, False, True),
+    ("train.b1", 0.0, 1.0, False, True),
+    ("train.b2", 0.0, 1.0, False, True),
+    ("train.eps", 0.0, _INF, True, True),
+    ("train.clip_norm", 0.0, _INF, True, True),
+    ("model.dropout", 0.0, 1.0, False, True),
+    ("model.attention_dropout", 0.0, 1.0, False, True),
+    ("model.layer_norm_eps", 0.0, _INF, True, True),
+    ("model.initializer_range", 0.0, _INF, True, True),
+    ("data.mask_prob", 0.0, 1.0, True, True),
+    ("data.autotune_target", 0.0, 1.0, True, True),
+    ("metrics.peak_tflops", 0.0, _INF, False, True),
+)
+# Keys renamed: the old spelling is refused with the new name (a config file may still set it).
+RENAMED = {"checkpoint.async": "checkpoint.async_save"}
+
+
+def _get(config, key: str):
+  section, leaf = key.split(".")
+  return config[section][leaf]
+
+
+def _check_int(config, key: str, minimum: int) -> None:
+  value = _get(config, key)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise ConfigError(f"{key}={value!r}: expected an integer >= {minimum} (got "
+                      f"{type(value).__name__})")
+  if value < minimum:
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    raise ConfigError(f"{key}={value}: expected {what}")
+
+
+def _range_text(low, high, low_open, high_open) -> str:
+  if high == _INF:
+    return f"{'>' if low_open else '>='} {low:g}"
+  return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def _check_float(config, key: str, low, high, low_open, high_open) -> None:
+  value = _get(config, key)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ConfigError(f"{key}={value!r}: expected a number (got {type(value).__name__})")
+  value = float(value)
+  inside = (low < value if low_open else low <= value) and (
+      value < high if high_open else value <= high)
+  if not math.isfinite(value) or not inside:
+    raise ConfigError(f"{key}={value}: expected a finite number "
+                      f"{_range_text(low, high, low_open, high_open)}")
 
 
 def _one_of(value, options, key: str) -> None:
@@ -38,18 +103,23 @@ def _one_of(value, options, key: str) -> None:
 
 def check_config(config) -> None:
   """Step 1: every value on its own (raises :class:`ConfigError` naming the key)."""
-  from lmscale_jax import optim, steps  # the modes are defined where they are implemented
+  from lmscale_jax import optim, records, steps  # modes are defined where they are implemented
 
+  for old, new in RENAMED.items():
+    section, leaf = old.split(".")
+    if leaf in config[section]:
+      raise ConfigError(f"{old} was renamed {new}: set --config.{new}=… (or {new} in the "
+                        "config file) instead")
+  for key, minimum in _INTS:
+    _check_int(config, key, minimum)
+  for key, *bounds in _FLOATS:
+    _check_float(config, key, *bounds)
   t = config.train
-  for key in ("batch_size", "steps", "log_every", "eval_every", "eval_batches",
-              "grad_accum_steps", "max_consecutive_nonfinite"):
-    _positive(t, key, "train")
-  for key in ("every", "keep"):
-    _positive(config.checkpoint, key, "checkpoint")
   _one_of(t.schedule, optim.SCHEDULES, "train.schedule")
   _one_of(t.nonfinite, optim.NONFINITE_MODES, "train.nonfinite")
   _one_of(t.grad_allreduce_dtype, sorted(steps.REDUCE_DTYPES), "train.grad_allreduce_dtype")
   _one_of(t.dropout_rng, steps.DROPOUT_RNGS, "train.dropout_rng")
+  _one_of(config.data.on_corrupt, records.ON_CORRUPT, "data.on_corrupt")
   parse_steps(t.inject_nonfinite_steps, "train.inject_nonfinite_steps")
 
 

@@ -72,7 +72,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 10_000
   c.checkpoint.keep = 3
-  c.checkpoint["async"] = True  # `async` is a keyword: read it as checkpoint["async"]
+  c.checkpoint.async_save = True  # Orbax saves in the background (was checkpoint.async)
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0   # 0 = from the device table (lmscale_jax/flops.py)

@@ -78,22 +78,26 @@ def empty_stats() -> dict:
           "deduplicated": 0, "partially_decoded": 0, "files_skipped": {}}
 
 
-def extract(o: Options, work: str) -> list[str]:
-  """Pass 1. Returns the corpus chunk paths."""
+def list_files(o: Options) -> tuple[list[str], dict, list[str]]:
+  """The input files pass 1 reads, in order: (files, skip counts, notes for the user)."""
   skipped: dict = {}
-  if o.kind == "binary":
-    try:
-      files = [c.path for c in elf_corpus.list_inputs(o.inputs, o.max_input_bytes, skipped)]
-    except InputError as e:
-      raise PrepareError(str(e)) from None
-    if not files:
-      raise PrepareError(f"no ELF files found under {', '.join(o.inputs)}")
-  else:
-    try:
+  notes: list[str] = []
+  try:
+    if o.kind == "binary":
+      files = [c.path for c in
+               elf_corpus.list_inputs(o.inputs, o.max_input_bytes, skipped, notes)]
+    else:
       files = text_corpus.check_inputs(o.inputs, o.max_input_bytes)
-    except InputError as e:
-      raise PrepareError(str(e)) from None
+  except InputError as e:
+    raise PrepareError(str(e)) from None
+  if not files:
+    raise PrepareError(f"no ELF files found under {', '.join(o.inputs)} "
+                       f"(files skipped: {skipped or 'none'})")
+  return files, skipped, notes
 
+
+def extract(o: Options, work: str, files: list[str], skipped: dict) -> list[str]:
+  """Pass 1 over ``files`` (from :func:`list_files`). Returns the corpus chunk paths."""
   done = chunks(work)
   seen: set[bytes] = set()
   for path, _ in done:
@@ -169,12 +173,15 @@ def extract(o: Options, work: str) -> list[str]:
       if chunk.tell() >= o.chunk_mb * (1 << 20) and i + 1 < len(files):
         close_chunk(i + 1, last=False)
   bar.close()
-  close_chunk(len(files), last=True)
-  shutil.rmtree(tmpdir, ignore_errors=True)
   if stats["kept"] == 0:
+    # Before the last chunk is marked complete: an empty extraction must never look finished
+    # to a rerun (which would then train a tokenizer on nothing).
+    chunk.close()
     what = "functions" if o.kind == "binary" else "documents"
     raise PrepareError(f"no {what} found in {', '.join(o.inputs)} "
                        f"(files skipped: {stats['files_skipped'] or 'none'})")
+  close_chunk(len(files), last=True)
+  shutil.rmtree(tmpdir, ignore_errors=True)
   return [p for p, _ in chunks(work)]
 
 

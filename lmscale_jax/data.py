@@ -149,6 +149,18 @@ def make_batch_loader(config, meta: dataset.DatasetMeta, split: str, *, train: b
       mask_seed=int(data.seed) if train else EVAL_MASK_SEED, local_stream=shards is not None)
 
 
+def distinct_eval_batches(config, meta: dataset.DatasetMeta, *, process_index: int = 0,
+                          process_count: int = 1) -> int:
+  """How many evaluation batches the validation split fills before its records repeat (the
+  eval stream wraps around, see :func:`make_dataset`): a stream over ``n`` records in
+  batches of ``b`` rows holds ``n // b`` distinct batches (the global stream and global batch,
+  or in by-shard mode this process's records and local batch)."""
+  loader = make_batch_loader(config, meta, "validation", train=False,
+                             process_index=process_index, process_count=process_count)
+  rows = loader.local_batch if loader.local_stream else loader.local_batch * process_count
+  return len(loader.records) // rows
+
+
 def make_dataset(config, meta: dataset.DatasetMeta, split: str, *, train: bool,
                  process_index: int = 0, process_count: int = 1,
                  start_batch: int = 0) -> grain.IterDataset:

@@ -210,6 +210,10 @@ class DatasetMeta:
 
   @classmethod
   def load(cls, path: str) -> "DatasetMeta":
+    if os.path.exists(path) and not os.path.isdir(path):
+      raise DatasetError(f"data.path {path!r} is a file; expected a dataset directory (the one "
+                         "holding metadata.json and the shards, made by tools/prepare_binary.py "
+                         "or tools/prepare_text.py)")
     if not os.path.isdir(path):
       raise DatasetError(f"dataset directory {path!r} does not exist (prepare one with "
                          "tools/prepare_binary.py or tools/prepare_text.py)")
@@ -294,26 +298,32 @@ class DatasetMeta:
 
 
 # --------------------------------------------------------------------------- statistics
-def unigram_entropy(meta: DatasetMeta, max_records: int = 20_000) -> float:
-  """Entropy (nats) of the training split's token frequencies, specials excluded.
+def unigram_entropy(meta: DatasetMeta, max_records: int = 20_000,
+                    on_corrupt: str = "error") -> float:
+  """Entropy (nats) of the training split's token frequencies, specials excluded, over its
+  first ``max_records`` records.
 
   The loss of a model that ignores context and predicts the unigram distribution: an MLM must
-  get well below it to have learned anything.
+  get well below it to have learned anything. Read through the loader's reader
+  (``records.ShardRecords``), so a truncated, renamed or corrupt shard is the loader's one
+  DatasetError naming the shard, and ``on_corrupt="skip"`` (``data.on_corrupt``) skips what
+  the loader would skip. NaN if no record could be read.
   """
-  from array_record.python import array_record_module
+  from lmscale_jax import records  # records builds on this module
 
+  reader = records.ShardRecords(meta, "train")
+  reader.set_on_corrupt(on_corrupt, meta.pad_id)
   counts = np.zeros(meta.vocab_size, np.int64)
-  left = max_records
-  for path in meta.shard_paths("train"):
-    r = array_record_module.ArrayRecordReader(path)
-    n = min(left, r.num_records())
-    for rec in r.read(list(range(n))):
-      counts += np.bincount(decode_record(rec, meta.seq_len, path), minlength=meta.vocab_size)
-    r.close()
-    left -= n
-    if not left:
-      break
+  n = min(max_records, len(reader))
+  for first in range(0, n, 1024):
+    indices = np.arange(first, min(n, first + 1024), dtype=np.int64)
+    bad: list[int] = []
+    ids = reader.decode(reader.read(indices, bad), indices, meta.vocab_size, bad)
+    ids = np.delete(ids, sorted(set(bad)), axis=0)
+    counts += np.bincount(ids.ravel(), minlength=meta.vocab_size)
   counts[list(meta.special_ids.values())] = 0
+  if not counts.sum():
+    return float("nan")
   p = counts[counts > 0] / counts.sum()
   return float(-(p * np.log(p)).sum())
 

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import mmap
 import os
+import stat
 from typing import Iterator
 
 import numpy as np
@@ -32,17 +33,26 @@ class Candidate:
 
 
 def list_inputs(paths: list[str], max_input_bytes: int = 0,
-                skipped: dict | None = None) -> list[Candidate]:
+                skipped: dict | None = None, notes: list | None = None) -> list[Candidate]:
   """Regular ELF files under ``paths`` in a deterministic (sorted) order, each real file once.
 
-  Non-ELF files are counted in ``skipped["not_elf"]``; ``max_input_bytes`` (0 = no limit) stops
+  Non-ELF files are counted in ``skipped["not_elf"]``, FIFOs/devices/sockets (named or found in
+  a directory: reading /dev/zero or a pipe would never end) in ``skipped["not_regular"]`` and
+  dangling links in ``skipped["broken_link"]``; ``notes`` gets one line per input named
+  explicitly that was skipped, so the user is told. ``max_input_bytes`` (0 = no limit) stops
   the listing once that many ELF bytes are taken (the demo's bounded corpus).
   """
+  from lmscale_jax.text_corpus import describe_non_regular
+
   skipped = skipped if skipped is not None else {}
+  notes = notes if notes is not None else []
   seen, out, total = set(), [], 0
 
+  def count(reason: str) -> None:
+    skipped[reason] = skipped.get(reason, 0) + 1
+
   def walk(p: str) -> Iterator[str]:
-    if os.path.isfile(p):
+    if not os.path.isdir(p):
       yield p
       return
     for root, dirs, files in os.walk(p):
@@ -51,27 +61,39 @@ def list_inputs(paths: list[str], max_input_bytes: int = 0,
         yield os.path.join(root, f)
 
   for p in paths:
-    if not os.path.exists(p):
+    if not os.path.lexists(p):
       raise InputError(f"input path {p!r} does not exist")
     for f in walk(p):
       real = os.path.realpath(f)
-      if real in seen or not os.path.isfile(real):
+      if real in seen:
         continue
       seen.add(real)
       try:
+        st = os.stat(real)
+      except OSError:
+        count("broken_link")
+        if f == p:
+          notes.append(f"input {p!r} is a link to nothing: skipped (files_skipped.broken_link)")
+        continue
+      if not stat.S_ISREG(st.st_mode):
+        count("not_regular")
+        if f == p:
+          notes.append(f"input {p!r} is {describe_non_regular(st.st_mode)}, not a regular "
+                       "file: skipped (files_skipped.not_regular)")
+        continue
+      try:
         with open(real, "rb") as fh:
           magic = fh.read(4)
-        size = os.path.getsize(real)
       except OSError:
-        skipped["unreadable"] = skipped.get("unreadable", 0) + 1
+        count("unreadable")
         continue
       if magic != ELF_MAGIC:
-        skipped["not_elf"] = skipped.get("not_elf", 0) + 1
+        count("not_elf")
         continue
-      if max_input_bytes and total + size > max_input_bytes and out:
+      if max_input_bytes and total + st.st_size > max_input_bytes and out:
         return out
-      out.append(Candidate(real, size))
-      total += size
+      out.append(Candidate(real, st.st_size))
+      total += st.st_size
   return out
 
 

@@ -1,17 +1,25 @@
 """lmscale_jax entry point: parse flags, start the runtime, call ``train.train_and_evaluate``.
 
-  python -m lmscale_jax.main --config=configs/bert350m.py --workdir=DIR \
+  python -m lmscale_jax.main --config=configs/bert350m.py --workdir=DIR
       --config.data.path=DATASET [--config.train.batch_size=256 …] [--dry_run]
+      [--verify_data] [--allow_config_change]
 
 Several processes (launch/local.sh, launch/node.sh, launch/slurm.sbatch) find each other
 through ``lmscale_jax.distributed`` (config ``distributed.*``, ``LMSCALE_*`` or Slurm
 variables); ``--config.data.stage_from=SHARED`` first copies the dataset to ``data.path`` on
 every node (``lmscale_jax.staging``).
+
+Exits: 0 finished or preempted (checkpoint saved); 1 with one ``error:`` line for a user error
+(bad flag or value, bad data, incompatible or busy workdir, disk full); 130 on Ctrl-C (the last
+complete checkpoint is kept: rerun to resume); a traceback only for a bug.
 """
 
+import errno
 import logging as std_logging
+import os
 import re
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -23,7 +31,15 @@ flags.DEFINE_bool("dry_run", False, "Print the resolved config, parameter count,
                   "step and a memory estimate, then exit.")
 flags.DEFINE_bool("verify_data", False, "Before training, check the sha256 of every shard "
                   "this process reads against the dataset's metadata.json (logs MB/s).")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.DEFINE_bool("allow_config_change", False, "Resume a checkpoint under a config whose "
+                  "data stream or optimisation keys (train.batch_size, data.seed, "
+                  "train.learning_rate, …) differ from the workdir's config.json; the change "
+                  "is logged and recorded there with the step it took effect.")
+# Required flags are checked in parse_flags (one line), not by absl's validators (a traceback).
+_REQUIRED = ("config", "workdir")
+_USAGE = ("usage: python -m lmscale_jax.main --config=configs/<name>.py --workdir=DIR "
+          "[--config.data.path=DATASET] [--config.<section>.<key>=VALUE …] (--help for more)")
+_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -36,88 +52,224 @@ class _QuietLibraries(std_logging.Filter):
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    sys.exit(f"error: unexpected arguments {argv[1:]} (flags are --name=value). {_USAGE}")
   logging.get_absl_handler().addFilter(_QuietLibraries())
   # Imported here, not at module level: Grain's worker processes re-import __main__.
   import jax
 
-  from lmscale_jax import config_checks, data_checks, distributed, preemption, staging, train
-  from lmscale_jax.errors import UserError
+  try:
+    _run(FLAGS.config, FLAGS.workdir)
+  except KeyboardInterrupt:
+    _leave(jax, "error: interrupted (Ctrl-C); the last complete checkpoint in "
+           f"{FLAGS.workdir}/checkpoints is kept: rerun the same command to resume from it",
+           _INTERRUPTED)
+  except Exception as e:
+    if jax.distributed.is_initialized():
+      _multi_process_failure(jax, e, FLAGS.config)
+    line = _one_line(e)
+    if line is None:
+      raise  # a bug: keep its traceback
+    logging.vlog(1, "traceback", exc_info=True)
+    _leave(jax, line, 1)
 
-  # Bad settings or data (UserError): one line, no traceback (logged with --verbosity=1).
-  # Anything else is a bug and keeps its traceback.
-  config = FLAGS.config
-  if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage
-    try:
-      setup = train.build_setup(config)
-    except UserError as e:
-      logging.vlog(1, "traceback", exc_info=True)
-      sys.exit(f"error: {e}")
+
+def _run(config, workdir: str) -> None:
+  from lmscale_jax import checkpoint, config_checks, data_checks, distributed, preemption
+  from lmscale_jax import staging, train
+
+  if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage or lock
+    setup = train.build_setup(config)
     print(config)
     print(train.describe(setup))
     return
-  try:
-    # The checks before any data is read, in order: lmscale_jax/config_checks.py.
-    config_checks.check_config(config)
-    distributed.initialize(config)  # before anything touches a JAX backend
-    preemption.install()  # after: the runtime installs its own SIGTERM handler
-    distributed.preflight(config, FLAGS.workdir)
-    if config.data.stage_from:
-      staging.stage_per_node(config.data.stage_from, config.data.path,
-                             workers=int(config.data.stage_workers),
-                             timeout_s=float(config.data.stage_timeout), log=logging.info)
-    # The shards this process reads (data.process_shards, the loader's read plan).
-    reads = dict(num_processes=jax.process_count(), process_id=jax.process_index(),
-                 plan="by_shard" if config.data.shard_by_process else "interleaved")
-    meta = distributed.agree("dataset check",
-                             lambda: data_checks.check_dataset_dir(config.data.path, **reads))
-    if FLAGS.verify_data:
-      distributed.agree("data verification", lambda: data_checks.verify_shards(
-          meta, log=logging.info, **reads))
-    logging.info("workdir %s", FLAGS.workdir)
-    train.train_and_evaluate(config, FLAGS.workdir, meta=meta)
-  except Exception as e:
-    if jax.distributed.is_initialized():
-      # The other processes may be blocked in a collective with this one: report and leave
-      # now (see distributed.exit_now); they stop within distributed.heartbeat_timeout.
-      me = f"error: process {jax.process_index()}:"
-      collective = isinstance(e, jax.errors.JaxRuntimeError)  # a collective failed: peer died?
-      if collective:
-        # First and fast: when the coordinator's process is the one lost, the runtime aborts
-        # this process within milliseconds of the failed collective.
-        gone = distributed.coordinator_gone()
-        if gone:
-          print(f"{me} {gone}", file=sys.stderr, flush=True)
-      logging.exception("process %d failed", jax.process_index())
-      print(f"{me} {type(e).__name__}: {e}", file=sys.stderr)
-      if collective and not gone:
-        print(f"{me} "
-              + distributed.explain_collective_failure(config.distributed.heartbeat_timeout),
-              file=sys.stderr, flush=True)
-      distributed.exit_now(1)
-    if isinstance(e, UserError):
-      logging.vlog(1, "traceback", exc_info=True)
-      sys.exit(f"error: {e}")
-    raise
+  import jax
+
+  # The checks before any data is read, in order: lmscale_jax/config_checks.py.
+  config_checks.check_config(config)
+  distributed.initialize(config)  # before anything touches a JAX backend
+  preemption.install()  # after: the runtime installs its own SIGTERM handler
+  # Before anything in the workdir is touched (preflight's token file, Orbax's clean-up of
+  # tmp directories): process 0 holds the lock for the job, the others learn its outcome.
+  distributed.agree("workdir lock", lambda: checkpoint.lock_workdir(workdir)
+                    if jax.process_index() == 0 else None)
+  distributed.preflight(config, workdir)
+  if config.data.stage_from:
+    staging.stage_per_node(config.data.stage_from, config.data.path,
+                           workers=int(config.data.stage_workers),
+                           timeout_s=float(config.data.stage_timeout), log=logging.info)
+  # The shards this process reads (data.process_shards, the loader's read plan).
+  reads = dict(num_processes=jax.process_count(), process_id=jax.process_index(),
+               plan="by_shard" if config.data.shard_by_process else "interleaved")
+  meta = distributed.agree("dataset check",
+                           lambda: data_checks.check_dataset_dir(config.data.path, **reads))
+  if FLAGS.verify_data:
+    distributed.agree("data verification", lambda: data_checks.verify_shards(
+        meta, log=logging.info, **reads))
+  logging.info("workdir %s", workdir)
+  train.train_and_evaluate(config, workdir, meta=meta,
+                           allow_config_change=FLAGS.allow_config_change)
+
+
+def _disk_full(e: BaseException) -> OSError | None:
+  """The ENOSPC/EDQUOT error behind ``e`` (libraries wrap them), or None."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+      return e
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _one_line(e: Exception) -> str | None:
+  """The ``error:`` line for a user error or a full disk; None for a bug."""
+  from lmscale_jax.errors import UserError
+
+  if isinstance(e, UserError):
+    return f"error: {e}"
+  full = _disk_full(e)
+  if full is not None:
+    where = f" writing {full.filename}" if full.filename else ""
+    return (f"error: {full.strerror or 'no space left on device'}{where} (workdir "
+            f"{FLAGS.workdir}): free space or give a --workdir with room; the last complete "
+            "checkpoint is kept, a rerun resumes from it")
+  return None
+
+
+def _leave(jax, line: str, code: int) -> None:
+  from lmscale_jax import distributed
+
+  if jax.distributed.is_initialized():
+    print(f"{line.replace('error:', f'error: process {jax.process_index()}:', 1)}",
+          file=sys.stderr, flush=True)
+    distributed.exit_now(code)  # peers may be blocked in a collective (see exit_now)
+  print(line, file=sys.stderr, flush=True)
+  if code == _INTERRUPTED:
+    # Now, without the interpreter's shutdown: an async checkpoint save still in flight would
+    # fail in its thread with a traceback. Its tmp directory is never taken for a checkpoint
+    # (Orbax renames complete saves only) and the next run cleans it up.
+    distributed.exit_now(code)
+  sys.exit(code)
+
+
+def _multi_process_failure(jax, e: Exception, config) -> None:
+  """A failure in a multi-process job: report and leave now (see distributed.exit_now); the
+  other processes stop within distributed.heartbeat_timeout."""
+  from lmscale_jax import distributed
+
+  me = f"error: process {jax.process_index()}:"
+  collective = isinstance(e, jax.errors.JaxRuntimeError)  # a collective failed: peer died?
+  gone = None
+  if collective:
+    # First and fast: when the coordinator's process is the one lost, the runtime aborts this
+    # process within milliseconds of the failed collective.
+    gone = distributed.coordinator_gone()
+    if gone:
+      print(f"{me} {gone}", file=sys.stderr, flush=True)
+  if _one_line(e) is None:
+    logging.exception("process %d failed", jax.process_index())
+  full = _disk_full(e)
+  text = _one_line(e).removeprefix("error: ") if full else f"{type(e).__name__}: {e}"
+  print(f"{me} {text}", file=sys.stderr)
+  if collective and not gone:
+    print(f"{me} " + distributed.explain_collective_failure(config.distributed.heartbeat_timeout),
+          file=sys.stderr, flush=True)
+  distributed.exit_now(1)
 
 
 def parse_flags(argv):
-  """absl parsing, but an unknown ``--config.x.y`` key is one clear line, not a traceback."""
+  """absl parsing, but every mistake on the command line is one ``error:`` line (exit 1), not
+  a traceback, and ``--help`` prints the usage and exits 0."""
+  from lmscale_jax import config_checks
+
+  if any(a in ("--help", "-h", "--helpshort", "-?") for a in argv[1:]):
+    print(f"{(__doc__ or '').strip()}\n\n{FLAGS.module_help(sys.modules[__name__])}")
+    sys.exit(0)
+  for old, new in config_checks.RENAMED.items():
+    if any(a.split("=")[0] == f"--config.{old}" for a in argv[1:]):
+      sys.exit(f"error: --config.{old} was renamed --config.{new}")
   try:
-    return FLAGS(argv)
+    rest = FLAGS(argv, known_only=False)
+  except flags.UnrecognizedFlagError as e:
+    hint = re.search(r"Did you mean: (\S+) \?", str(e))
+    sys.exit(f"error: unknown flag --{e.flagname}"
+             + (f" (did you mean --{hint.group(1).split(',')[0]}?)" if hint else "")
+             + f". {_USAGE}")
+  except flags.IllegalFlagValueError as e:
+    sys.exit(_bad_value_line(str(e)))
   except (AttributeError, KeyError) as e:
-    text = str(e).encode().decode("unicode_escape").replace("\n", " ").strip("'\" ")
-    key = re.match(r"'?([^'\s]+)'?", text)
-    name = key.group(1) if key else ""
-    flag = next((a.split("=")[0].removeprefix("--") for a in argv[1:]
-                 if a.startswith("--config.") and name in a.split("=")[0].split(".")), name)
-    hint = re.search(r'Did you mean "([^"]+)"', text)
-    msg = f"error: unknown config key {flag!r}"
-    if hint:
-      parts = flag.split(".")
-      parts[parts.index(name) if name in parts else -1] = hint.group(1)
-      msg += f"; did you mean {'.'.join(parts)!r}?"
-    sys.exit(msg)
+    sys.exit(_unknown_key_line(e, argv))
+  except Exception as e:  # ml_collections: a config file that fails, a key it cannot parse
+    sys.exit(_config_file_line(e, argv) or f"error: {_first_line(e)}. {_USAGE}")
+  missing = [f"--{name}" for name in _REQUIRED if FLAGS[name].value is None]
+  if missing:
+    sys.exit(f"error: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+             f"required. {_USAGE}")
+  try:
+    FLAGS.config.keys()  # ml_collections reports a config file it could not load only here
+  except OSError as e:
+    sys.exit(_config_file_line(e, argv))
+  return rest
+
+
+def _config_file_line(e: BaseException, argv) -> str | None:
+  """One line for a ``--config`` file that could not be loaded (missing, or its code
+  failed), or None if ``e`` is not about it. ml_collections keeps a missing file's error in a
+  stand-in config (``_error``), and lets an error in the file's code through or wraps it."""
+  name = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None)
+  if name is None:
+    return None
+  stand_in = FLAGS["config"].value
+  stored = vars(stand_in).get("_error") if hasattr(stand_in, "__dict__") else None
+  path = os.path.abspath(name.split(":", 1)[0])
+  in_file = any(os.path.abspath(frame.filename) == path
+                for frame in traceback.extract_tb(e.__traceback__)) or (
+                    isinstance(e, SyntaxError) and os.path.abspath(e.filename or "") == path)
+  if stored is None and not in_file and path not in str(e) and "config file" not in str(e):
+    return None
+  why = _last_line(stored) if stored is not None else f"{type(e).__name__}: {_last_line(e)}"
+  return (f"error: --config={name}: cannot load the config file ({why}); configs/ holds "
+          "tiny.py, bert120m.py, bert350m.py")
+
+
+def _first_line(e: BaseException) -> str:
+  return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _last_line(e: BaseException) -> str:
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return lines[-1] if lines else type(e).__name__
+
+
+def _bad_value_line(text: str) -> str:
+  """absl's ``flag --config.train.steps=abc: invalid literal for int() …`` as one line."""
+  m = re.match(r"flag --([\w.\-]+)=(.*?): (.*)", text.strip().splitlines()[0])
+  if not m:
+    return f"error: {_first_line(ValueError(text))}. {_USAGE}"
+  name, value, why = m.groups()
+  if "int()" in why:
+    why = "expected an integer (no decimal point or exponent)"
+  elif "float" in why:
+    why = "expected a number"
+  elif "bool" in why.lower():
+    why = "expected true or false"
+  return f"error: --{name}={value}: {why}"
+
+
+def _unknown_key_line(e: BaseException, argv) -> str:
+  """An unknown ``--config.x.y`` key: one line naming the closest valid one."""
+  text = str(e).encode().decode("unicode_escape").replace("\n", " ").strip("'\" ")
+  key = re.match(r"'?([^'\s]+)'?", text)
+  name = key.group(1) if key else ""
+  flag = next((a.split("=")[0].removeprefix("--") for a in argv[1:]
+               if a.startswith("--config.") and name in a.split("=")[0].split(".")), name)
+  hint = re.search(r'Did you mean "([^"]+)"', text)
+  msg = f"error: unknown config key {flag!r}"
+  if hint:
+    parts = flag.split(".")
+    parts[parts.index(name) if name in parts else -1] = hint.group(1)
+    msg += f"; did you mean {'.'.join(parts)!r}?"
+  return msg
 
 
 if __name__ == "__main__":

@@ -116,7 +116,8 @@ class TrainLog:
     self.peak_total = peak * jax.device_count() if peak else None
     self.writer = metrics_lib.MetricsWriter(workdir, enabled=self.is_writer,
                                             total_steps=config.train.steps, resume_step=start)
-    self.baseline = dataset.unigram_entropy(setup.meta)
+    self.baseline = dataset.unigram_entropy(setup.meta,
+                                            on_corrupt=str(config.data.on_corrupt))
     self.last: dict = {"unigram_baseline": self.baseline}
     self.current: list = []
     self.pending: Window | None = None  # closed, its metrics fetched after the next dispatch
@@ -236,9 +237,46 @@ def evaluate(steps: steps_lib.Steps, params, eval_batches) -> dict:
 
 # ----------------------------------------------------------------------------- the loop
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       meta: dataset.DatasetMeta | None = None) -> dict:
+                       meta: dataset.DatasetMeta | None = None, *,
+                       allow_config_change: bool = False) -> dict:
   """Trains (resuming from ``workdir`` if it holds a checkpoint); returns the last metrics.
-  ``meta``: the dataset's metadata if the caller has loaded it (main has), else loaded here."""
+  ``meta``: the dataset's metadata if the caller has loaded it (main has), else loaded here.
+  ``allow_config_change``: resume under changed result keys (``checkpoint.RESULT_KEYS``),
+  recording them in config.json (``--allow_config_change``).
+
+  The workdir's lock (``checkpoint.lock_workdir``): ``main`` takes it for every process of a
+  job; a single-process library caller (tests, tools) gets it here, for the call."""
+  took = jax.process_count() == 1 and ckpt_lib.lock_workdir(workdir)
+  try:
+    return _train(config, workdir, meta, allow_config_change)
+  finally:
+    if took:
+      ckpt_lib.unlock_workdir(workdir)
+
+
+def _check_not_past_end(workdir: str, start: int | None, steps: int) -> None:
+  if start is not None and start > steps:
+    raise ckpt_lib.IncompatibleCheckpoint(
+        f"{ckpt_lib.step_dir(workdir, start)}: the workdir is already at step {start}, past "
+        f"train.steps={steps}: nothing to train. To continue it, set a larger train.steps "
+        f"(e.g. --config.train.steps={2 * start}); for a new run, give another --workdir")
+
+
+def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> None:
+  """Warned, not refused: a small validation split still gives a usable (if noisier than it
+  looks) eval loss, and smoke tests on tiny datasets rely on it."""
+  available = data.distinct_eval_batches(config, meta, **process)
+  wanted = int(config.train.eval_batches)
+  if wanted > available and jax.process_index() == 0:
+    logging.warning(
+        "train.eval_batches=%d but the validation split (%d records in %s) holds %d distinct "
+        "batches of train.batch_size=%d: each evaluation repeats records about %.1f times. "
+        "Set train.eval_batches<=%d for a non-repeating evaluation", wanted,
+        meta.num_records("validation"), meta.path, available, int(config.train.batch_size),
+        wanted / max(available, 1), available)
+
+
+def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   config = copy.deepcopy(config)  # data.workers may be set by the autotune below
   setup = build_setup(config, meta)
   train_config, meta = config.train, setup.meta
@@ -246,12 +284,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
   checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
-                                       use_async=bool(config.checkpoint["async"]))
+                                       use_async=bool(config.checkpoint.async_save))
   start = checkpointer.latest_step()
+  _check_not_past_end(workdir, start, int(train_config.steps))
+  # Compared before the autotune (which may take minutes); data.workers is a neutral key.
+  changes = ckpt_lib.check_config_change(workdir, config, setup.model_cfg, resume_step=start,
+                                         allow_change=allow_config_change)
+  for change in changes or ():
+    if is_writer:
+      logging.warning("config change from step %d on (recorded in config.json): %s: %r -> %r",
+                      change["step"], change["key"], change["from"], change["to"])
   if config.data.autotune:  # before config.json, which then records the choice
     config.data.workers = autotune.choose_for_run(config, meta, workdir, steps,
                                                   is_writer=is_writer)
-  ckpt_lib.check_or_save_config(workdir, config, setup.model_cfg, is_writer)
+  ckpt_lib.save_config(workdir, config, setup.model_cfg, changes, is_writer)
+  _warn_if_eval_wraps(config, meta, process)
 
   train_iter = prefetch.DevicePrefetcher(steps.batch_sharding, reopen=lambda k: iter(
       data.make_dataset(config, meta, "train", train=True, start_batch=k, **process)))

@@ -7,8 +7,39 @@ import collections
 import concurrent.futures
 import contextlib
 import multiprocessing
+import signal
+import threading
 
 from lmscale_jax.errors import PrepareError
+
+
+def _worker_init(initializer, initargs) -> None:
+  # Ctrl-C reaches the whole process group: only the parent reacts (one line, exit 130); a
+  # worker's KeyboardInterrupt would print a traceback per worker.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  if initializer:
+    initializer(*initargs)
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+  """Workers are spawned (fork + exec) with SIGINT ignored, which a Python child keeps until
+  ``_worker_init`` runs: a Ctrl-C while they import would otherwise give tracebacks."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, old)
+
+
+def _stop_workers(ex: concurrent.futures.ProcessPoolExecutor) -> None:
+  # The run is ending (Ctrl-C, a bad input): don't wait for the tasks still running, which may
+  # take many seconds each. ProcessPoolExecutor has no public way to do this before 3.14.
+  for p in list((getattr(ex, "_processes", None) or {}).values()):
+    p.terminate()
 
 
 @contextlib.contextmanager
@@ -26,22 +57,32 @@ def ordered_map(workers: int, initializer=None, initargs=()):
     return
   # spawn, not fork: the parent may hold threads (tokenizers, tqdm) that fork would copy.
   ctx = multiprocessing.get_context("spawn")
-  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=initializer,
-                                              initargs=initargs) as ex:
+  ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                                              initargs=(initializer, initargs))
 
-    def ordered(fn, items):
-      pending = collections.deque()
-      try:
-        for item in items:
+  def ordered(fn, items):
+    pending = collections.deque()
+    try:
+      for item in items:
+        if len(pending) < workers:  # the first submits spawn the workers
+          with _sigint_ignored():
+            pending.append(ex.submit(fn, item))
+        else:
           pending.append(ex.submit(fn, item))
-          if len(pending) >= 2 * workers:
-            yield pending.popleft().result()
-        while pending:
+        if len(pending) >= 2 * workers:
           yield pending.popleft().result()
-      except concurrent.futures.process.BrokenProcessPool as e:
-        raise PrepareError(f"a worker process died ({e}); rerun to resume") from None
-      finally:
-        for f in pending:
-          f.cancel()
+      while pending:
+        yield pending.popleft().result()
+    except concurrent.futures.process.BrokenProcessPool as e:
+      raise PrepareError(f"a worker process died ({e}); rerun to resume") from None
+    finally:
+      for f in pending:
+        f.cancel()
 
+  try:
     yield ordered
+  except BaseException:
+    _stop_workers(ex)
+    raise
+  finally:
+    ex.shutdown(wait=True, cancel_futures=True)

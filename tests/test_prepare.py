@@ -241,7 +241,7 @@ def test_skips_are_counted(tmp_path):
   arm[18:20] = (183).to_bytes(2, "little")  # e_machine = EM_AARCH64
   (d / "arm").write_bytes(arm)
   (d / "truncated").write_bytes(data[:64])
-  stats = prepare.prepare(opts(tmp_path / "out", [str(d)], workers=1, val_fraction=0.0,
+  stats = prepare.prepare(opts(tmp_path / "out", [str(d)], workers=1, val_fraction=0.2,
                                vocab_size=500))
   assert stats["files_skipped"] == {"not_elf": 1, "machine=AArch64": 1, "corrupt": 1}
 
@@ -250,7 +250,7 @@ def test_skips_are_counted(tmp_path):
     ("missing", "does not exist"),
     ("no_functions", "no ELF files found"),
     ("vocab", "65535"),
-    ("not_empty", "not empty; pass --overwrite"),
+    ("not_empty", "not empty: it holds 'x', which no preparation wrote"),
     ("not_writable", "not writable"),
 ])
 def test_bad_input_clear_error(tmp_path, case, message):

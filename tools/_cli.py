@@ -1,9 +1,17 @@
-"""Shared argument parsing of the prepare_* tools (the tools themselves stay thin)."""
+"""Shared argument parsing and error handling of the prepare_* tools (the tools stay thin).
+
+Every numeric option is checked where it is parsed (type, finite, range; the bounds are
+``prepare``'s), and every way a run ends badly is one line on stderr: a user error or a bad
+argument (exit 2), a full disk (exit 1), Ctrl-C (exit 130, the rerun resumes). A bug keeps its
+traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
 import os
 import sys
 
@@ -12,30 +20,59 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lmscale_jax import prepare  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
 
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse, but a bad argument is one line (its usage block is what --help is for)."""
+
+  def error(self, message):
+    self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+
+def number(kind, lo, hi):
+  """An argparse type: an int or float in lo..hi (never inf/nan, whatever float() accepts)."""
+
+  def parse(text: str):
+    what = "an integer" if kind is int else "a finite number"
+    try:
+      value = kind(text)
+    except ValueError:
+      value = None
+    if value is None or not (math.isfinite(value) and lo <= value <= hi):
+      raise argparse.ArgumentTypeError(
+          f"{text!r}: expected {what} in {prepare.show_range(lo, hi)}")
+    return value
+
+  return parse
+
 
 def parser(kind: str) -> argparse.ArgumentParser:
   what = "ELF files or directories" if kind == "binary" else ".txt / .jsonl files"
-  p = argparse.ArgumentParser(
-      description=f"Prepare a packed uint16 ArrayRecord MLM dataset from {what}.")
+  p = Parser(description=f"Prepare a packed uint16 ArrayRecord MLM dataset from {what}.")
   p.add_argument("--input", nargs="+", required=True, metavar="PATH", help=what)
   p.add_argument("--output", required=True, metavar="DIR", help="dataset directory to create")
-  p.add_argument("--seq-len", type=int, default=512)
-  p.add_argument("--vocab-size", type=int, default=8192 if kind == "binary" else 30522,
+  p.add_argument("--seq-len", type=number(int, *prepare.SEQ_LEN), default=512)
+  p.add_argument("--vocab-size", type=number(int, 7, 65535),
+                 default=8192 if kind == "binary" else 30522,
                  help="tokenizer vocabulary to train (<= 65535)")
   p.add_argument("--tokenizer", default="", metavar="tokenizer.json",
                  help="use this tokenizer instead of training one")
   p.add_argument("--tokenizer-model", choices=["wordpiece", "bpe"], default="wordpiece")
-  p.add_argument("--tokenizer-sample-mb", type=int, default=64,
+  p.add_argument("--tokenizer-sample-mb", type=number(int, 1, 1 << 20), default=64,
                  help="train the tokenizer on the first N MB of the deduplicated corpus")
-  p.add_argument("--workers", type=int, default=0, help="processes (0 = all cores)")
-  p.add_argument("--max-input-bytes", type=int, default=0,
+  p.add_argument("--workers", type=number(int, 0, prepare.MAX_WORKERS), default=0,
+                 help="processes (0 = all cores)")
+  p.add_argument("--max-input-bytes", type=number(int, 0, 1 << 62), default=0,
                  help="stop taking input files after this many bytes (0 = no limit)")
   p.add_argument("--packing", choices=["greedy", "none"], default="greedy")
-  p.add_argument("--shard-size-mb", type=float, default=64)
-  p.add_argument("--chunk-mb", type=float, default=32,
+  p.add_argument("--shard-size-mb", type=number(float, *prepare.SIZE_MB), default=64)
+  p.add_argument("--chunk-mb", type=number(float, *prepare.SIZE_MB), default=32,
                  help="corpus chunk size (what a resumed run keeps of the extraction)")
-  p.add_argument("--val-fraction", type=float, default=0.01)
-  p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
+  p.add_argument("--val-fraction", type=number(float, *prepare.VAL_FRACTION), default=0.01,
+                 help="share of functions/documents in the validation split")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace the dataset an earlier run wrote there (only its own files)")
   p.add_argument("--no-progress", action="store_true")
   if kind == "text":
     p.add_argument("--text-field", default="text", help=".jsonl field holding the text")
@@ -45,9 +82,8 @@ def parser(kind: str) -> argparse.ArgumentParser:
   return p
 
 
-def run(kind: str, argv=None) -> int:
-  a = parser(kind).parse_args(argv)
-  opts = prepare.Options(
+def options(kind: str, a: argparse.Namespace) -> prepare.Options:
+  return prepare.Options(
       kind=kind, inputs=a.input, output=a.output, seq_len=a.seq_len, vocab_size=a.vocab_size,
       tokenizer=a.tokenizer, tokenizer_model=a.tokenizer_model,
       tokenizer_sample_mb=a.tokenizer_sample_mb, workers=a.workers,
@@ -56,10 +92,32 @@ def run(kind: str, argv=None) -> int:
       val_fraction=a.val_fraction, overwrite=a.overwrite, progress=not a.no_progress,
       **({"text_field": a.text_field, "txt_docs": a.txt_docs, "lowercase": a.lowercase}
          if kind == "text" else {}))
+
+
+def guarded(fn, interrupted: str) -> int:
+  """Runs ``fn() -> exit status``; a user error, a full disk or Ctrl-C becomes one line."""
   try:
-    stats = prepare.prepare(opts)
+    return fn()
   except UserError as e:  # bad input: one line; a bug keeps its traceback
     print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(json.dumps(stats, indent=2))
-  return 0
+    return EXIT_USAGE
+  except KeyboardInterrupt:
+    print(f"error: interrupted; {interrupted}", file=sys.stderr)
+    return EXIT_INTERRUPTED
+  except OSError as e:
+    if e.errno != errno.ENOSPC:  # outside prepare() (writing the summary); anything else is a bug
+      raise
+    print(f"error: no space left on the device ({e.filename or 'output'})", file=sys.stderr)
+    return 1
+
+
+def run(kind: str, argv=None) -> int:
+  a = parser(kind).parse_args(argv)
+  opts = options(kind, a)
+
+  def go() -> int:
+    stats = prepare.prepare(opts)
+    print(json.dumps(stats, indent=2))
+    return 0
+
+  return guarded(go, f"rerun the same command to resume the preparation in {a.output}")

@@ -21,10 +21,23 @@
 # ml-collections, tensorboardX, portpicker) and the peer script come from .gpu/, filled here
 # by tools/fetch_gpu_wheels.sh; name .gpu in the device call's carry.
 set -uo pipefail
+# --help: its usage only; an option is never taken for OUTDIR (that would run every benchmark).
+usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  -*) echo "error: unknown option '$1' (usage: tools/bench_gpu.sh OUTDIR; see --help)" >&2
+      exit 2 ;;
+  "") echo "error: missing OUTDIR (usage: tools/bench_gpu.sh OUTDIR; see --help)" >&2; exit 2 ;;
+esac
+if [ $# -gt 1 ]; then
+  echo "error: one argument expected, got $# (usage: tools/bench_gpu.sh OUTDIR)" >&2; exit 2
+fi
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: tools/bench_gpu.sh OUTDIR}
-mkdir -p "$OUT/logs"
-OUT=$(cd "$OUT" && pwd)
+OUT=$1
+# Without -e a failed cd would leave OUT empty and every result would go to /.
+if ! mkdir -p "$OUT/logs" 2>/dev/null || ! OUT=$(cd "$OUT" && pwd); then
+  echo "error: cannot create OUTDIR '$1' (a writable directory)" >&2; exit 1
+fi
 START=$SECONDS
 BUDGET=${BENCH_BUDGET_S:-470}   # optional steps start only while this many seconds remain
 PY=${PYTHON:-python3}

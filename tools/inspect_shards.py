@@ -5,31 +5,54 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _cli  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lmscale_jax import dataset  # noqa: E402
 
 
+def _show_sources(meta) -> tuple:
+  """The tokenizer and the train shards --show reads, each checked first: a missing file or an
+  empty split is one line naming it, not a traceback from deep in a reader."""
+  from tokenizers import Tokenizer
+
+  tpath = os.path.join(meta.path, dataset.TOKENIZER)
+  if not os.path.isfile(tpath):
+    raise dataset.DatasetError(f"{tpath}: missing; --show decodes with the dataset's tokenizer")
+  try:
+    tok = Tokenizer.from_file(tpath)
+  except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+    raise dataset.DatasetError(f"{tpath}: not a Hugging Face tokenizer.json ({e})") from None
+  shards = meta.splits.get("train", {}).get("shards", [])
+  meta.shard_paths("train")  # zero shards: its own clear error
+  for shard in shards:
+    if problem := meta.shard_problem(shard, checksums=False):
+      raise dataset.DatasetError(f"{problem} (inspect_shards --verify checks every shard)")
+  usable = [s for s in shards if s["records"] > 0]
+  if not usable:
+    raise dataset.DatasetError(f"{meta.path}: the train split has no records to show")
+  return tok, [os.path.join(meta.path, s["file"]) for s in usable]
+
+
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = _cli.Parser(description=__doc__.splitlines()[0])
   p.add_argument("dir")
   p.add_argument("--verify", action="store_true", help="re-check record counts and sha256")
-  p.add_argument("--show", type=int, default=0, metavar="N",
+  p.add_argument("--show", type=_cli.number(int, 0, 1 << 20), default=0, metavar="N",
                  help="decode N random sequences back to pretokens/text")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=_cli.number(int, 0, 1 << 62), default=0)
   a = p.parse_args(argv)
-  try:
-    meta = dataset.DatasetMeta.load(a.dir)
-  except dataset.DatasetError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  return _cli.guarded(lambda: inspect(a), "nothing was changed")
+
+
+def inspect(a) -> int:
+  meta = dataset.DatasetMeta.load(a.dir)
   print(f"dataset {a.dir}: {meta.name}, seq_len {meta.seq_len}, vocab {meta.vocab_size}, "
         f"kind {meta.raw.get('kind')}, packing {meta.raw.get('packing')}")
   for split, info in meta.splits.items():
@@ -54,11 +77,9 @@ def main(argv=None) -> int:
     rc = 1 if problems else 0
   if a.show:
     from array_record.python import array_record_module
-    from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(os.path.join(a.dir, dataset.TOKENIZER))
+    tok, paths = _show_sources(meta)
     rng = np.random.default_rng(a.seed)
-    paths = meta.shard_paths("train")
     for _ in range(a.show):
       path = paths[rng.integers(len(paths))]
       reader = array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0")

@@ -1,0 +1,400 @@
+"""Bad input and careless use of the preparation tools: each case ends in one clear line (or
+a correct dataset), never a traceback, a silently wrong dataset or a deleted input.
+
+Real files throughout: this machine's ELF libraries, text files written here, FIFOs, /dev/zero,
+a small tmpfs for the full disk, and the tools run as the user runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lmscale_jax import dataset, prepare, text_corpus
+from tests.test_prepare import ROOT, SEQ, opts, small_elves
+
+
+def cli(tool, *args, timeout=300, **kw):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *map(str, args)],
+                        capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def one_line(r, code=2) -> str:
+  assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+  err = r.stderr.strip()
+  assert err.count("\n") == 0 and err.startswith("error: "), err
+  return err
+
+
+def text_file(path, n=400, fmt="jsonl"):
+  lines = [f"document {i} about the quick brown fox and lazy dog number {i * 7}" for i in range(n)]
+  if fmt == "jsonl":
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+  else:
+    path.write_text("".join(t + "\n" for t in lines))
+  return path
+
+
+def text_opts(out, inputs, **kw):
+  kw.setdefault("vocab_size", 300)
+  kw.setdefault("workers", 1)
+  return opts(out, [str(p) for p in inputs], kind="text", **kw)
+
+
+def tree(d) -> dict:
+  return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*"))}
+
+
+# ----------------------------------------------------------------------------- case 1: --overwrite
+@pytest.mark.parametrize("layout", ["input_is_output", "output_holds_jsonl", "output_above_input",
+                                    "output_inside_input"])
+def test_overwrite_never_touches_an_input(tmp_path, layout):
+  d = tmp_path / "D"
+  (d / "elf").mkdir(parents=True)
+  shutil.copy(small_elves(1)[0], d / "elf" / "lib.so")
+  (d / "README").write_text("keep me\n")
+  text_file(d / "corpus.jsonl")
+  tool, inp, out = {
+      "input_is_output": ("prepare_binary.py", d, d),
+      "output_holds_jsonl": ("prepare_text.py", d / "corpus.jsonl", d),
+      "output_above_input": ("prepare_binary.py", d / "elf", d),
+      "output_inside_input": ("prepare_binary.py", d, d / "elf" / "ds"),
+  }[layout]
+  before = tree(d)
+  r = cli(tool, "--input", inp, "--output", out, "--overwrite", "--no-progress")
+  err = one_line(r)
+  assert f"--output {str(out)!r}" in err and str(inp) in err and "outside every input" in err
+  assert tree(d) == before
+
+
+def test_overwrite_removes_only_what_the_tool_wrote(tmp_path):
+  src = text_file(tmp_path / "c.jsonl", n=2000)
+  out = tmp_path / "out"
+  prepare.prepare(text_opts(out, [src], shard_size_mb=0.01))
+  many = sorted(n for n in os.listdir(out) if "train.array_record-" in n)
+  assert len(many) > 2
+  (out / "README").write_text("my notes\n")
+  prepare.prepare(text_opts(out, [src], overwrite=True))
+  names = set(os.listdir(out))
+  assert (out / "README").read_text() == "my notes\n"
+  assert not names & set(many[1:])  # the earlier run's extra shards are gone
+  manifest = json.load(open(out / prepare.MANIFEST))["files"]
+  assert set(manifest) >= names - {"README", prepare.MANIFEST} and "README" not in manifest
+  assert dataset.DatasetMeta.load(str(out)).verify() == []
+
+
+def test_overwrite_replaces_a_dataset_written_before_manifests(tmp_path):
+  """No manifest, but only the names a preparation writes (and a killed atomic write's temp):
+  an earlier version's dataset, replaced as before."""
+  src = text_file(tmp_path / "c.jsonl")
+  out = tmp_path / "out"
+  prepare.prepare(text_opts(out, [src]))
+  (out / prepare.MANIFEST).unlink()
+  (out / ".stats.json.k3j_x9.tmp").write_text("{")
+  prepare.prepare(text_opts(out, [src], overwrite=True, seq_len=64))
+  assert dataset.DatasetMeta.load(str(out)).seq_len == 64
+  assert not (out / ".stats.json.k3j_x9.tmp").exists()
+
+
+def test_overwrite_refuses_files_no_run_wrote(tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "README").write_text("keep me\n")
+  (out / "thesis.tex").write_text("years of work\n")
+  r = cli("prepare_text.py", "--input", text_file(tmp_path / "c.jsonl"), "--output", out,
+          "--overwrite", "--no-progress")
+  err = one_line(r)
+  assert "'README'" in err and "(and 1 more)" in err and prepare.MANIFEST in err
+  assert sorted(os.listdir(out)) == ["README", "thesis.tex"]
+
+
+# ----------------------------------------------------------------------------- case 3: resume
+def _start(args, **kw):
+  return subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "prepare_binary.py"),
+                           *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, **kw)
+
+
+def _wait_for(proc, path, timeout=120):
+  deadline = time.time() + timeout
+  while not path.exists():
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert time.time() < deadline, f"{path} never appeared"
+    time.sleep(0.01)
+
+
+def _bin_args(out, *inputs, workers=1):
+  return ["--input", *inputs, "--output", out, "--seq-len", SEQ, "--vocab-size", 2000,
+          "--val-fraction", 0.05, "--workers", workers, "--no-progress", "--chunk-mb", 0.3]
+
+
+def test_resume_starts_afresh_when_inputs_change(tmp_path):
+  libs = small_elves()
+  d = tmp_path / "elf"
+  d.mkdir()
+  for p in libs[:3]:
+    shutil.copy(p, d)
+  out = tmp_path / "out"
+  proc = _start(_bin_args(out, d))
+  _wait_for(proc, out / prepare.WORK / "corpus-00000.json")
+  proc.kill()
+  proc.wait()
+  for p in libs[3:5]:  # two more ELF files
+    shutil.copy(p, d)
+  r = cli("prepare_binary.py", *_bin_args(out, d))
+  assert r.returncode == 0, r.stderr
+  assert "input files changed" in r.stderr and "starting it afresh" in r.stderr
+  stats = json.loads(r.stdout)
+  fresh = cli("prepare_binary.py", *_bin_args(tmp_path / "fresh", d))
+  assert fresh.returncode == 0, fresh.stderr
+  ref = json.loads(fresh.stdout)
+  assert stats["input_files"] == 5
+  for k in ("functions_seen", "functions_kept", "sequences", "tokens"):
+    assert stats[k] == ref[k], k
+
+
+def test_empty_jsonl_then_filled_is_prepared_from_the_new_contents(tmp_path):
+  src = tmp_path / "c.jsonl"
+  src.write_text("")
+  out = tmp_path / "out"
+  with pytest.raises(prepare.PrepareError, match="no documents found"):
+    prepare.prepare(text_opts(out, [src]))
+  assert not {dataset.STATS, dataset.TOKENIZER, dataset.METADATA} & set(os.listdir(out))
+  text_file(src, n=500)
+  stats = prepare.prepare(text_opts(out, [src]))
+  assert stats["documents_kept"] == 500
+  assert dataset.DatasetMeta.load(str(out)).verify() == []
+
+
+# ----------------------------------------------------------------------------- case 7: splits
+@pytest.mark.parametrize("value", ["0", "0.999999", "-0.1", "1", "nan", "0.0000001"])
+def test_val_fraction_is_checked_where_parsed(tmp_path, value):
+  r = cli("prepare_text.py", "--input", text_file(tmp_path / "c.jsonl"), "--output",
+          tmp_path / "out", "--val-fraction", value)
+  assert "--val-fraction" in one_line(r) and "1e-06..0.5" in r.stderr, r.stderr
+  assert not (tmp_path / "out").exists()
+  with pytest.raises(prepare.PrepareError, match="--val-fraction"):
+    prepare.prepare(text_opts(tmp_path / "o2", [tmp_path / "c.jsonl"],
+                              val_fraction=float(value)))
+
+
+def test_a_split_without_sequences_is_an_error_not_a_dataset(tmp_path):
+  src = text_file(tmp_path / "c.jsonl", n=50)
+  out = tmp_path / "out"
+  with pytest.raises(prepare.PrepareError,
+                     match=r"split 'validation' would have 0 sequences \(0 of 50 documents.*"
+                           r"larger --val-fraction"):
+    prepare.prepare(text_opts(out, [src], val_fraction=1e-6))
+  assert not {dataset.STATS, dataset.TOKENIZER, dataset.METADATA, "dataset_info.json"} & \
+      set(os.listdir(out))
+  assert not [n for n in os.listdir(out) if ".array_record" in n]
+
+
+# ----------------------------------------------------------------------------- case 8/11: options
+@pytest.mark.parametrize("flag,value", [
+    ("--shard-size-mb", "inf"), ("--shard-size-mb", "nan"), ("--chunk-mb", "0"),
+    ("--workers", "-1"), ("--seq-len", "1e3"), ("--seq-len", "4"), ("--vocab-size", "70000"),
+    ("--max-input-bytes", "-5"), ("--tokenizer-sample-mb", "0")])
+def test_numeric_options_are_checked_where_parsed(tmp_path, flag, value):
+  r = cli("prepare_binary.py", "--input", small_elves(1)[0], "--output", tmp_path / "out",
+          flag, value, timeout=60)
+  err = one_line(r)
+  assert flag in err and repr(value) in err
+  assert not (tmp_path / "out").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("field,value", [("shard_size_mb", float("inf")), ("workers", -1),
+                                         ("chunk_mb", float("nan")), ("seq_len", 128.5)])
+def test_numeric_options_are_checked_by_the_library(tmp_path, field, value):
+  with pytest.raises(prepare.PrepareError, match=field.replace("_", "-")):
+    prepare.prepare(opts(tmp_path / "out", small_elves(1), **{field: value}))
+
+
+def test_full_disk_is_one_line(tmp_path):
+  mnt = tmp_path / "small"
+  mnt.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a small tmpfs here (needs root)")
+  try:
+    r = cli("prepare_binary.py", *_bin_args(mnt / "out", small_elves(3)[-1]))
+    err = one_line(r)
+    assert "no space left" in err and "bytes free" in err and str(mnt) in err
+  finally:
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_rerun_resumes(tmp_path):
+  libs = small_elves()
+  ref = cli("prepare_binary.py", *_bin_args(tmp_path / "ref", *libs, workers=2))
+  assert ref.returncode == 0, ref.stderr
+  out = tmp_path / "out"
+  args = _bin_args(out, *libs, workers=2)
+  proc = _start(args, start_new_session=True)  # its own process group, like a terminal's job
+  _wait_for(proc, out / prepare.WORK / "corpus-00000.json")
+  os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the tool and its workers
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 130, err
+  err = err.strip()
+  assert err.count("\n") == 0 and "interrupted" in err and "resume" in err, err
+  r = cli("prepare_binary.py", *args)
+  assert r.returncode == 0, r.stderr
+  assert "input files changed" not in r.stderr
+  a, b = json.loads(ref.stdout), json.loads(r.stdout)
+  for k in ("functions_seen", "sequences", "tokens", "input_files"):
+    assert a[k] == b[k], k
+  assert json.load(open(out / dataset.METADATA))["splits"] == \
+      json.load(open(tmp_path / "ref" / dataset.METADATA))["splits"]
+
+
+def test_a_line_longer_than_the_bound_is_an_error_naming_file_and_line(tmp_path):
+  src = tmp_path / "one.txt"
+  with open(src, "wb") as f:
+    f.write(b"short first line\n")
+    block = b"word " * (1 << 18)  # 1.25 MiB
+    for _ in range(-(-(text_corpus.MAX_DOC_BYTES + 1) // len(block))):
+      f.write(block)
+  with pytest.raises(prepare.PrepareError,
+                     match=r"one.txt:2: line longer than 16 MiB \(from byte 17\)"):
+    prepare.prepare(text_opts(tmp_path / "out", [src]))
+
+
+# ----------------------------------------------------------------------------- inspect_shards
+@pytest.fixture(scope="module")
+def small_text_dataset(tmp_path_factory):
+  d = tmp_path_factory.mktemp("txt")
+  out = d / "ds"
+  prepare.prepare(text_opts(out, [text_file(d / "c.jsonl", n=1500)], shard_size_mb=0.05))
+  return out
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("rename_shard", "missing or unreadable"),
+    ("no_tokenizer", "tokenizer.json: missing"),
+    ("zero_train_shards", "zero shards"),
+])
+def test_inspect_show_on_a_damaged_dataset_is_one_line(small_text_dataset, tmp_path, damage,
+                                                       message):
+  d = tmp_path / "ds"
+  shutil.copytree(small_text_dataset, d)
+  meta = json.load(open(d / dataset.METADATA))
+  if damage == "rename_shard":
+    first = d / meta["splits"]["train"]["shards"][0]["file"]
+    first.rename(str(first) + ".bak")
+  elif damage == "no_tokenizer":
+    (d / dataset.TOKENIZER).unlink()
+  else:
+    meta["splits"]["train"] = {"records": 0, "shards": []}
+    (d / dataset.METADATA).write_text(json.dumps(meta))
+  r = cli("inspect_shards.py", d, "--show", 3)
+  assert message in one_line(r)
+
+
+# ----------------------------------------------------------------------------- case 9/11: inputs
+@pytest.mark.parametrize("kind,message", [("dir", "is a directory"),
+                                          ("fifo", "is a FIFO (named pipe)"),
+                                          ("zero", "is a character device")])
+def test_prepare_text_says_what_a_non_file_input_is(tmp_path, kind, message):
+  p = {"dir": tmp_path / "corpus", "fifo": tmp_path / "pipe.jsonl", "zero": "/dev/zero"}[kind]
+  if kind == "dir":
+    p.mkdir()
+  if kind == "fifo":
+    os.mkfifo(p)
+  r = cli("prepare_text.py", "--input", p, "--output", tmp_path / "out", timeout=60)
+  err = one_line(r)
+  assert message in err and "expected a regular .txt or .jsonl file" in err and str(p) in err
+
+
+def test_bad_utf8_names_file_line_and_file_offset(tmp_path):
+  src = tmp_path / "c.txt"
+  head = "".join(f"line number {i:05d} of a long enough text file\n" for i in range(1, 3001))
+  src.write_bytes(head.encode() + b"ok then \xff broken\n")
+  offset = len(head.encode()) + len(b"ok then ")
+  with pytest.raises(prepare.PrepareError,
+                     match=rf"c.txt:3001: not UTF-8 text \(.* at byte {offset} of the file\)"):
+    prepare.prepare(text_opts(tmp_path / "out", [src]))
+
+
+def test_prepare_binary_counts_named_non_regular_inputs(tmp_path, capfd):
+  fifo = tmp_path / "pipe"
+  os.mkfifo(fifo)
+  d = tmp_path / "dir"
+  d.mkdir()
+  os.mkfifo(d / "inner_pipe")
+  stats = prepare.prepare(opts(tmp_path / "out", [*small_elves(2), str(fifo), "/dev/zero",
+                                                  str(d)], workers=1))
+  assert stats["files_skipped"].get("not_regular") == 3
+  err = capfd.readouterr().err
+  assert f"input {str(fifo)!r} is a FIFO (named pipe), not a regular file" in err
+  assert "input '/dev/zero' is a character device" in err
+  assert stats["workers"] == 1 and stats["mb_per_s_per_core"] > 0
+
+
+# ----------------------------------------------------------------------------- case 10: --help
+SCRIPTS = ["tools/bench_gpu.sh", "tools/demo.sh", "tools/fetch_gpu_wheels.sh", "tools/setup.sh",
+           "tools/test.sh", "launch/local.sh", "launch/node.sh", "launch/slurm.sbatch"]
+
+
+def _sandbox(tmp_path):
+  """A copy of the scripts in an empty tree: whatever one did instead of answering --help
+  would happen here (and fail fast: no python, no pip), not in the checkout."""
+  box = tmp_path / "box"
+  for s in SCRIPTS + ["launch/_procs.sh"]:
+    (box / s).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(os.path.join(ROOT, s), box / s)
+  env = dict(os.environ, PYTHON="/bin/false", PIP="/bin/false", BENCH_WORK=str(tmp_path / "w"),
+             PATH="/usr/bin:/bin")
+  return box, env
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_shell_tools_answer_help_and_do_nothing_else(tmp_path, script, flag):
+  # Never run a script that has no --help answer: it would do its work (bench_gpu.sh once
+  # took "--help" for OUTDIR and, failing to cd there, wrote its results under /).
+  assert "-h|--help)" in open(os.path.join(ROOT, script)).read() or \
+      '"${1:-}" == --help' in open(os.path.join(ROOT, script)).read(), f"{script}: no --help"
+  box, env = _sandbox(tmp_path)
+  before = tree(box)
+  r = subprocess.run(["bash", str(box / script), flag], capture_output=True, text=True,
+                     timeout=30, env=env, cwd=tmp_path)
+  assert r.returncode == 0, r.stderr
+  first = open(os.path.join(ROOT, script)).readlines()[1].lstrip("# ").strip()
+  assert r.stdout.startswith(first), r.stdout[:300]
+  assert tree(box) == before and not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("script", ["tools/bench_gpu.sh", "tools/demo.sh",
+                                    "tools/fetch_gpu_wheels.sh", "tools/setup.sh"])
+def test_shell_tools_refuse_an_unknown_option_in_one_line(tmp_path, script):
+  assert "unknown" in open(os.path.join(ROOT, script)).read(), f"{script}: takes any option"
+  box, env = _sandbox(tmp_path)
+  before = tree(box)
+  r = subprocess.run(["bash", str(box / script), "--frobnicate"], capture_output=True,
+                     text=True, timeout=30, env=env, cwd=tmp_path)
+  assert r.returncode == 2 and "--frobnicate" in one_line(r)
+  assert tree(box) == before
+
+
+@pytest.mark.parametrize("tool", ["prepare_binary.py", "prepare_text.py", "inspect_shards.py"])
+def test_python_tools_answer_help(tool):
+  r = cli(tool, "--help", timeout=60)
+  assert r.returncode == 0 and r.stdout.startswith("usage:") and not r.stderr
+
+
+def test_bench_gpu_refuses_an_outdir_it_cannot_create(tmp_path):
+  # Checked first: the unfixed script went on with OUT="" and wrote its results under /.
+  assert "cannot create OUTDIR" in open(os.path.join(ROOT, "tools/bench_gpu.sh")).read()
+  box, env = _sandbox(tmp_path)
+  (tmp_path / "file").write_text("")
+  r = subprocess.run(["bash", str(box / "tools/bench_gpu.sh"), str(tmp_path / "file" / "out")],
+                     capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
+  assert "cannot create OUTDIR" in one_line(r, code=1)
+  assert not (tmp_path / "w").exists()
