@@ -271,6 +271,13 @@ def step_dir(workdir: str, step: int) -> str:
   return os.path.join(checkpoints_dir(workdir), STEP_NAMES.build_name(step))
 
 
+def latest_complete_step(workdir: str) -> int | None:
+  """The newest complete checkpoint's step, or None; only reads (no manager, no directory
+  created, no tmp directory cleaned), so a run can be refused before it touches anything."""
+  latest = ocp.path.step.latest_step_metadata(checkpoints_dir(workdir), STEP_NAMES)
+  return None if latest is None else int(latest.step)
+
+
 def check_process_count(workdir: str, num_processes: int) -> None:
   """Refuses to resume the latest checkpoint if another number of processes wrote it: the
   data iterator state is per process (Grain writes one file per process).

@@ -149,6 +149,18 @@ def make_batch_loader(config, meta: dataset.DatasetMeta, split: str, *, train: b
       mask_seed=int(data.seed) if train else EVAL_MASK_SEED, local_stream=shards is not None)
 
 
+def ignore_signals_in_worker(worker_index: int, worker_count: int) -> None:
+  """Grain ``worker_init_fn``: the preemption signals (``preemption.ignore_in_worker``), and
+  SIGINT: a terminal's Ctrl-C reaches the whole process group, and only the training process
+  should report it (one line); it stops its workers when it leaves (``train``)."""
+  import signal
+
+  from lmscale_jax import preemption
+
+  preemption.ignore_in_worker(worker_index, worker_count)
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def distinct_eval_batches(config, meta: dataset.DatasetMeta, *, process_index: int = 0,
                           process_count: int = 1) -> int:
   """How many evaluation batches the validation split fills before its records repeat (the
@@ -188,8 +200,6 @@ def make_dataset(config, meta: dataset.DatasetMeta, split: str, *, train: bool,
   # Eval stays in-process: every evaluation iterates afresh, and worker processes would be
   # spawned (seconds each) for a few batches that threads build in well under a second.
   if train and data.workers > 0:
-    from lmscale_jax import preemption
-
     iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(data.workers)),
-                                    worker_init_fn=preemption.ignore_in_worker)
+                                    worker_init_fn=ignore_signals_in_worker)
   return iterable

@@ -54,35 +54,43 @@ def main(argv):
   if len(argv) > 1:
     sys.exit(f"error: unexpected arguments {argv[1:]} (flags are --name=value). {_USAGE}")
   logging.get_absl_handler().addFilter(_QuietLibraries())
-  # Imported here, not at module level: Grain's worker processes re-import __main__.
-  import jax
-
   try:
     _run(FLAGS.config, FLAGS.workdir)
-  except KeyboardInterrupt:
-    _leave(jax, "error: interrupted (Ctrl-C); the last complete checkpoint in "
+  except KeyboardInterrupt as e:
+    # train.Interrupted: training cleaned up (loader stopped, save finished) and the process
+    # exits normally; any other (a second Ctrl-C during that clean-up, or one during start-up)
+    # leaves at once, without the interpreter's shutdown.
+    cleaned_up = type(e).__name__ == "Interrupted"
+    _leave("error: interrupted (Ctrl-C); the last complete checkpoint in "
            f"{FLAGS.workdir}/checkpoints is kept: rerun the same command to resume from it",
-           _INTERRUPTED)
+           _INTERRUPTED, at_once=not cleaned_up)
   except Exception as e:
-    if jax.distributed.is_initialized():
-      _multi_process_failure(jax, e, FLAGS.config)
+    if _multi_process():
+      _multi_process_failure(e, FLAGS.config)
     line = _one_line(e)
     if line is None:
       raise  # a bug: keep its traceback
     logging.vlog(1, "traceback", exc_info=True)
-    _leave(jax, line, 1)
+    _leave(line, 1)
+
+
+def _multi_process() -> bool:
+  jax = sys.modules.get("jax")  # not imported yet: no runtime either
+  return jax is not None and jax.distributed.is_initialized()
 
 
 def _run(config, workdir: str) -> None:
   from lmscale_jax import checkpoint, config_checks, data_checks, distributed, preemption
   from lmscale_jax import staging, train
 
+  # Imported here, not at module level: Grain's worker processes re-import __main__.
+  import jax
+
   if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage or lock
     setup = train.build_setup(config)
     print(config)
     print(train.describe(setup))
     return
-  import jax
 
   # The checks before any data is read, in order: lmscale_jax/config_checks.py.
   config_checks.check_config(config)
@@ -136,25 +144,29 @@ def _one_line(e: Exception) -> str | None:
   return None
 
 
-def _leave(jax, line: str, code: int) -> None:
+def _leave(line: str, code: int, at_once: bool = False) -> None:
   from lmscale_jax import distributed
 
-  if jax.distributed.is_initialized():
+  if _multi_process():
+    import jax
+
     print(f"{line.replace('error:', f'error: process {jax.process_index()}:', 1)}",
           file=sys.stderr, flush=True)
     distributed.exit_now(code)  # peers may be blocked in a collective (see exit_now)
   print(line, file=sys.stderr, flush=True)
-  if code == _INTERRUPTED:
-    # Now, without the interpreter's shutdown: an async checkpoint save still in flight would
-    # fail in its thread with a traceback. Its tmp directory is never taken for a checkpoint
-    # (Orbax renames complete saves only) and the next run cleans it up.
+  if at_once:
+    # Without the interpreter's shutdown: an async checkpoint save still in flight would fail
+    # in its thread with a traceback. Its tmp directory is never taken for a checkpoint (Orbax
+    # renames complete saves only) and the next run cleans it up.
     distributed.exit_now(code)
   sys.exit(code)
 
 
-def _multi_process_failure(jax, e: Exception, config) -> None:
+def _multi_process_failure(e: Exception, config) -> None:
   """A failure in a multi-process job: report and leave now (see distributed.exit_now); the
   other processes stop within distributed.heartbeat_timeout."""
+  import jax
+
   from lmscale_jax import distributed
 
   me = f"error: process {jax.process_index()}:"

@@ -37,6 +37,11 @@ class NonFiniteLoss(UserError, FloatingPointError):
   checkpoint."""
 
 
+class Interrupted(KeyboardInterrupt):
+  """Ctrl-C during training, raised once the loader's workers are stopped and any checkpoint
+  save in flight has finished: the process may exit normally (main: one line, exit 130)."""
+
+
 # ----------------------------------------------------------------------------- setup
 @dataclasses.dataclass
 class Setup:
@@ -283,13 +288,15 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   is_writer = jax.process_index() == 0
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
-  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
-                                       use_async=bool(config.checkpoint.async_save))
-  start = checkpointer.latest_step()
+  # The refusals first, from what is on disk: a refused run leaves the workdir as it was.
+  start = ckpt_lib.latest_complete_step(workdir)
   _check_not_past_end(workdir, start, int(train_config.steps))
   # Compared before the autotune (which may take minutes); data.workers is a neutral key.
   changes = ckpt_lib.check_config_change(workdir, config, setup.model_cfg, resume_step=start,
                                          allow_change=allow_config_change)
+  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
+                                       use_async=bool(config.checkpoint.async_save))
+  start = checkpointer.latest_step()
   for change in changes or ():
     if is_writer:
       logging.warning("config change from step %d on (recorded in config.json): %s: %r -> %r",
@@ -303,6 +310,22 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   train_iter = prefetch.DevicePrefetcher(steps.batch_sharding, reopen=lambda k: iter(
       data.make_dataset(config, meta, "train", train=True, start_batch=k, **process)))
   eval_batches = data.make_dataset(config, meta, "validation", train=False, **process)
+  try:
+    return _loop(config, setup, workdir, steps, checkpointer, train_iter, eval_batches, start)
+  except KeyboardInterrupt:
+    # Ctrl-C: the loader's worker processes ignore SIGINT (data.ignore_signals_in_worker) so
+    # that only main reports it; stop them now, and let a checkpoint save in flight finish
+    # (it is nearly written; an interpreter exit under it would fail in its thread). A second
+    # Ctrl-C abandons it: main then leaves at once, and Orbax never takes its tmp directory
+    # for a checkpoint.
+    train_iter.close()
+    checkpointer.close()
+    raise Interrupted() from None
+
+
+def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, eval_batches,
+          start: int | None) -> dict:
+  train_config, is_writer = config.train, jax.process_index() == 0
   if start is not None:
     state = checkpointer.restore(start, steps.abstract_state, train_iter)
     logging.info("resumed from %s", ckpt_lib.step_dir(workdir, start))

@@ -19,12 +19,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.helpers import ROOT, make_synthetic_dataset, small_train_config
-from tests.test_faults import args, assert_same_run, env, finish, run, series, start, wait_for
+from tests.test_faults import args, assert_same_run, finish, run, series, start, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +54,13 @@ def main(cmd_args, timeout=300, **extra) -> subprocess.CompletedProcess:
 
 
 def one_line(stderr: str) -> str:
-  """The last line, after checking it is an error line and no traceback came with it."""
+  """The last line, after checking it is an error line and no traceback came with it.
+  Python's resource tracker warns at exit about shared memory Grain's worker processes leave
+  (a finished run with data.workers > 0 does it too): not ours, skipped."""
   assert "Traceback" not in stderr, stderr[-3000:]
-  last = stderr.strip().splitlines()[-1]
+  lines = [line for line in stderr.strip().splitlines()
+           if "resource_tracker" not in line and "warnings.warn(" not in line]
+  last = lines[-1]
   assert last.startswith("error: "), stderr[-3000:]
   return last
 
@@ -235,7 +238,8 @@ def test_every_config_key_has_a_resume_rule():
 
 # ----------------------------------------------------------------------------- case 5: numbers
 BAD_VALUES = [
-    ("train", "learning_rate", float("nan"), "train.learning_rate=nan: expected a finite number > 0"),
+    ("train", "learning_rate", float("nan"),
+     "train.learning_rate=nan: expected a finite number > 0"),
     ("train", "learning_rate", -1.0, "train.learning_rate=-1.0: expected a finite number > 0"),
     ("train", "learning_rate", float("inf"), "train.learning_rate=inf: expected a finite number"),
     ("train", "warmup_steps", -5, "train.warmup_steps=-5: expected an integer >= 0"),
@@ -369,11 +373,14 @@ def _cli_cases(tmp):
   ]
 
 
-def test_command_line_mistakes_are_one_line(tmp_path):
-  for cmd, expected in _cli_cases(tmp_path):
-    r = main(cmd)
-    assert r.returncode == 1, (cmd, r.stderr[-2000:])
-    assert one_line(r.stderr).startswith(expected), (cmd, r.stderr[-2000:])
+@pytest.mark.parametrize("case", range(10), ids=[
+    "no_args", "misspelt_flag", "steps_abc", "steps_1.5", "batch_32.0", "missing_config",
+    "old_async_key", "workdir_is_a_file", "workdir_below_a_file", "data_path_is_a_file"])
+def test_command_line_mistakes_are_one_line(tmp_path, case):
+  cmd, expected = _cli_cases(tmp_path)[case]
+  r = main(cmd)
+  assert r.returncode == 1, (cmd, r.stderr[-2000:])
+  assert one_line(r.stderr).startswith(expected), (cmd, r.stderr[-2000:])
 
 
 def test_async_save_can_be_set(data, tmp_path):
@@ -400,10 +407,13 @@ def test_help_is_the_usage_and_exits_0():
   assert "--workdir" in r.stdout and "Traceback" not in r.stdout
 
 
+@pytest.mark.parametrize("workers", [0, 1])
 def test_ctrl_c_is_one_line_exit_130_and_the_resume_is_bitwise(data, cache, reference,
-                                                               tmp_path):
+                                                               tmp_path, workers):
+  """Also with loader worker processes, which get the terminal's SIGINT too: still one line
+  (they ignore it and are stopped by the training process)."""
   workdir = tmp_path / "w"
-  p = start(args(data, workdir), cache)
+  p = start(args(data, workdir, **{"data.workers": workers}), cache)
   wait_for(p, lambda: len(series(workdir)) >= 6)
   os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
   err = finish(p)
