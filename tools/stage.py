@@ -17,18 +17,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _cli  # noqa: E402
 from lmscale_jax import staging  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = _cli.Parser(description=__doc__.splitlines()[0])
   parser.add_argument("src", metavar="SRC_DATASET_DIR", help="prepared dataset (shared storage)")
   parser.add_argument("dest", metavar="DEST_DIR", help="node-local directory to stage into")
-  parser.add_argument("--workers", type=int, default=8, help="parallel file copies (default 8)")
+  parser.add_argument("--workers", type=_cli.number(int, 1, 4096), default=8,
+                      help="parallel file copies (default 8)")
   parser.add_argument("--only-needed", action="store_true",
                       help="copy only the shards that --process-ids will read (see --plan)")
-  parser.add_argument("--num-processes", type=int, default=1,
+  parser.add_argument("--num-processes", type=_cli.number(int, 1, 1 << 20), default=1,
                       help="processes in the whole job")
   parser.add_argument("--process-ids", default="0",
                       help="comma-separated ids of this node's processes (with --only-needed)")
