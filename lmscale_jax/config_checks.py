@@ -7,7 +7,7 @@ every process, naming the process and host it concerns):
    numeric key finite, of its type and in its range; known modes; renamed keys), so a typo
    never waits for start-up or staging.
    Then, once the runtime has started and before anything in the workdir is touched,
-   ``checkpoint.lock_workdir``: process 0 takes ``workdir/.lock`` for the job (the others
+   ``workdir.lock_workdir``: process 0 takes ``workdir/.lock`` for the job (the others
    learn the outcome through ``distributed.agree``); a workdir in use is one line naming the
    holder's pid and host.
 2. ``distributed.preflight``: :func:`check_batch` (here) over the global mesh, the one owner
@@ -22,7 +22,7 @@ every process, naming the process and host it concerns):
    ``model.resolve_model_config``) against the dataset's ``metadata.json``. It also runs 1 and
    :func:`check_batch` again, for library callers (tests, tools); both are cheap. Then, in
    ``train.train_and_evaluate`` before the first step: a workdir already past ``train.steps``
-   is refused, and ``checkpoint.check_config_change`` compares ``config.json`` with this config
+   is refused, and ``workdir.check_config_change`` compares ``config.json`` with this config
    (its key lists say which changes a resume refuses, takes with ``--allow_config_change``, or
    takes silently).
 """

@@ -80,8 +80,8 @@ def _multi_process() -> bool:
 
 
 def _run(config, workdir: str) -> None:
-  from lmscale_jax import checkpoint, config_checks, data_checks, distributed, preemption
-  from lmscale_jax import staging, train
+  from lmscale_jax import config_checks, data_checks, distributed, preemption, staging, train
+  from lmscale_jax import workdir as workdir_lib
 
   # Imported here, not at module level: Grain's worker processes re-import __main__.
   import jax
@@ -98,7 +98,7 @@ def _run(config, workdir: str) -> None:
   preemption.install()  # after: the runtime installs its own SIGTERM handler
   # Before anything in the workdir is touched (preflight's token file, Orbax's clean-up of
   # tmp directories): process 0 holds the lock for the job, the others learn its outcome.
-  distributed.agree("workdir lock", lambda: checkpoint.lock_workdir(workdir)
+  distributed.agree("workdir lock", lambda: workdir_lib.lock_workdir(workdir)
                     if jax.process_index() == 0 else None)
   distributed.preflight(config, workdir)
   if config.data.stage_from:

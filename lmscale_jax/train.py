@@ -29,6 +29,7 @@ from lmscale_jax import metrics as metrics_lib
 from lmscale_jax import model as model_lib
 from lmscale_jax import prefetch
 from lmscale_jax import steps as steps_lib
+from lmscale_jax import workdir as workdir_lib
 from lmscale_jax.errors import UserError
 
 
@@ -246,17 +247,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        allow_config_change: bool = False) -> dict:
   """Trains (resuming from ``workdir`` if it holds a checkpoint); returns the last metrics.
   ``meta``: the dataset's metadata if the caller has loaded it (main has), else loaded here.
-  ``allow_config_change``: resume under changed result keys (``checkpoint.RESULT_KEYS``),
+  ``allow_config_change``: resume under changed result keys (``workdir_lib.RESULT_KEYS``),
   recording them in config.json (``--allow_config_change``).
 
-  The workdir's lock (``checkpoint.lock_workdir``): ``main`` takes it for every process of a
+  The workdir's lock (``workdir_lib.lock_workdir``): ``main`` takes it for every process of a
   job; a single-process library caller (tests, tools) gets it here, for the call."""
-  took = jax.process_count() == 1 and ckpt_lib.lock_workdir(workdir)
+  took = jax.process_count() == 1 and workdir_lib.lock_workdir(workdir)
   try:
     return _train(config, workdir, meta, allow_config_change)
   finally:
     if took:
-      ckpt_lib.unlock_workdir(workdir)
+      workdir_lib.unlock_workdir(workdir)
 
 
 def _check_not_past_end(workdir: str, start: int | None, steps: int) -> None:
@@ -292,8 +293,9 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   start = ckpt_lib.latest_complete_step(workdir)
   _check_not_past_end(workdir, start, int(train_config.steps))
   # Compared before the autotune (which may take minutes); data.workers is a neutral key.
-  changes = ckpt_lib.check_config_change(workdir, config, setup.model_cfg, resume_step=start,
-                                         allow_change=allow_config_change)
+  changes = workdir_lib.check_config_change(workdir, config, setup.model_cfg,
+                                            resume_step=start,
+                                            allow_change=allow_config_change)
   checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
                                        use_async=bool(config.checkpoint.async_save))
   start = checkpointer.latest_step()
@@ -304,7 +306,7 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   if config.data.autotune:  # before config.json, which then records the choice
     config.data.workers = autotune.choose_for_run(config, meta, workdir, steps,
                                                   is_writer=is_writer)
-  ckpt_lib.save_config(workdir, config, setup.model_cfg, changes, is_writer)
+  workdir_lib.save_config(workdir, config, setup.model_cfg, changes, is_writer)
   _warn_if_eval_wraps(config, meta, process)
 
   train_iter = prefetch.DevicePrefetcher(steps.batch_sharding, reopen=lambda k: iter(
@@ -333,7 +335,7 @@ def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, e
     start = 0
     state = steps.init(jax.random.key(train_config.seed))
   if is_writer:  # a crash leaves "running": job scripts requeue only a "preempted" run
-    ckpt_lib.write_run_state(workdir, "running", start, train_config.steps)
+    workdir_lib.write_run_state(workdir, "running", start, train_config.steps)
 
   log = TrainLog(setup, workdir, start, checkpointer, train_iter)
   preempted, step = False, start
@@ -364,6 +366,6 @@ def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, e
   checkpointer.close()
   log.close()
   if is_writer:
-    ckpt_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,
+    workdir_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,
                              train_config.steps)
   return {**log.last, "step": int(jax.device_get(state.step))}
