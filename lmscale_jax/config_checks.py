@@ -172,3 +172,15 @@ def check_model_fits_dataset(model_config, meta) -> None:
       raise ConfigError(
           f"model.{key}={value} disagrees with the dataset's {key}={meta_value} ({mpath}); set "
           f"model.{key}=0 to take it from the dataset")
+
+
+def flat_keys(tree: dict, prefix: str = "") -> dict:
+  """A config as JSON (``json.loads(config.to_json_best_effort())``) -> ``{"section.key":
+  value}``: how configs are compared (across processes, and a resume against config.json)."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(flat_keys(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat

@@ -261,19 +261,9 @@ PER_PROCESS_KEYS = ("distributed", "data.path", "data.workers", "data.prefetch_b
 
 def comparable_config(config) -> dict:
   """The config as flat ``{"a.b": value}``, without :data:`PER_PROCESS_KEYS`."""
-  flat = _flatten(json.loads(config.to_json_best_effort()))
+  flat = config_checks.flat_keys(json.loads(config.to_json_best_effort()))
   return {key: value for key, value in flat.items()
           if not any(key == k or key.startswith(f"{k}.") for k in PER_PROCESS_KEYS)}
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
 
 
 def _check_same_config(config) -> None:

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 
-from lmscale_jax import dataset
+from lmscale_jax import config_checks, dataset
 from lmscale_jax.checkpoint import IncompatibleCheckpoint, step_dir
 from lmscale_jax.errors import UserError
 
@@ -59,16 +59,6 @@ def resume_rule(key: str) -> str:
   return "result"
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
 def _resolved(config, model_cfg) -> dict:
   return {"config": json.loads(config.to_json_best_effort()),
           "model": {k: model_cfg[k] for k in SHAPE_KEYS}}
@@ -99,7 +89,7 @@ def check_config_change(workdir: str, config, model_cfg, *, resume_step: int | N
         "original config")
   if resume_step is None:  # no checkpoint yet: nothing saved would be reinterpreted
     return []
-  before, now = _flatten(old.get("config", {})), _flatten(new["config"])
+  before, now = config_checks.flat_keys(old.get("config", {})), config_checks.flat_keys(new["config"])
   changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
   by_rule = {k: resume_rule(k) for k in changed}
   state = [k for k in changed if by_rule[k] == "state"]
@@ -138,7 +128,7 @@ def save_config(workdir: str, config, model_cfg, changes: list[dict] | None,
   if changes is not None:
     with open(path) as f:
       old = json.load(f)
-    if (_flatten(old.get("config", {})) == _flatten(resolved["config"])
+    if (config_checks.flat_keys(old.get("config", {})) == config_checks.flat_keys(resolved["config"])
         and not changes):
       return
     resolved["changes"] = old.get("changes", []) + changes

@@ -234,10 +234,10 @@ def test_neutral_changes_resume_silently(data, resumable):
 def test_every_config_key_has_a_resume_rule():
   """A key added to the defaults must be classified (else it defaults to refusing a resume,
   which is safe but may surprise): every key appears in exactly one list."""
-  from lmscale_jax import config_defaults
+  from lmscale_jax import config_checks, config_defaults
   from lmscale_jax import workdir as workdir_lib
 
-  flat = workdir_lib._flatten(json.loads(config_defaults.get_base_config().to_json()))
+  flat = config_checks.flat_keys(json.loads(config_defaults.get_base_config().to_json()))
   lists = {"state": workdir_lib.STATE_KEYS, "result": workdir_lib.RESULT_KEYS,
            "extend": workdir_lib.EXTEND_KEYS, "neutral": workdir_lib.NEUTRAL_KEYS}
   for key in flat:

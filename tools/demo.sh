@@ -3,14 +3,7 @@
 # configs/tiny.py on the CPU, then prints the loss curve next to the unigram baseline.
 #   bash tools/demo.sh            (DEMO_DIR=demo, DEMO_MB=24 of ELF input, DEMO_STEPS=800)
 set -euo pipefail
-# --help: its usage and nothing else; it takes no arguments (a typo must not start the work).
-usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
-case "${1:-}" in
-  -h|--help) usage; exit 0 ;;
-  "") ;;
-  *) echo "error: unknown argument '$1': tools/demo.sh takes none (see --help)" >&2
-     exit 2 ;;
-esac
+source "$(dirname "$0")/_no_arguments.sh" "$0" "$@"  # --help, or no arguments at all
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 dir=${DEMO_DIR:-demo}

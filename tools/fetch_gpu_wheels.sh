@@ -10,14 +10,7 @@
 # tensorboardX. Wheels are fetched without dependencies, for that interpreter, at the
 # versions this repository is tested with; one version of each.
 set -euo pipefail
-# --help: its usage and nothing else; it takes no arguments (a typo must not start the work).
-usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
-case "${1:-}" in
-  -h|--help) usage; exit 0 ;;
-  "") ;;
-  *) echo "error: unknown argument '$1': tools/fetch_gpu_wheels.sh takes none (see --help)" >&2
-     exit 2 ;;
-esac
+source "$(dirname "$0")/_no_arguments.sh" "$0" "$@"  # --help, or no arguments at all
 cd "$(dirname "$0")/.."
 PYVER=${GPU_PYTHON_VERSION:-3.12}
 if [ -z "${PIP:-}" ]; then

@@ -1,14 +1,7 @@
 #!/usr/bin/env bash
 # Creates ./.venv (Python >= 3.11) with lmscale_jax and its test tools installed. Idempotent.
 set -euo pipefail
-# --help: its usage and nothing else; it takes no arguments (a typo must not start the work).
-usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
-case "${1:-}" in
-  -h|--help) usage; exit 0 ;;
-  "") ;;
-  *) echo "error: unknown argument '$1': tools/setup.sh takes none (see --help)" >&2
-     exit 2 ;;
-esac
+source "$(dirname "$0")/_no_arguments.sh" "$0" "$@"  # --help, or no arguments at all
 cd "$(dirname "$0")/.."
 py=""
 for c in python3.13 python3.12 python3.11 python3; do
