@@ -363,6 +363,9 @@ def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, e
     # flight cannot block on a peer: the last good checkpoint named in the error is complete.
     checkpointer.close()
     raise
+  except KeyboardInterrupt:
+    log.close()  # TensorBoard's buffered events; metrics.jsonl is written line by line
+    raise
   checkpointer.close()
   log.close()
   if is_writer:
