@@ -21,15 +21,15 @@ reading its own local copy does not (the paper's second finding). :func:`stage`:
   ``complete`` or ``failed`` (with the error) at the end. While copying, ``metadata.json`` is
   absent from the destination, so a crashed staging is never taken for a complete dataset.
 
-What training checks on a (staged) dataset directory before reading it is
-``lmscale_jax/data_checks.py``.
+The copy itself (hashing the bytes as they pass, temp name, rename) is
+``lmscale_jax/file_copy.py``; what training checks on a (staged) dataset directory before
+reading it is ``lmscale_jax/data_checks.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -39,12 +39,11 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from lmscale_jax import dataset
+from lmscale_jax import dataset, file_copy
 from lmscale_jax.errors import UserError
 
 STAGE_FILE = "staging.json"
-TMP_SUFFIX = ".staging"
-CHUNK = 8 << 20
+TMP_SUFFIX = file_copy.TMP_SUFFIX
 # Space kept free beyond the bytes to copy: file system metadata, and the temp copy of a file
 # that is being replaced coexists with the old one until the rename.
 SPACE_MARGIN = 64 << 20
@@ -138,77 +137,6 @@ def _write_state(directory: str, **state) -> None:
 
 
 # --------------------------------------------------------------------------- copying
-def _hash_file(path: str) -> str:
-  return dataset.sha256_file(path, chunk=CHUNK)
-
-
-def _signature(path: str) -> list | None:
-  """(size, mtime_ns, inode): changes whenever the file is rewritten or replaced."""
-  try:
-    st = os.stat(path)
-  except OSError:
-    return None
-  return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-class _Progress:
-  """A byte counter behind a tqdm bar (MB/s); thread-safe; silent when disabled."""
-
-  def __init__(self, total: int, enabled: bool, desc: str):
-    self.lock = threading.Lock()
-    self.bar = None
-    if enabled and total:
-      from tqdm import tqdm
-
-      self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
-                      mininterval=0.5, smoothing=0.1)
-
-  def update(self, n: int) -> None:
-    if self.bar is not None:
-      with self.lock:
-        self.bar.update(n)
-
-  def close(self) -> None:
-    if self.bar is not None:
-      self.bar.close()
-
-
-def _copy_one(src: str, dst: str, expected_sha: str, expected_bytes: int,
-              progress: _Progress) -> str:
-  """Copies ``src`` to ``dst`` via a temp name; returns the sha256 of the bytes copied.
-
-  The hash is of the bytes as read from the source and written; the temp file is renamed to
-  ``dst`` only when hash and size are the expected ones, else deleted.
-  """
-  tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}{TMP_SUFFIX}")
-  hasher = hashlib.sha256()
-  buf = bytearray(CHUNK)
-  view = memoryview(buf)
-  size = 0
-  try:
-    with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
-      while count := fin.readinto(buf):
-        chunk = view[:count]
-        hasher.update(chunk)
-        written = 0
-        while written < count:  # unbuffered writes may be partial
-          written += fout.write(chunk[written:])
-        size += count
-        progress.update(count)
-      os.fsync(fout.fileno())
-    os.chmod(tmp, 0o644)
-    digest = hasher.hexdigest()
-    if digest != expected_sha or size != expected_bytes:
-      os.unlink(tmp)
-      return digest
-    os.replace(tmp, dst)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-  return digest
-
-
 def _check_writable(dest: str) -> None:
   try:
     os.makedirs(dest, exist_ok=True)
@@ -283,7 +211,7 @@ def _plan_files(meta: dataset.DatasetMeta, src: str, *, only_needed: bool, num_p
            if plan == "interleaved" else ""))
   for name in side_files(src):
     path = os.path.join(src, name)
-    specs.append(FileSpec(name, os.path.getsize(path), _hash_file(path)))
+    specs.append(FileSpec(name, os.path.getsize(path), file_copy.hash_file(path)))
   return specs
 
 
@@ -304,11 +232,11 @@ def _find_good(dest: str, specs: list[FileSpec], recorded: dict, workers: int
 
   def is_good(spec: FileSpec) -> bool:
     path = os.path.join(dest, spec.name)
-    signature = _signature(path)
+    signature = file_copy.signature(path)
     if signature is None or signature[0] != spec.bytes:
       return False
     record = signature + [spec.sha256]
-    if recorded.get(spec.name) != record and _hash_file(path) != spec.sha256:
+    if recorded.get(spec.name) != record and file_copy.hash_file(path) != spec.sha256:
       return False
     with lock:
       verified[spec.name] = record
@@ -345,14 +273,14 @@ def _check_source_unchanged(src: str, source_metadata: bytes) -> None:
         "half-copied is kept as complete: rerun tools/stage.py to stage the new version")
 
 
-def _copy_verified(src: str, dest: str, spec: FileSpec, progress: _Progress,
+def _copy_verified(src: str, dest: str, spec: FileSpec, progress: file_copy.Progress,
                    source_metadata: bytes) -> list:
   """Copies one file, once more if the bytes read do not hash right; returns its record."""
   source, target = os.path.join(src, spec.name), os.path.join(dest, spec.name)
   for _attempt in range(2):  # a second read tells a flaky read from a corrupt source
-    digest = _copy_one(source, target, spec.sha256, spec.bytes, progress)
+    digest = file_copy.copy_hashed(source, target, spec.sha256, spec.bytes, progress)
     if digest == spec.sha256:
-      return _signature(target) + [digest]
+      return file_copy.signature(target) + [digest]
   _check_source_unchanged(src, source_metadata)  # a replaced dataset is not a corrupt one
   raise StagingError(
       f"checksum mismatch at the source: {source} reads as sha256 {digest[:16]}… (twice), "
@@ -360,7 +288,7 @@ def _copy_verified(src: str, dest: str, spec: FileSpec, progress: _Progress,
       "dataset or restore the file)")
 
 
-def _copy_all(src: str, dest: str, todo: list[FileSpec], workers: int, progress: _Progress,
+def _copy_all(src: str, dest: str, todo: list[FileSpec], workers: int, progress: file_copy.Progress,
               verified: dict[str, list], source_metadata: bytes) -> None:
   """Copies ``todo`` in parallel, largest first, adding each copied file to ``verified``; the
   first failure cancels what has not started."""
@@ -393,7 +321,7 @@ def _commit_metadata(src: str, dest: str, source_metadata: bytes) -> None:
 def _same_metadata(src: str, dest: str) -> bool:
   dst_meta = os.path.join(dest, dataset.METADATA)
   return (os.path.exists(dst_meta)
-          and _hash_file(dst_meta) == _hash_file(os.path.join(src, dataset.METADATA)))
+          and file_copy.hash_file(dst_meta) == file_copy.hash_file(os.path.join(src, dataset.METADATA)))
 
 
 def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
@@ -442,7 +370,7 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   dataset.fsync_dir(dest)
   log(f"staging {src} -> {dest}: {len(todo)} files, {human_bytes(todo_bytes)} to copy, {kept} "
       f"already verified; {workers} workers")
-  bar = _Progress(todo_bytes, progress, "staging")
+  bar = file_copy.Progress(todo_bytes, progress, "staging")
   copy_started = time.perf_counter()
   try:
     _copy_all(src, dest, todo, workers, bar, verified, source_metadata)

@@ -1,0 +1,89 @@
+"""Copying a file with its bytes hashed as they pass: the primitive of staging
+(``lmscale_jax/staging.py``), with the file signatures and the progress bar it uses."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+
+from lmscale_jax import dataset
+
+TMP_SUFFIX = ".staging"  # a copy in progress: ``.{name}.staging`` beside its final name
+CHUNK = 8 << 20
+
+
+def temp_name(path: str) -> str:
+  return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}{TMP_SUFFIX}")
+
+
+def hash_file(path: str) -> str:
+  return dataset.sha256_file(path, chunk=CHUNK)
+
+
+def signature(path: str) -> list | None:
+  """(size, mtime_ns, inode): changes whenever the file is rewritten or replaced."""
+  try:
+    st = os.stat(path)
+  except OSError:
+    return None
+  return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+class Progress:
+  """A byte counter behind a tqdm bar (MB/s); thread-safe; silent when disabled."""
+
+  def __init__(self, total: int, enabled: bool, desc: str):
+    self.lock = threading.Lock()
+    self.bar = None
+    if enabled and total:
+      from tqdm import tqdm
+
+      self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
+                      mininterval=0.5, smoothing=0.1)
+
+  def update(self, n: int) -> None:
+    if self.bar is not None:
+      with self.lock:
+        self.bar.update(n)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+def copy_hashed(src: str, dst: str, expected_sha: str, expected_bytes: int,
+              progress: Progress) -> str:
+  """Copies ``src`` to ``dst`` via a temp name; returns the sha256 of the bytes copied.
+
+  The hash is of the bytes as read from the source and written; the temp file is renamed to
+  ``dst`` only when hash and size are the expected ones, else deleted.
+  """
+  tmp = temp_name(dst)
+  hasher = hashlib.sha256()
+  buf = bytearray(CHUNK)
+  view = memoryview(buf)
+  size = 0
+  try:
+    with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
+      while count := fin.readinto(buf):
+        chunk = view[:count]
+        hasher.update(chunk)
+        written = 0
+        while written < count:  # unbuffered writes may be partial
+          written += fout.write(chunk[written:])
+        size += count
+        progress.update(count)
+      os.fsync(fout.fileno())
+    os.chmod(tmp, 0o644)
+    digest = hasher.hexdigest()
+    if digest != expected_sha or size != expected_bytes:
+      os.unlink(tmp)
+      return digest
+    os.replace(tmp, dst)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+  return digest
