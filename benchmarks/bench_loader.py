@@ -15,7 +15,8 @@ with ``grain.experimental.index_shuffle`` in its place, in alternating rounds of
 and the permutation alone per batch: the measurement behind keeping ``feistel_permute``.
 
 Prints a table and appends one JSON line per measurement to
-benchmarks/results/<date>-cpu-loader.jsonl.
+benchmarks/results/<date>-cpu-loader.jsonl (with ``--compare-shuffle``:
+``<date>-cpu-shuffle.jsonl``).
 """
 
 from __future__ import annotations
@@ -211,6 +212,18 @@ def main(argv=None) -> int:
     for name, r in result.items():
       print(f"  {name:16s} {r['samples_s_median']:9.0f} samples/s (median; rounds "
             f"{r['samples_s_rounds']}), permutation {r['permute_us_per_batch']:.0f} us/batch")
+    date = datetime.date.today().isoformat()
+    os.makedirs(a.results, exist_ok=True)
+    out = os.path.join(a.results, f"{date}-cpu-shuffle.jsonl")
+    with open(out, "a") as f:
+      for name, r in result.items():
+        f.write(json.dumps({"date": date, "device": cpu_description(), "system": name,
+                            "seq_len": meta.seq_len, "batch": a.batch, "rounds": a.rounds,
+                            "seconds": a.seconds, "loadavg_1m": os.getloadavg()[0],
+                            "ratio_vs_feistel": r["samples_s_median"]
+                            / result["feistel_permute"]["samples_s_median"], **r},
+                           sort_keys=True) + "\n")
+    print(f"results appended to {out}")
     return 0
 
   peer_python = None if a.no_peer else a.peer_python
