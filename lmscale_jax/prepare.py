@@ -186,6 +186,15 @@ def _foreign(out: str, names: list[str]) -> list[str]:
   return sorted(n for n in names if not ours(n))
 
 
+def _remove_stale_temps(out: str, ours: set[str]) -> None:
+  """The temp files a killed run left half written beside our files (a finished dataset holds
+  none: a CI run killed during the write of stats.json kept one)."""
+  for n in os.listdir(out):
+    m = _TEMP_NAME.fullmatch(n)
+    if m is not None and m.group(1) in ours:
+      os.unlink(os.path.join(out, n))
+
+
 def _clear_own(out: str, names: list[str]) -> None:
   """--overwrite: removes what earlier preparations wrote, the manifest last."""
   foreign = set(_foreign(out, names))
@@ -364,6 +373,7 @@ def _finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: floa
   dataset.finalize(o.output, name=name, seq_len=o.seq_len, vocab_size=stats["vocab_size"],
               special_ids=result["special"], splits=splits,
               extra={"kind": o.kind, "packing": o.packing, "tokens": tokens})
+  _remove_stale_temps(o.output, ours)
   # Whatever else TFDS wrote is ours too.
   _write_manifest(o.output, ours | (set(os.listdir(o.output)) - before))
   shutil.rmtree(work)

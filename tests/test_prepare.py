@@ -220,9 +220,10 @@ def test_kill_and_rerun_completes_identically(built, tmp_path, wait_for):
   proc.wait()
   assert not (out / dataset.METADATA).exists()
   kept = sorted((out / prepare.WORK).rglob("*.json"))
+  # What a kill during finalize's write of stats.json leaves (a CI run's kill landed there).
+  (out / f".{dataset.STATS}.k1ll3d.tmp").write_text("{")
   r = _cli("prepare_binary.py", *args)
   assert r.returncode == 0, r.stderr
-  assert "resuming" not in r.stdout or True
   v = _cli("inspect_shards.py", out, "--verify")
   assert v.returncode == 0 and "verify:" in v.stdout, v.stdout + v.stderr
   _same_output(ref, out)
