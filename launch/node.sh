@@ -5,7 +5,9 @@
 #       [-- <lmscale_jax.main args>]
 #
 # COORDINATOR: host:port of node 0 (NODE_RANK=0 runs process 0 there; the port must be free on
-#   it and reachable from every node).
+#   it and reachable from every node; taken, process 0 stops with an error naming it).
+#   LMSCALE_JOB_ID: optional, the same on every node (tells this job from another one
+#   started on the same COORDINATOR).
 # PROCS_PER_NODE: G (default: one process per GPU) or 1 (one process driving all G GPUs).
 # STAGE_FROM=/shared/dataset DATA_DIR=/local/ssd/dataset: first copy the dataset to this
 #   node's local disk (tools/stage.py; a rerun verifies and copies nothing), then train from

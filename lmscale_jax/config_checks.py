@@ -111,7 +111,8 @@ def _one_of(value, options, key: str) -> None:
 
 def check_config(config) -> None:
   """Step 1: every value on its own (raises :class:`ConfigError` naming the key)."""
-  from lmscale_jax import optim, records, steps  # modes are defined where they are implemented
+  # modes are defined where they are implemented
+  from lmscale_jax import checkpoint, model, optim, records, steps
 
   for old, new in RENAMED.items():
     section, leaf = old.split(".")
@@ -128,7 +129,14 @@ def check_config(config) -> None:
   _one_of(t.grad_allreduce_dtype, sorted(steps.REDUCE_DTYPES), "train.grad_allreduce_dtype")
   _one_of(t.dropout_rng, steps.DROPOUT_RNGS, "train.dropout_rng")
   _one_of(config.data.on_corrupt, records.ON_CORRUPT, "data.on_corrupt")
+  _one_of(config.checkpoint.on_full, checkpoint.ON_FULL, "checkpoint.on_full")
+  # A config.json of a run from before the key trained with one window per sequence.
+  _one_of(config.model.get("packed_attention", "cross"), model.PACKED_ATTENTION,
+          "model.packed_attention")
   parse_steps(t.inject_nonfinite_steps, "train.inject_nonfinite_steps")
+  if config.get("init_from"):  # the HF directory is a BERT of config.model's shape
+    from lmscale_jax import hf_convert
+    hf_convert.check_matches_model_config(str(config.init_from), config.model)
 
 
 def parse_steps(text, key: str) -> tuple[int, ...]:
@@ -162,7 +170,8 @@ def check_batch(batch_size: int, *, processes: int = 1, devices_per_process: int
 
 def check_model_fits_dataset(model_config, meta) -> None:
   """Step 3: ``model.vocab_size`` / ``model.seq_len`` are 0 (take the dataset's) or equal to
-  the dataset's."""
+  the dataset's; ``model.packed_attention="segment"`` needs a dataset whose packed functions
+  each start with [CLS] (format 2, or format 1 packed one per record)."""
   from lmscale_jax import dataset
 
   mpath = os.path.join(meta.path, dataset.METADATA)
@@ -172,6 +181,12 @@ def check_model_fits_dataset(model_config, meta) -> None:
       raise ConfigError(
           f"model.{key}={value} disagrees with the dataset's {key}={meta_value} ({mpath}); set "
           f"model.{key}=0 to take it from the dataset")
+  if model_config.get("packed_attention") == "segment" and not meta.has_cls_per_segment:
+    raise ConfigError(
+        f"model.packed_attention='segment' needs a [CLS] before every packed function, and "
+        f"{mpath} is format {meta.raw.get('format')!r} (one [CLS] per record): re-prepare the "
+        "dataset (tools/prepare_binary.py / prepare_text.py write format "
+        f"{dataset.FORMAT!r}) or set model.packed_attention=cross")
 
 
 def flat_keys(tree: dict, prefix: str = "") -> dict:

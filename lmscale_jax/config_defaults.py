@@ -43,6 +43,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.pre_ln = False
   c.model.dtype = "bfloat16"    # compute dtype; params are always float32
   c.model.attention_impl = "auto"  # auto | xla | cudnn (auto = cuDNN on GPU in bfloat16)
+  # segment: each packed function attends within itself, positions from 0 (as alone) | cross
+  c.model.packed_attention = "cross"
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 256      # global sequences per step
@@ -71,8 +73,13 @@ def get_base_config() -> ml_collections.ConfigDict:
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 10_000
-  c.checkpoint.keep = 3
+  c.checkpoint.keep = 3         # >= 2: a checkpoint failing verification has one to fall back to
   c.checkpoint.async_save = True  # Orbax saves in the background (was checkpoint.async)
+  c.checkpoint.on_full = "error"  # too little free space for a save: error (clean stop) | skip
+
+  # A Hugging Face BertForMaskedLM directory to start pretraining from (its weights at step
+  # 0; config.model must have its shape: tools/import_hf.py writes such a config). "" = none.
+  c.init_from = ""
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0   # 0 = from the device table (lmscale_jax/flops.py)

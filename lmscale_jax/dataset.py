@@ -11,7 +11,9 @@ A dataset directory holds
   * ``stats.json`` (what preparation saw and produced);
   * ``dataset_info.json`` / ``features.json`` (TFDS), for ``tfds.builder_from_directory``.
 
-Attention masks are not stored: they are ``input_ids != pad_id``.
+Attention masks are not stored: they are ``input_ids != pad_id``, and the functions of a
+packed record are its ``[CLS] … [SEP]`` spans (format 2: every packed piece has its own [CLS];
+format 1, which still loads, had one leading [CLS] per record: ``has_cls_per_segment``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import numpy as np
 
 from lmscale_jax.errors import UserError
 
-FORMAT = "lmscale_jax.dataset/1"
+FORMAT = "lmscale_jax.dataset/2"  # 2: a [CLS] before every packed piece (packing.Packer)
+FORMAT_1 = "lmscale_jax.dataset/1"  # records identical for --packing none; still loads
 FEATURE = "input_ids"
 DTYPE = "uint16"
 MAX_VOCAB = 65535  # ids must fit uint16
@@ -208,6 +211,13 @@ class DatasetMeta:
   def pad_id(self) -> int:
     return self.special_ids["[PAD]"]
 
+  @property
+  def has_cls_per_segment(self) -> bool:
+    """Every function/document of a record starts with its own [CLS] (what
+    ``model.packed_attention="segment"`` needs): format 2, or a format-1 dataset of one piece
+    per record (``--packing none``)."""
+    return self.raw.get("format", FORMAT) == FORMAT or self.raw.get("packing") == "none"
+
   @classmethod
   def load(cls, path: str) -> "DatasetMeta":
     if os.path.exists(path) and not os.path.isdir(path):
@@ -226,8 +236,10 @@ class DatasetMeta:
         raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
       raise DatasetError(f"{mpath}: not readable JSON: {e}") from e
-    if raw.get("format") != FORMAT:
-      raise DatasetError(f"{mpath}: format {raw.get('format')!r}, expected {FORMAT!r}")
+    if raw.get("format") not in (FORMAT, FORMAT_1):
+      raise DatasetError(f"{mpath}: format {raw.get('format')!r}, expected {FORMAT!r} (or "
+                         f"{FORMAT_1!r}); re-prepare it with tools/prepare_binary.py or "
+                         "tools/prepare_text.py")
     for key in ("name", "seq_len", "vocab_size", "special_ids", "splits", "dtype"):
       if key not in raw:
         raise DatasetError(f"{mpath}: missing key {key!r}")

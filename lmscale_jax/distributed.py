@@ -37,7 +37,7 @@ from typing import Any, Callable
 import jax
 from absl import logging
 
-from lmscale_jax import checkpoint, config_checks
+from lmscale_jax import checkpoint, config_checks, rendezvous
 from lmscale_jax.topology import DistributedError, Topology, resolve
 
 # Extra seconds the runtime gets beyond our own start-up watchdog, so that ours (with a message
@@ -141,6 +141,8 @@ def initialize(config) -> Topology:
   logging.info("process %d of %d: connecting to coordinator %s (%s)", topo.process_id,
                topo.num_processes, topo.coordinator, topo.describe_sources())
   try:
+    # Nothing registers with a coordination service that is not this job's (see rendezvous).
+    (rendezvous.claim if topo.process_id == 0 else rendezvous.confirm)(topo)
     jax.distributed.initialize(
         coordinator_address=topo.coordinator, num_processes=topo.num_processes,
         process_id=topo.process_id,

@@ -1,14 +1,21 @@
 """Copying a file with its bytes hashed as they pass: the primitive of staging
-(``lmscale_jax/staging.py``), with the file signatures and the progress bar it uses."""
+(``lmscale_jax/staging.py``), with the file signatures, the progress bar and the destination
+lock it uses."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
+import socket
 import sys
 import threading
+import time
+from typing import Callable
 
 from lmscale_jax import dataset
+from lmscale_jax.errors import UserError
 
 TMP_SUFFIX = ".staging"  # a copy in progress: ``.{name}.staging`` beside its final name
 CHUNK = 8 << 20
@@ -87,3 +94,38 @@ def copy_hashed(src: str, dst: str, expected_sha: str, expected_bytes: int,
       os.unlink(tmp)
     raise
   return digest
+
+
+class LockTimeout(UserError, RuntimeError):
+  """Another process held a directory's lock for longer than the caller waits."""
+
+
+@contextlib.contextmanager
+def dir_lock(directory: str, name: str, timeout_s: float, log: Callable[[str], None],
+             doing: str, timeout_key: str, poll_s: float = 0.2):
+  """Holds ``directory/name`` exclusively (``fcntl.flock``, written with this pid and host);
+  waits up to ``timeout_s`` for another holder, logging once whom it waits for. The kernel
+  releases the lock when its holder exits, however it ends: no stale lock after a crash."""
+  os.makedirs(directory, exist_ok=True)
+  fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    deadline, said = time.monotonic() + timeout_s, False
+    while True:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        break
+      except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "a process"
+        if time.monotonic() >= deadline:
+          raise LockTimeout(
+              f"{holder} has been {doing} {directory} for longer than {timeout_s:.0f} s "
+              f"({timeout_key}): wait for it to finish, or raise the timeout") from None
+        if not said:
+          log(f"waiting for {holder}, which is {doing} {directory} (up to {timeout_s:.0f} s)")
+          said = True
+        time.sleep(poll_s)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    yield
+  finally:
+    os.close(fd)  # releases the lock

@@ -45,6 +45,11 @@ def train_flops_per_sequence(cfg: ml_collections.ConfigDict, seq_len: int,
                              the embedding tables are excluded.
     + 3 · (2·2·S²·H) · L     attention scores Q·Kᵀ and probabilities·V, 2·S²·H each forward,
                              ×3 for forward + backward (whatever the implementation recomputes)
+                             over the full S×S window in both ``model.packed_attention``
+                             modes: "segment" masks the off-diagonal blocks but the kernels
+                             (XLA and cuDNN with the dense mask, Pallas comparing segment ids
+                             per tile) still compute them, and counting them keeps MFU the
+                             same number it was (a run's FLOPs do not depend on its packing)
     + 6 · P · (H² + H·V)     the MLM head (transform dense + tied decoder), run only at the P
                              gathered positions.
 

@@ -109,7 +109,11 @@ class MetricsWriter:
 
 def throughput(*, steps: int, seconds: float, wait_seconds: float, global_batch: int,
                tokens: float, flops_per_step: float, peak_flops_total: float | None) -> dict:
-  """Rates over a logging interval of ``steps`` steps that took ``seconds`` of wall time."""
+  """Rates over a logging interval of ``steps`` steps that took ``seconds`` of wall time; all
+  None for no timed steps (a window holding only a run's first, compiling step)."""
+  if steps == 0:
+    return dict.fromkeys(("step_time", "samples_per_sec", "tokens_per_sec", "input_wait_frac",
+                          "mfu"))
   seconds = max(seconds, 1e-9)
   out = {
       "step_time": seconds / steps,

@@ -1,4 +1,5 @@
-"""BERT encoder + masked-LM head (Flax linen), and its Hugging Face ``BertForMaskedLM`` mapping.
+"""BERT encoder + masked-LM head (Flax linen); its Hugging Face ``BertForMaskedLM`` mapping is
+lmscale_jax/hf_convert.py.
 
 ``BertForMLM(cfg)`` takes the *resolved* model config (:func:`resolve_model_config`): vocab and
 sequence length filled in from the dataset, plus ``pad_id``, ``remat`` and ``attention_impl``.
@@ -24,7 +25,18 @@ attention-probability dropout, so when ``cfg.attention_dropout > 0`` and not det
 explicit softmax path runs instead (materializing [B,N,S,S]); the shipped configs use
 ``attention_dropout = 0.0`` so training takes the fused path.
 
-Parameter tree (names chosen so that :func:`to_hf_state_dict` is a 1:1 renaming)::
+Packed sequences (``cfg.packed_attention``): "cross" is one attention window per sequence with
+positions 0..S-1 (format-1 behaviour, bit for bit); "segment" gives every ``[CLS] … [SEP]``
+span (a function, see :mod:`lmscale_jax.packing`) its own window and positions from 0, so each
+function is computed exactly as alone in a sequence (and as the exported BertForMaskedLM sees
+it). Segments are derived here from the tokens (:func:`segment_ids`: a segment starts at each
+[CLS]; MLM masking never touches specials), so the loader, per-process slicing and resume are
+the same in both modes. Paths in segment mode: "xla" with the block-diagonal [B,1,S,S] mask
+(:func:`segment_mask`), "cudnn" with that mask as cuDNN's dense bias (``jax.nn`` takes no
+segment ids: jax 0.10's cuDNN packed layout, ``q_offsets``, is private and Hopper-only), and
+"pallas" (Pallas GPU flash attention with ``segment_ids``: no [S,S] tensor in memory).
+
+Parameter tree (names chosen so that ``hf_convert.to_hf_state_dict`` is a 1:1 renaming)::
 
   embeddings/{word_embeddings,position_embeddings,token_type_embeddings}/embedding, LayerNorm
   layer_{i}/{query,key,value,attention_output,intermediate,output}/{kernel,bias},
@@ -55,7 +67,10 @@ REMAT_POLICIES = {
     # Keeps only each block's input; the whole block is recomputed in the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
 }
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+# model.packed_attention (checked in config_checks): "segment" = per-function attention and
+# positions inside a packed sequence, "cross" = one window over the whole sequence.
+PACKED_ATTENTION = ("segment", "cross")
 # How the cuDNN path masks padding (resolved config ``cudnn_mask``): "lengths" (key lengths,
 # cuDNN's padding mask) or "bias" (the [B,1,S,S] boolean mask turned into a bias, the earlier
 # way; kept for A/B benchmarks).
@@ -69,12 +84,14 @@ def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: dataset.Dat
 
   ``vocab_size``/``seq_len`` of 0 are taken from the dataset; a non-zero value must agree with
   it. Adds ``pad_id`` (from the dataset's special ids), ``remat`` (``config.train.remat``) and
-  ``cudnn_mask`` (one of :data:`CUDNN_MASKS`; "lengths" unless a benchmark sets it).
+  ``cudnn_mask`` (one of :data:`CUDNN_MASKS`; "lengths" unless a benchmark sets it) and
+  ``cls_id`` (where segments start in ``packed_attention="segment"``).
   """
   config_checks.check_model_fits_dataset(model_cfg, meta)
   cfg = ml_collections.ConfigDict(model_cfg.to_dict())
   cfg.vocab_size, cfg.seq_len = meta.vocab_size, meta.seq_len
   cfg.pad_id = meta.pad_id
+  cfg.cls_id = int(meta.special_ids["[CLS]"])
   cfg.remat = remat
   cfg.cudnn_mask = "lengths"  # see dot_product_attention; benchmarks A/B "bias"
   if cfg.hidden % cfg.heads:
@@ -90,7 +107,8 @@ def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: dataset.Dat
 
 
 def attention_impl(cfg: ml_collections.ConfigDict, deterministic: bool) -> str:
-  """The attention path the model takes on this process's backend: xla | cudnn | explicit."""
+  """The attention path the model takes on this process's backend: xla | cudnn | pallas |
+  explicit. "auto" never picks "pallas" (opt-in until tools/gpu_check.py has measured it)."""
   if cfg.attention_dropout > 0 and not deterministic:
     return "explicit"
   if cfg.attention_impl != "auto":
@@ -104,21 +122,59 @@ def attention_impl(cfg: ml_collections.ConfigDict, deterministic: bool) -> str:
   return "xla"
 
 
+# --------------------------------------------------------------------------- segments
+def segment_ids(input_ids, cls_id: int, pad_id: int):
+  """Which function each token belongs to, int32 [B,S]: 1, 2, … in order, 0 at [PAD].
+
+  A segment starts at each [CLS] (and at position 0, so a row that does not begin with [CLS]
+  still has its first tokens in a segment). A function split across sequences starts each
+  piece with [CLS], so it is a segment in each.
+  """
+  starts = (input_ids == cls_id).at[:, 0].set(True)
+  seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+  return jnp.where(input_ids == pad_id, 0, seg)
+
+
+def segment_positions(input_ids, cls_id: int):
+  """Position ids restarting at 0 at each [CLS], int32 [B,S] (what a function alone gets)."""
+  s = input_ids.shape[1]
+  index = jnp.arange(s, dtype=jnp.int32)[None, :]
+  starts = (input_ids == cls_id).at[:, 0].set(True)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def segment_mask(seg):
+  """Block-diagonal attention mask from :func:`segment_ids`, bool [B,1,S,S] (query, key).
+
+  A token attends to the tokens of its own segment; [PAD] (segment 0) attends only to [PAD],
+  so no query row is fully masked. The dense mask the "xla" and "cudnn" segment paths take
+  (and what tools/gpu_check.py compares the kernels with).
+  """
+  return (seg[:, :, None] == seg[:, None, :])[:, None]
+
+
 # --------------------------------------------------------------------------- layers
 def dot_product_attention(q, k, v, key_mask, *, impl: str, dropout_rate: float = 0.0,
-                          dropout_rng=None, cudnn_mask: str = "lengths"):
-  """Multi-head attention core. q/k/v [B,S,N,D] (BTNH), key_mask [B,S] bool → [B,S,N,D]."""
-  if impl == "explicit":
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    scores = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    if dropout_rate > 0:
-      keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-      probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-    return jnp.einsum("bnts,bsnd->btnd", probs.astype(v.dtype), v)
+                          dropout_rng=None, cudnn_mask: str = "lengths", segments=None):
+  """Multi-head attention core. q/k/v [B,S,N,D] (BTNH), key_mask [B,S] bool → [B,S,N,D].
+
+  ``segments``: :func:`segment_ids` [B,S] for per-segment attention (then ``key_mask`` is not
+  used: [PAD] is segment 0); None for one window per row (``packed_attention="cross"``).
+  """
+  if impl == "pallas":
+    # Flash attention comparing segment ids per tile: nothing [S,S] is materialised. One window
+    # per row is the segments non-pad = 1, [PAD] = 0 (identical outputs at non-pad tokens).
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    seg = key_mask.astype(jnp.int32) if segments is None else segments
+    return pallas_attention.mha(q, k, v, seg, sm_scale=float(1.0 / np.sqrt(q.shape[-1])),
+                                interpret=jax.default_backend() != "gpu")
   b, s = key_mask.shape
-  if impl == "cudnn":
+  if segments is not None:
+    mask = segment_mask(segments)  # [B,1,S,S]: also the shape cuDNN needs for a dense mask
+  elif impl == "explicit":
+    mask = key_mask[:, None, None, :]
+  elif impl == "cudnn":
     if cudnn_mask == "lengths":
       # cuDNN's padding mask type: no [B,1,S,S] bias tensor is built, and the kernel skips
       # fully padded key tiles. Exact because padding is trailing (see padding_lengths).
@@ -128,7 +184,22 @@ def dot_product_attention(q, k, v, key_mask, *, impl: str, dropout_rate: float =
     mask = jnp.broadcast_to(key_mask[:, None, None, :], (b, 1, s, s))
   else:
     mask = key_mask[:, None, None, :]
+  if impl == "explicit":
+    return _explicit_attention(q, k, v, mask, dropout_rate, dropout_rng)
+  # jax.nn takes no segment ids: segment mode gives "xla" and "cudnn" (as a bias) the dense mask.
   return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+
+
+def _explicit_attention(q, k, v, mask, dropout_rate: float, dropout_rng):
+  """Softmax attention with attention-probability dropout (the fused calls have none)."""
+  scale = 1.0 / np.sqrt(q.shape[-1])
+  scores = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=jnp.float32) * scale
+  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  if dropout_rate > 0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  return jnp.einsum("bnts,bsnd->btnd", probs.astype(v.dtype), v)
 
 
 def padding_lengths(key_mask):
@@ -167,12 +238,15 @@ class BertEmbeddings(nn.Module):
     self.LayerNorm = _layer_norm(cfg, "LayerNorm")
     self.dropout = nn.Dropout(cfg.dropout)
 
-  def __call__(self, input_ids, deterministic: bool):
+  def __call__(self, input_ids, deterministic: bool, position_ids=None):
     s = input_ids.shape[1]
     if s > self.cfg.seq_len:
       raise ValueError(f"input length {s} exceeds model.seq_len={self.cfg.seq_len}")
     x = self.word_embeddings(input_ids)
-    x = x + self.position_embeddings(jnp.arange(s))[None]
+    if position_ids is None:  # "cross": 0..S-1 for every row
+      x = x + self.position_embeddings(jnp.arange(s))[None]
+    else:
+      x = x + self.position_embeddings(position_ids)
     # Single-segment pretraining: every token has type 0 (the table exists for HF parity).
     x = x + self.token_type_embeddings(jnp.zeros((1, 1), jnp.int32))
     return self.dropout(self.LayerNorm(x), deterministic=deterministic)
@@ -187,7 +261,7 @@ class BertLayer(nn.Module):
   cfg: ml_collections.ConfigDict
 
   @nn.compact
-  def __call__(self, x, key_mask, deterministic: bool):
+  def __call__(self, x, key_mask, segments, deterministic: bool):
     cfg = self.cfg
     b, s, h = x.shape
     n = cfg.heads
@@ -200,7 +274,7 @@ class BertLayer(nn.Module):
       impl = attention_impl(cfg, deterministic)
       ctx = dot_product_attention(
           heads("query"), heads("key"), heads("value"), key_mask, impl=impl,
-          dropout_rate=cfg.attention_dropout, cudnn_mask=cfg.cudnn_mask,
+          dropout_rate=cfg.attention_dropout, cudnn_mask=cfg.cudnn_mask, segments=segments,
           dropout_rng=self.make_rng("dropout") if impl == "explicit" else None)
       return dropout(_dense(cfg, h, "attention_output")(ctx.reshape(b, s, h)))
 
@@ -222,14 +296,18 @@ class BertForMLM(nn.Module):
   def __call__(self, input_ids, mlm_positions, deterministic: bool = True):
     cfg = self.cfg
     key_mask = input_ids != cfg.pad_id
+    segments = positions = None
+    if cfg.get("packed_attention", "cross") == "segment":
+      segments = segment_ids(input_ids, cfg.cls_id, cfg.pad_id)
+      positions = segment_positions(input_ids, cfg.cls_id)
     embeddings = BertEmbeddings(cfg, name="embeddings")
-    x = embeddings(input_ids, deterministic)
+    x = embeddings(input_ids, deterministic, positions)
     layer_cls = BertLayer
     if REMAT_POLICIES[cfg.remat] is not None:
       # static_argnums counts `self` as 0: `deterministic` is a Python bool.
-      layer_cls = nn.remat(BertLayer, policy=REMAT_POLICIES[cfg.remat], static_argnums=(3,))
+      layer_cls = nn.remat(BertLayer, policy=REMAT_POLICIES[cfg.remat], static_argnums=(4,))
     for i in range(cfg.layers):
-      x = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic)
+      x = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, segments, deterministic)
     if cfg.pre_ln:
       x = _layer_norm(cfg, "final_LayerNorm")(x)
 
@@ -250,104 +328,3 @@ def init_params(cfg: ml_collections.ConfigDict, rng, batch: int = 1, predictions
   ids = jnp.zeros((batch, cfg.seq_len), jnp.int32)
   positions = jnp.zeros((batch, predictions), jnp.int32)
   return BertForMLM(cfg).init({"params": rng}, ids, positions, deterministic=True)["params"]
-
-
-# --------------------------------------------------------------------------- HF mapping
-_HF_LAYER = {  # our per-layer module → BertLayer submodule in transformers
-    "query": "attention.self.query",
-    "key": "attention.self.key",
-    "value": "attention.self.value",
-    "attention_output": "attention.output.dense",
-    "attention_LayerNorm": "attention.output.LayerNorm",
-    "intermediate": "intermediate.dense",
-    "output": "output.dense",
-    "output_LayerNorm": "output.LayerNorm",
-}
-_HF_TOP = {
-    ("embeddings", "word_embeddings"): "bert.embeddings.word_embeddings",
-    ("embeddings", "position_embeddings"): "bert.embeddings.position_embeddings",
-    ("embeddings", "token_type_embeddings"): "bert.embeddings.token_type_embeddings",
-    ("embeddings", "LayerNorm"): "bert.embeddings.LayerNorm",
-    ("mlm_transform",): "cls.predictions.transform.dense",
-    ("mlm_LayerNorm",): "cls.predictions.transform.LayerNorm",
-}
-# flax leaf → (torch leaf, whether the array is transposed: Linear stores weight as (out, in)).
-_HF_LEAF = {"kernel": ("weight", True), "bias": ("bias", False), "scale": ("weight", False),
-            "embedding": ("weight", False)}
-# Aliases of tied tensors that HF's state_dict also lists; checked on load, not stored twice.
-_HF_TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-            "cls.predictions.decoder.bias": "cls.predictions.bias"}
-# Non-parameter buffer older transformers versions persist.
-_HF_IGNORED = ("bert.embeddings.position_ids",)
-
-
-def _module_map(cfg) -> dict[tuple[str, ...], str]:
-  if cfg.pre_ln:
-    raise ValueError("model.pre_ln=True has no BertForMaskedLM equivalent (HF BERT is post-LN "
-                     "and has no final LayerNorm)")
-  mapping = dict(_HF_TOP)
-  for i in range(cfg.layers):
-    for ours, theirs in _HF_LAYER.items():
-      mapping[(f"layer_{i}", ours)] = f"bert.encoder.layer.{i}.{theirs}"
-  return mapping
-
-
-def to_hf_state_dict(params, cfg: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-  """Parameters → ``BertForMaskedLM.state_dict()`` names and layouts (float32 numpy)."""
-  sd = {}
-  for path, modname in _module_map(cfg).items():
-    node = params
-    for p in path:
-      node = node[p]
-    for leaf, value in node.items():
-      name, transpose = _HF_LEAF[leaf]
-      a = np.asarray(value, np.float32)
-      sd[f"{modname}.{name}"] = np.ascontiguousarray(a.T if transpose else a)
-  sd["cls.predictions.bias"] = np.asarray(params["mlm_bias"], np.float32)
-  for alias, source in _HF_TIED.items():
-    sd[alias] = sd[source]
-  return sd
-
-
-def from_hf_state_dict(sd, cfg: ml_collections.ConfigDict) -> dict:
-  """``BertForMaskedLM`` state dict (numpy or CPU torch tensors) → parameters (float32 numpy).
-
-  Every parameter must be present with the shape ``cfg`` implies; the decoder must be tied to
-  the word embeddings (this model has no separate decoder matrix); unknown keys are an error.
-  """
-  sd = {k: np.asarray(v, np.float32) for k, v in sd.items()}
-  expected = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-  used = set()
-
-  def take(key, shape):
-    if key not in sd:
-      raise ValueError(f"HF state dict lacks {key!r}")
-    if sd[key].shape != tuple(shape):
-      raise ValueError(f"HF {key!r} has shape {sd[key].shape}, model config implies "
-                       f"{tuple(shape)}")
-    used.add(key)
-    return sd[key]
-
-  params: dict = {}
-  for path, modname in _module_map(cfg).items():
-    want = expected
-    for p in path:
-      want = want[p]
-    node = params
-    for p in path:
-      node = node.setdefault(p, {})
-    for leaf, spec in want.items():
-      name, transpose = _HF_LEAF[leaf]
-      shape = spec.shape[::-1] if transpose else spec.shape
-      a = take(f"{modname}.{name}", shape)
-      node[leaf] = np.ascontiguousarray(a.T if transpose else a)
-  params["mlm_bias"] = take("cls.predictions.bias", (cfg.vocab_size,))
-  for alias, source in _HF_TIED.items():
-    if alias in sd:
-      if not np.array_equal(sd[alias], sd[source]):
-        raise ValueError(f"HF {alias!r} differs from {source!r}: this model ties them")
-      used.add(alias)
-  unexpected = sorted(set(sd) - used - set(_HF_IGNORED))
-  if unexpected:
-    raise ValueError(f"HF state dict has keys BertForMLM does not map: {unexpected}")
-  return params

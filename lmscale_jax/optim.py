@@ -35,12 +35,28 @@ def decay_mask(params):
 
 def make_optimizer(train_config) -> optax.GradientTransformation:
   t = train_config
-  optimizer = optax.chain(
-      optax.clip_by_global_norm(t.clip_norm),
-      optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
-                  weight_decay=t.weight_decay, mask=decay_mask))
-  if t.nonfinite == "skip":
-    # A NaN/inf gradient never reaches the parameters or the Adam moments. Only in skip mode:
-    # error mode stops before any later checkpoint, and its step stays the plain program.
-    optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=_NEVER)
-  return optimizer
+  schedule = learning_rate_schedule(t)
+  if t.nonfinite != "skip":
+    return optax.chain(
+        optax.clip_by_global_norm(t.clip_norm),
+        optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+                    mask=decay_mask))
+  # Skip mode: a NaN/inf gradient never reaches the parameters or the Adam moments (only in
+  # skip mode: error mode stops before any later checkpoint, and its step stays the plain
+  # program). The guard wraps adamw's parts but its learning-rate scaling
+  # (optax.adamw = scale_by_adam -> add_decayed_weights -> scale_by_learning_rate): that
+  # one's step count then advances on every step, skipped or not, so the rate applied is
+  # schedule(state.step), the one logged; inside the guard it would lag by the skips.
+  guarded = optax.apply_if_finite(
+      optax.chain(optax.clip_by_global_norm(t.clip_norm),
+                  optax.scale_by_adam(b1=t.b1, b2=t.b2, eps=t.eps),
+                  optax.add_decayed_weights(t.weight_decay, decay_mask)),
+      max_consecutive_errors=_NEVER)
+  return optax.chain(guarded, optax.scale_by_learning_rate(schedule))
+
+
+def finite_guard(opt_state) -> optax.ApplyIfFiniteState | None:
+  """The ``train.nonfinite=skip`` guard's state (skipped-step counters), None in error mode."""
+  return next((s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState))
+               if isinstance(s, optax.ApplyIfFiniteState)), None)

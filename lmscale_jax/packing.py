@@ -1,4 +1,11 @@
-"""Token streams of whole functions/documents → fixed-length ``[CLS] a [SEP] b [SEP] … [PAD]…``.
+"""Token streams of whole functions/documents → fixed-length sequences
+``[CLS] a [SEP] [CLS] b [SEP] … [PAD]…``.
+
+Every piece is framed as ``[CLS] piece [SEP]`` (dataset format 2; format 1 shared one leading
+[CLS]): a packed function then starts exactly as it would alone in a sequence, so with
+``model.packed_attention="segment"`` (segments begin at each [CLS], see ``model.segment_ids``)
+it gets the computation it gets alone, [CLS] at its position 0 included, for one token per
+extra function. ``none`` and pieces that fill a sequence are byte-identical to format 1.
 
 ``greedy``: best-fit over a bounded window of open sequences: each piece goes into the open
 sequence it fills most tightly; when more than ``window`` are open, the fullest is emitted. This
@@ -18,7 +25,7 @@ import numpy as np
 
 @dataclasses.dataclass
 class _OpenSequence:
-  free: int     # token slots left (after [CLS] and the [SEP] of every piece)
+  free: int     # token slots left (after the [CLS] and [SEP] of every piece)
   pieces: list  # token-id arrays, in order
 
 
@@ -36,12 +43,12 @@ class Packer:
 
   def _sequence(self, pieces) -> np.ndarray:
     out = np.full(self.seq_len, self.pad, np.uint16)
-    out[0] = self.cls
-    i = 1
+    i = 0
     for p in pieces:
-      out[i:i + len(p)] = p
-      out[i + len(p)] = self.sep
-      i += len(p) + 1
+      out[i] = self.cls
+      out[i + 1:i + 1 + len(p)] = p
+      out[i + 1 + len(p)] = self.sep
+      i += len(p) + 2
     return out
 
   def add(self, ids: np.ndarray) -> Iterator[np.ndarray]:
@@ -57,17 +64,17 @@ class Packer:
       yield from self._place(piece)
 
   def _place(self, piece: np.ndarray) -> Iterator[np.ndarray]:
-    need = len(piece) + 1  # the piece and its [SEP]
+    need = len(piece) + 2  # [CLS], the piece and its [SEP]
     best = None
     for candidate in self._open:
       if candidate.free >= need and (best is None or candidate.free < best.free):
         best = candidate
     if best is None:
-      best = _OpenSequence(free=self.seq_len - 1, pieces=[])  # minus [CLS]
+      best = _OpenSequence(free=self.seq_len, pieces=[])
       self._open.append(best)
     best.free -= need
     best.pieces.append(piece)
-    if best.free < 2:  # nothing more fits
+    if best.free < 3:  # nothing more fits ([CLS] x [SEP] needs 3)
       self._open.remove(best)
       yield self._sequence(best.pieces)
     elif len(self._open) > self.window:

@@ -320,7 +320,9 @@ def _move_into_place(o: Options, work: str, name: str, result: dict) -> dict:
         os.replace(src, os.path.join(o.output, final))
       infos.append({"file": final, **info})
     splits[split] = infos
-  shutil.copyfile(os.path.join(work, dataset.TOKENIZER), os.path.join(o.output, dataset.TOKENIZER))
+  # With the roles and files transformers' AutoTokenizer needs (tokenizer.with_hf_roles).
+  toklib.write_hf_files(toklib.load(os.path.join(work, dataset.TOKENIZER)), o.output,
+                        model_max_length=o.seq_len)
   return splits
 
 
@@ -329,7 +331,7 @@ def _finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: floa
   name = "binary_code" if o.kind == "binary" else "text_corpus"
   _check_splits(o, result)
   before = set(os.listdir(o.output))
-  ours = set(_manifest(o.output) or []) | {WORK, dataset.TOKENIZER, dataset.STATS,
+  ours = set(_manifest(o.output) or []) | {WORK, *toklib.HF_FILES, dataset.STATS,
                                            dataset.METADATA, *TFDS_FILES}
   ours |= {dataset.shard_filename(name, s, i, len(v))
            for s, v in result["splits"].items() for i in range(len(v))}

@@ -19,7 +19,11 @@ reading its own local copy does not (the paper's second finding). :func:`stage`:
   planned with, while the source still has them;
 * records its state in ``staging.json`` in the destination: ``copying`` while it runs,
   ``complete`` or ``failed`` (with the error) at the end. While copying, ``metadata.json`` is
-  absent from the destination, so a crashed staging is never taken for a complete dataset.
+  absent from the destination, so a crashed staging is never taken for a complete dataset;
+* holds an exclusive lock on the destination (``.stage.lock``, ``fcntl.flock``) from planning
+  to the last state write: stagers started together on one node (an array job, a sweep) wait
+  for the first (``lock_timeout``, ``data.stage_timeout``), then find everything verified and
+  copy nothing. The kernel drops the lock when its holder exits, however it ends.
 
 The copy itself (hashing the bytes as they pass, temp name, rename) is
 ``lmscale_jax/file_copy.py``; what training checks on a (staged) dataset directory before
@@ -39,10 +43,11 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from lmscale_jax import dataset, file_copy
+from lmscale_jax import config_defaults, dataset, file_copy
 from lmscale_jax.errors import UserError
 
 STAGE_FILE = "staging.json"
+LOCK_FILE = ".stage.lock"
 TMP_SUFFIX = file_copy.TMP_SUFFIX
 # Space kept free beyond the bytes to copy: file system metadata, and the temp copy of a file
 # that is being replaced coexists with the old one until the rename.
@@ -326,17 +331,35 @@ def _same_metadata(src: str, dest: str) -> bool:
 
 def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
           num_processes: int = 1, process_ids: Sequence[int] = (0,), plan: str = "interleaved",
-          verify_all: bool = False, progress: bool = True,
+          verify_all: bool = False, progress: bool = True, lock_timeout: float | None = None,
           log: Callable[[str], None] | None = None) -> dict:
   """Stages ``src`` into ``dest`` (see the module docstring); returns a summary dict.
 
   Raises :class:`StagingError` (bad source, no space, unwritable destination, checksum
-  mismatch at the source) after recording it in ``dest/staging.json``.
+  mismatch at the source) after recording it in ``dest/staging.json``, or when another
+  stager holds ``dest`` for longer than ``lock_timeout`` seconds (default
+  ``data.stage_timeout``).
   """
   log = log or log_to_stderr
-  started = time.perf_counter()
+  if lock_timeout is None:
+    lock_timeout = float(config_defaults.get_base_config().data.stage_timeout)
   src, dest = os.path.abspath(src), os.path.abspath(dest)
   meta = _check_source_and_dest(src, dest, workers)
+  try:
+    with file_copy.dir_lock(dest, LOCK_FILE, lock_timeout, log, "staging into",
+                            "--wait / data.stage_timeout"):
+      return _stage_locked(src, dest, meta, workers=workers, only_needed=only_needed,
+                           num_processes=num_processes, process_ids=process_ids, plan=plan,
+                           verify_all=verify_all, progress=progress, log=log)
+  except file_copy.LockTimeout as e:
+    raise StagingError(str(e)) from None
+
+
+def _stage_locked(src: str, dest: str, meta: dataset.DatasetMeta, *, workers: int,
+                  only_needed: bool, num_processes: int, process_ids: Sequence[int], plan: str,
+                  verify_all: bool, progress: bool, log: Callable[[str], None]) -> dict:
+  """:func:`stage` once ``dest`` is locked."""
+  started = time.perf_counter()
   source_metadata = _metadata_bytes(src, meta)
   specs = _plan_files(meta, src, only_needed=only_needed, num_processes=num_processes,
                       process_ids=process_ids, plan=plan, log=log)
@@ -416,7 +439,7 @@ def stage_per_node(src: str, dest: str, *, workers: int, timeout_s: float,
 
   def run():
     if me == stager:
-      stage(src, dest, workers=workers, progress=False, log=log)
+      stage(src, dest, workers=workers, progress=False, lock_timeout=timeout_s, log=log)
 
   # Waiting for the stagers is the completion marker: a key per stager in the coordinator's
   # key-value store (staging.json alone could be a stale "complete" from an earlier run).

@@ -114,8 +114,8 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
     }
     finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
     metrics["nonfinite"] = jnp.logical_not(finite).astype(jnp.int32)
-    if isinstance(opt_state, optax.ApplyIfFiniteState):  # skip mode
-      metrics["consecutive_nonfinite"] = opt_state.notfinite_count
+    if (guard := optim.finite_guard(opt_state)) is not None:  # skip mode
+      metrics["consecutive_nonfinite"] = guard.notfinite_count
     if "corrupt" in batch:  # data.on_corrupt="skip": rows the loader replaced
       metrics["corrupt_records"] = batch["corrupt"].sum()
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

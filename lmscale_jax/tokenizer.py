@@ -113,3 +113,55 @@ def validate(tok, where: str) -> dict:
   if ids["[PAD]"] != 0:
     raise TokenizerError(f"{where}: [PAD] has id {ids['[PAD]']}, expected 0")
   return ids
+
+
+# --------------------------------------------------------------------------- for transformers
+# The files `transformers.AutoTokenizer.from_pretrained(DIR)` reads beside tokenizer.json.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+HF_FILES = (dataset.TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
+HF_ROLES = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
+            "sep_token": "[SEP]", "mask_token": "[MASK]"}
+# Kept by decode(skip_special_tokens=True): it is the instruction separator of binary code,
+# part of the text, not framing. Still an added token, so it is never split into pieces.
+NON_SPECIAL = ("[NEXT]",)
+
+
+def with_hf_roles(tok):
+  """``tok`` as training sees its sequences: ``encode()`` wraps text in ``[CLS] … [SEP]``
+  (pairs ``[CLS] a [SEP] b [SEP]``, all type 0: pretraining never used segment 1) and
+  ``[NEXT]`` is an ordinary (non-special) added token. Token ids are unchanged, and so is any
+  ``encode(..., add_special_tokens=False)``, which is how preparation tokenizes. Idempotent."""
+  import json
+
+  from tokenizers import Tokenizer, processors
+
+  ids = validate(tok, "tokenizer")
+  # tokenizers has no setter for an added token's `special` flag: edit its JSON form.
+  data = json.loads(tok.to_str())
+  for added in data.get("added_tokens", []):
+    if added["content"] in NON_SPECIAL:
+      added["special"] = False
+  out = Tokenizer.from_str(json.dumps(data))
+  out.post_processor = processors.TemplateProcessing(
+      single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+      special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+  return out
+
+
+def write_hf_files(tok, directory: str, *, model_max_length: int) -> None:
+  """tokenizer.json (:func:`with_hf_roles`), tokenizer_config.json and
+  special_tokens_map.json into ``directory``, each written atomically."""
+  import json
+  import os
+
+  tok = with_hf_roles(tok)
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", **HF_ROLES,
+            "model_max_length": int(model_max_length),
+            # transformers' clean-up would glue "[ rbp - 0x18 ]" and "mov rax , …" together.
+            "clean_up_tokenization_spaces": False, "do_lower_case": False}
+  dataset.atomic_write_bytes(os.path.join(directory, dataset.TOKENIZER), tok.to_str().encode())
+  dataset.atomic_write_bytes(os.path.join(directory, TOKENIZER_CONFIG),
+                             json.dumps(config, indent=2).encode())
+  dataset.atomic_write_bytes(os.path.join(directory, SPECIAL_TOKENS_MAP),
+                             json.dumps(HF_ROLES, indent=2).encode())

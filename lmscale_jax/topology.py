@@ -10,16 +10,17 @@ device ids) comes from the first source that sets it:
      ``LMSCALE_PROCESS_ID``, ``LMSCALE_LOCAL_DEVICE_IDS`` (what ``launch/*.sh`` set);
   3. Slurm (inside ``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST``,
      ``SLURM_LOCALID``; the coordinator is the step's first node, port
-     ``LMSCALE_COORDINATOR_PORT`` or one derived from the job id;
+     ``LMSCALE_COORDINATOR_PORT`` or one derived from the job and step ids (:func:`slurm_port`);
   4. nothing set: a single process (``jax.distributed`` is not started).
 
 ``distributed.mode="single"`` ignores all of it (e.g. a shell inside ``salloc``).
 
-Slurm and devices: with one task per node the task owns all its GPUs; with several tasks on a
-node each takes GPU ``SLURM_LOCALID``, unless Slurm already bound one GPU per task
-(``--gpus-per-task=1`` / ``--gpu-bind``: ``CUDA_VISIBLE_DEVICES`` lists one device). JAX's own
-Slurm detection assumes one task per GPU, so ``distributed.initialize`` switches it off and
-passes what this module resolved: both layouts work.
+Slurm and devices (:func:`slurm_devices`): one task per node owns every GPU it sees; a task
+Slurm bound GPUs to (``--gpus-per-task``, ``--gpu-bind``) owns those; tasks that all see the
+node's GPUs take GPU ``SLURM_LOCALID`` only when there are as many GPUs as tasks; any other
+layout is an error naming the variables, never a silent guess. JAX's own Slurm detection
+assumes one task per GPU, so ``distributed.initialize`` switches it off and passes what this
+module resolved.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import collections
 import dataclasses
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from lmscale_jax.errors import UserError
 
@@ -37,6 +38,7 @@ ENV_NUM_PROCESSES = "LMSCALE_NUM_PROCESSES"
 ENV_PROCESS_ID = "LMSCALE_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "LMSCALE_LOCAL_DEVICE_IDS"
 ENV_COORDINATOR_PORT = "LMSCALE_COORDINATOR_PORT"
+ENV_JOB_ID = "LMSCALE_JOB_ID"
 
 # The fields that make a job multi-process; local_device_ids alone does not.
 _JOB_FIELDS = ("coordinator", "num_processes", "process_id")
@@ -59,6 +61,7 @@ class Topology:
   coordinator: str | None = None
   local_device_ids: tuple[int, ...] | None = None
   sources: Mapping[str, str] = dataclasses.field(default_factory=dict)  # field -> where from
+  job: str = ""  # job_key(): tells this job's processes from another's at the same port
 
   @property
   def multi(self) -> bool:
@@ -130,13 +133,33 @@ def _tasks_per_node(spec: str, variable: str) -> list[int]:
   return counts
 
 
+# The derived port: JAX's range (jax/_src/clusters/slurm_cluster.py: the top 4096 ports of the
+# ephemeral range), offset by the step: PORT_STEP_STRIDE is odd, so the 4096 steps of one job get
+# 4096 different ports, and not 1, so step 1 of job j does not take step 0 of job j+1 (array
+# jobs and sweeps have consecutive ids and share nodes).
+PORT_BASE, PORT_RANGE, PORT_STEP_STRIDE = 65536 - 4096, 4096, 1021
+
+
 def slurm_port(env: Mapping[str, str]) -> int:
-  """The coordinator's port: ``LMSCALE_COORDINATOR_PORT``, else one derived from the job id."""
+  """The coordinator's port: ``LMSCALE_COORDINATOR_PORT``, else ``61440 + (SLURM_JOB_ID +
+  1021 * SLURM_STEP_ID) % 4096`` (step 0: JAX's own choice). Two jobs can still derive the same
+  port (job ids 4096 apart); process 0 then refuses to start (``lmscale_jax/rendezvous.py``)."""
   if env.get(ENV_COORDINATOR_PORT):
     return _parse_int(env[ENV_COORDINATOR_PORT], ENV_COORDINATOR_PORT)
-  # JAX's own choice (jax/_src/clusters/slurm_cluster.py): a job-specific port in the top
-  # 4096 of the ephemeral range, so concurrent jobs sharing a first node do not collide.
-  return int(env.get("SLURM_JOB_ID", "0")) % 4096 + (65535 - 4096 + 1)
+  job = _parse_int(env.get("SLURM_JOB_ID") or "0", "SLURM_JOB_ID")
+  step = env.get("SLURM_STEP_ID", "")
+  step = int(step) if step.isdigit() else 0  # "batch"/"extern" steps run no training
+  return PORT_BASE + (job + PORT_STEP_STRIDE * step) % PORT_RANGE
+
+
+def job_key(env: Mapping[str, str]) -> str:
+  """What tells this job's processes from another job's at the same coordinator address:
+  ``LMSCALE_JOB_ID`` (launch/local.sh sets a random one), else Slurm's job and step ids."""
+  if env.get(ENV_JOB_ID):
+    return env[ENV_JOB_ID]
+  if env.get("SLURM_JOB_ID"):
+    return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}"
+  return ""
 
 
 def _tasks_on_this_node(env: Mapping[str, str], num_tasks: int, num_nodes: int) -> int:
@@ -153,8 +176,10 @@ def _tasks_on_this_node(env: Mapping[str, str], num_tasks: int, num_nodes: int) 
   return -(-num_tasks // max(1, num_nodes))  # an even spread, rounded up
 
 
-def slurm_fields(env: Mapping[str, str]) -> dict[str, Any] | None:
-  """The distributed fields a Slurm job step implies, or None outside ``srun``."""
+def slurm_fields(env: Mapping[str, str], devices: bool = True,
+                 gpu_count: Callable[[], int] | None = None) -> dict[str, Any] | None:
+  """The distributed fields a Slurm job step implies, or None outside ``srun``;
+  ``local_device_ids`` (see :func:`slurm_devices`) only with ``devices``."""
   num_tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
   in_step = all(env.get(k) for k in ("SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_LOCALID"))
   if not in_step or not num_tasks:
@@ -165,12 +190,86 @@ def slurm_fields(env: Mapping[str, str]) -> dict[str, Any] | None:
       "num_processes": int(num_tasks),
       "process_id": int(env["SLURM_PROCID"]),
   }
-  visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-  if _tasks_on_this_node(env, int(num_tasks), len(nodes)) > 1 and len(visible) != 1:
-    # Several tasks share the node's GPUs: task k takes local GPU k.
-    fields["local_device_ids"] = (int(env["SLURM_LOCALID"]),)
-  # else: one task per node owns every GPU it sees, or Slurm bound one GPU to this task.
+  if devices:
+    tasks = _tasks_on_this_node(env, int(num_tasks), len(nodes))
+    ids = slurm_devices(env, tasks, gpu_count or (lambda: 0))
+    if ids is not None:
+      fields["local_device_ids"] = ids
   return fields
+
+
+def _id_list(text: str | None) -> list[str] | None:
+  """``CUDA_VISIBLE_DEVICES``-style list (None when unset); ``gpu:2`` style counts elsewhere."""
+  if text is None:
+    return None
+  return [x for x in text.split(",") if x.strip()]
+
+
+def _count(text: str | None) -> int | None:
+  """``2`` or ``a100:2`` (``SLURM_GPUS_PER_TASK``, ``SLURM_GPUS_ON_NODE``) -> 2."""
+  m = re.fullmatch(r"(?:[\w-]+:)?(\d+)", (text or "").strip())
+  return int(m.group(1)) if m else None
+
+
+def slurm_devices(env: Mapping[str, str], tasks: int, gpu_count: Callable[[], int]
+                  ) -> tuple[int, ...] | None:
+  """This task's devices (indices into what it sees), or None for every device it sees.
+
+  ``tasks``: tasks of the step on this node. What the task sees: ``CUDA_VISIBLE_DEVICES`` (which
+  Slurm sets per task, to its bound GPUs under ``--gpus-per-task``/``--gpu-bind``, else to all
+  the step's GPUs on the node), or, unset, ``gpu_count()`` GPUs (no GPU gres: every task sees
+  the node's GPUs). The node's GPUs of the step: ``SLURM_STEP_GPUS`` (ids) or
+  ``SLURM_GPUS_ON_NODE``. The rules:
+
+  * one task on the node, no GPU visible, or ``JAX_PLATFORMS`` without ``cuda``/``gpu``:
+    everything it sees (None);
+  * Slurm gave this task a share of the node's GPUs (fewer visible than the node has, and the
+    tasks' shares add up to the node's GPUs, or ``SLURM_GPUS_PER_TASK`` equals the share): all
+    of its share (None);
+  * every task sees the node's GPUs and there are exactly as many as tasks: GPU
+    ``SLURM_LOCALID`` (one task per GPU);
+  * a single GPU visible and the node's count unknown: that GPU (None);
+  * anything else (shares that overlap, as ``--gpu-bind=closest`` gives; more or fewer GPUs
+    than tasks with no binding) is ambiguous: a :class:`DistributedError` naming the variables.
+  """
+  platforms = env.get("JAX_PLATFORMS", "")
+  if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+    return None  # e.g. JAX_PLATFORMS=cpu: no GPU is used, whatever the node has
+  visible = _id_list(env.get("CUDA_VISIBLE_DEVICES"))
+  seen = len(visible) if visible is not None else gpu_count()
+  if tasks <= 1 or seen == 0:
+    return None
+  step_gpus = _id_list(env.get("SLURM_STEP_GPUS"))
+  node = len(step_gpus) if step_gpus is not None else _count(env.get("SLURM_GPUS_ON_NODE"))
+  per_task = _count(env.get("SLURM_GPUS_PER_TASK"))
+  local_id = _parse_int(env["SLURM_LOCALID"], "SLURM_LOCALID")
+  if visible is not None and node is not None and seen < node:
+    if seen * tasks == node or per_task == seen:
+      return None  # this task's own share, bound by Slurm
+  elif seen == tasks and (node is None or node == seen):
+    if 0 <= local_id < seen:
+      return (local_id,)
+  elif seen == 1 and node is None:
+    return None
+  raise DistributedError(
+      f"cannot tell which GPUs are this task's: SLURM_LOCALID={local_id}, "
+      f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '(unset)')!s} ({seen} visible), "
+      f"{tasks} tasks on this node (SLURM_STEP_TASKS_PER_NODE="
+      f"{env.get('SLURM_STEP_TASKS_PER_NODE', env.get('SLURM_TASKS_PER_NODE', '(unset)'))}), "
+      f"SLURM_STEP_GPUS={env.get('SLURM_STEP_GPUS', '(unset)')}, SLURM_GPUS_ON_NODE="
+      f"{env.get('SLURM_GPUS_ON_NODE', '(unset)')}, SLURM_GPUS_PER_TASK="
+      f"{env.get('SLURM_GPUS_PER_TASK', '(unset)')}. Submit one task per GPU "
+      "(--ntasks-per-node=GPUs), one per node (--ntasks-per-node=1), or --gpus-per-task=K so "
+      f"Slurm binds each task its GPUs; or set {ENV_LOCAL_DEVICE_IDS}")
+
+
+def visible_gpu_count() -> int:
+  """NVIDIA GPUs this node has (``/dev/nvidiaN``): what a task sees when Slurm set no
+  ``CUDA_VISIBLE_DEVICES``. Reads ``/dev`` only, so resolving still starts nothing."""
+  try:
+    return sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name))
+  except OSError:
+    return 0
 
 
 # --------------------------------------------------------------------------- resolution
@@ -224,7 +323,8 @@ def _env_fields(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
   return fields
 
 
-def _collect(dcfg, env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+def _collect(dcfg, env: Mapping[str, str], gpu_count: Callable[[], int]
+             ) -> tuple[dict[str, Any], dict[str, str]]:
   """Each field from the first source that sets it: (values, field -> source)."""
   values: dict[str, Any] = {}
   sources: dict[str, str] = {}
@@ -239,31 +339,38 @@ def _collect(dcfg, env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, st
     take(field, value, variable)
   # Slurm only fills what is still unset: LMSCALE_* can override it, e.g. the coordinator.
   if any(f not in values for f in _JOB_FIELDS):
-    for field, value in (slurm_fields(env) or {}).items():
+    # Slurm's device choice only when nothing names the devices (it may be ambiguous).
+    fields = slurm_fields(env, devices="local_device_ids" not in values, gpu_count=gpu_count)
+    for field, value in (fields or {}).items():
       take(field, value, "Slurm")
   return values, sources
 
 
-def resolve(dcfg, env: Mapping[str, str] | None = None) -> Topology:
+def resolve(dcfg, env: Mapping[str, str] | None = None,
+            gpu_count: Callable[[], int] | None = None) -> Topology:
   """The topology the config (``config.distributed``) and environment describe.
 
-  Pure: reads ``env`` (default ``os.environ``), starts nothing; bad or incomplete settings
+  Pure: reads ``env`` (default ``os.environ``) and, for a Slurm task without
+  ``CUDA_VISIBLE_DEVICES``, ``gpu_count()`` (default: this node's ``/dev/nvidiaN`` for the real
+  environment, 0 for a given ``env``); starts nothing. Bad, incomplete or ambiguous settings
   raise :class:`DistributedError` naming the variables involved.
   """
+  if gpu_count is None:
+    gpu_count = visible_gpu_count if env is None else (lambda: 0)
   env = os.environ if env is None else env
   mode = str(dcfg.mode)
   if mode not in ("auto", "single"):
     raise DistributedError(f"distributed.mode={mode!r}: expected 'auto' or 'single'")
   if mode == "single":
     return Topology(sources={"all": "distributed.mode=single"})
-  values, sources = _collect(dcfg, env)
+  values, sources = _collect(dcfg, env, gpu_count)
   num_processes = values.get("num_processes")
   if num_processes is not None and num_processes < 1:
     raise DistributedError(f"number of processes {num_processes} (from "
                            f"{sources['num_processes']}) must be >= 1")
   if not any(f in values for f in _JOB_FIELDS) or num_processes == 1:
     return _single_process(values, sources)
-  return _multi_process(values, sources)
+  return dataclasses.replace(_multi_process(values, sources), job=job_key(env))
 
 
 def _single_process(values: dict[str, Any], sources: dict[str, str]) -> Topology:

@@ -97,15 +97,25 @@ def describe(setup: Setup) -> str:
 # ----------------------------------------------------------------------------- logging
 @dataclasses.dataclass
 class Window:
-  """The steps of one logging interval: their device metrics and host-side timings."""
+  """The steps of one logging interval: their device metrics and host-side timings. Its time
+  runs from the completion of the previous window's last step (or from a resume after a
+  pause) to the completion of its own last step, minus pauses; ``untimed`` leading steps (the
+  run's first, which compiles) are outside it."""
   last_step: int
   metrics: list     # one dict of device scalars per step
-  seconds: float
   input_wait: float
+  opened: float     # perf_counter() when its clock (re)started
+  carried: float = 0.0  # seconds timed before a pause
+  untimed: int = 0
+  seconds: float = 0.0  # set when its last step has completed
 
   @property
   def first_step(self) -> int:
     return self.last_step - len(self.metrics) + 1
+
+  @property
+  def timed(self) -> list:
+    return self.metrics[self.untimed:]
 
 
 class TrainLog:
@@ -133,30 +143,64 @@ class TrainLog:
                    jax.device_count(), jax.devices()[0].device_kind, self.baseline,
                    f"{peak / 1e12:.0f} TFLOP/s per device" if peak else
                    "unknown for this device (mfu = null; set metrics.peak_tflops)")
-    self.restart_clock()
+    # The clock of the window being filled: when it (re)started, seconds timed before a pause.
+    self.opened, self.carried, self.untimed = time.perf_counter(), 0.0, 0
+    self.first_step_seconds: float | None = None
+    self.paused_at = self.opened
     train_iter.reset_wait()
 
-  def restart_clock(self) -> None:
-    """Time not spent training (evaluation, start-up) does not count as throughput."""
-    self.opened = time.perf_counter()
-
+  # Why completion, not dispatch: JAX dispatches asynchronously, so after any synchronisation
+  # (start, evaluation, a save) the host queues a whole window in milliseconds; windows stamped
+  # at dispatch logged 16-30x the true rate after each evaluation (tools/demo.sh,
+  # tests/test_throughput_windows.py). A window's metrics are fetched one step late, which
+  # blocks until its last step has completed: that moment is the stamp, at no extra sync.
   def after_step(self, step: int, metrics: dict) -> None:
     self.current.append(metrics)
+    if step == self.start + 1:
+      self._time_first_step(metrics)
     if self.pending is not None:  # its metrics are ready by now
       self._log(self.pending)
       self.pending = None
     if step % self.train_config.log_every == 0 or step == self.train_config.steps:
       self.pending = self._close(step)
 
-  def _close(self, step: int) -> Window:
+  def _time_first_step(self, metrics: dict) -> None:
+    """The run's first step compiles the program: timed on its own (``first_step_seconds``
+    in the first row), outside the first window."""
+    jax.block_until_ready(metrics)
     now = time.perf_counter()
-    window = Window(step, self.current, now - self.opened, self.train_iter.reset_wait())
-    self.current, self.opened = [], now
+    self.first_step_seconds = now - self.opened
+    self.opened, self.carried, self.untimed = now, 0.0, 1
+    self.train_iter.reset_wait()
+
+  def _close(self, step: int) -> Window:
+    window = Window(step, self.current, self.train_iter.reset_wait(), self.opened, self.carried,
+                    self.untimed)
+    self.current, self.carried, self.untimed = [], 0.0, 0
     return window
+
+  def _stamp(self, window: Window) -> None:
+    """Called once ``window``'s last step has completed; the next window's clock starts."""
+    now = time.perf_counter()
+    window.seconds = window.carried + (now - window.opened)
+    self.opened = now
+
+  def pause(self) -> None:
+    """Before a synchronising interruption (evaluation, a checkpoint save): the steps
+    dispatched so far are timed up to their completion, and the clock stops."""
+    if self.pending is not None:
+      self._log(self.pending)  # blocks until its last step completes
+      self.pending = None
+    if self.current:
+      jax.block_until_ready(self.current[-1])
+      self.carried += time.perf_counter() - self.opened
+    self.paused_at = time.perf_counter()
+
+  def resume(self) -> None:
+    self.opened = time.perf_counter()
 
   def eval_row(self, step: int, row: dict) -> None:
     self._write(step, row)
-    self.restart_clock()
 
   def finish(self, step: int) -> None:
     """Logs what is left: the pending window and a partial one (a preempted run)."""
@@ -164,6 +208,7 @@ class TrainLog:
       self._log(self.pending)
       self.pending = None
     if self.current:
+      jax.block_until_ready(self.current[-1])
       self._log(self._close(step))
 
   def check_before_save(self, step: int) -> None:
@@ -190,6 +235,7 @@ class TrainLog:
 
   def _log(self, window: Window) -> None:
     host = jax.device_get(window.metrics)
+    self._stamp(window)
     train_config = self.train_config
     self._raise_on_bad_steps(window.first_step, [m["nonfinite"] for m in host])
     run = int(host[-1].get("consecutive_nonfinite", 0))  # present in skip mode only
@@ -205,11 +251,14 @@ class TrainLog:
         "mlm_accuracy": float(np.mean([m["mlm_accuracy"] for m in good])),
         "learning_rate": float(host[-1]["learning_rate"]),
         "grad_norm": float(good[-1]["grad_norm"]),
-        **metrics_lib.throughput(
-            steps=len(host), seconds=window.seconds, wait_seconds=window.input_wait,
-            global_batch=train_config.batch_size, tokens=float(sum(m["tokens"] for m in host)),
-            flops_per_step=self.setup.flops_per_step, peak_flops_total=self.peak_total),
     }
+    timed = host[window.untimed:]
+    row.update(metrics_lib.throughput(
+        steps=len(timed), seconds=window.seconds, wait_seconds=window.input_wait,
+        global_batch=train_config.batch_size, tokens=float(sum(m["tokens"] for m in timed)),
+        flops_per_step=self.setup.flops_per_step, peak_flops_total=self.peak_total))
+    if window.untimed and self.first_step_seconds is not None:
+      row["first_step_seconds"] = self.first_step_seconds
     if train_config.nonfinite == "skip":
       row["nonfinite_skipped"] = int(sum(m["nonfinite"] for m in host))
     if "corrupt_records" in host[0]:
@@ -290,14 +339,18 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
   # The refusals first, from what is on disk: a refused run leaves the workdir as it was.
-  start = ckpt_lib.latest_complete_step(workdir)
+  # The checkpoint to resume is the newest that verifies (the same in every process).
+  resume = ckpt_lib.choose_resume_step(workdir)
+  start = resume.step
   _check_not_past_end(workdir, start, int(train_config.steps))
   # Compared before the autotune (which may take minutes); data.workers is a neutral key.
   changes = workdir_lib.check_config_change(workdir, config, setup.model_cfg,
                                             resume_step=start,
                                             allow_change=allow_config_change)
+  resume.set_aside()  # <step>.corrupt: before the manager, which would list and rotate them
   checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
-                                       use_async=bool(config.checkpoint.async_save))
+                                       use_async=bool(config.checkpoint.async_save),
+                                       on_full=str(config.checkpoint.on_full))
   start = checkpointer.latest_step()
   for change in changes or ():
     if is_writer:
@@ -334,6 +387,9 @@ def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, e
   else:
     start = 0
     state = steps.init(jax.random.key(train_config.seed))
+    if config.get("init_from"):  # step 0 from a BertForMaskedLM directory (hf_convert)
+      from lmscale_jax import hf_convert
+      state = hf_convert.init_state(config.init_from, state, steps, setup)
   if is_writer:  # a crash leaves "running": job scripts requeue only a "preempted" run
     workdir_lib.write_run_state(workdir, "running", start, train_config.steps)
 
@@ -343,13 +399,22 @@ def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, e
     for step in range(start + 1, train_config.steps + 1):
       state, metrics = steps.train_step(state, next(train_iter))
       log.after_step(step, metrics)
-      if step % train_config.eval_every == 0 or step == train_config.steps:
-        log.eval_row(step, evaluate(steps, state.params, eval_batches))
+      do_eval = step % train_config.eval_every == 0 or step == train_config.steps
       # Every process asks at every step and gets the same answer.
       preempted = checkpointer.reached_preemption(step) and step < train_config.steps
-      if step % config.checkpoint.every == 0 or step == train_config.steps or preempted:
+      do_save = step % config.checkpoint.every == 0 or step == train_config.steps or preempted
+      if do_eval or do_save:
+        log.pause()  # neither counts as training time
+      if do_eval:
+        row = evaluate(steps, state.params, eval_batches)
+        log.eval_row(step, {**row, "eval_seconds": time.perf_counter() - log.paused_at})
+      if do_save:
         log.check_before_save(step)
         checkpointer.save(step, state, train_iter)
+      else:
+        checkpointer.poll()  # the manifest of a finished background save (processes > 0)
+      if do_eval or do_save:
+        log.resume()
       if preempted:
         checkpointer.wait()  # synchronous: the process may be killed soon after it exits
         if is_writer:
@@ -358,7 +423,7 @@ def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, e
                           ckpt_lib.step_dir(workdir, step))
         break
     log.finish(step)
-  except NonFiniteLoss:
+  except (NonFiniteLoss, ckpt_lib.CheckpointDiskFull):
     # Raised alike in every process (the metrics are global), so waiting for a save still in
     # flight cannot block on a peer: the last good checkpoint named in the error is complete.
     checkpointer.close()

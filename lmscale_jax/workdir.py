@@ -17,7 +17,7 @@ import os
 import socket
 import time
 
-from lmscale_jax import config_checks, dataset
+from lmscale_jax import config_checks, dataset, run_state
 from lmscale_jax.checkpoint import IncompatibleCheckpoint, step_dir
 from lmscale_jax.errors import UserError
 
@@ -232,13 +232,13 @@ def unlock_workdir(workdir: str) -> None:
     os.close(fd)
 
 
-RUN_STATE = "run_state.json"
+RUN_STATE = run_state.FILE
 
 
 def write_run_state(workdir: str, state: str, step: int, total_steps: int) -> None:
   """``workdir/run_state.json``: "running", or how the last run ended ("finished" or
-  "preempted"), so a job script can requeue itself (launch/slurm.sbatch) without parsing logs;
-  a crash leaves "running"."""
-  dataset.atomic_write_json(os.path.join(workdir, RUN_STATE),
-                            {"state": state, "step": int(step), "total_steps": int(total_steps),
-                             "checkpoint": step_dir(workdir, step)})
+  "preempted"), with the step reached and the Slurm job id and restart count of the
+  allocation (``lmscale_jax/run_state.py``), so a job script can decide to requeue itself
+  (launch/slurm.sbatch) without parsing logs; a crash leaves "running"."""
+  dataset.atomic_write_json(os.path.join(workdir, RUN_STATE), run_state.record(
+      state, step, total_steps, step_dir(workdir, step)))

@@ -74,8 +74,9 @@ def test_slurm_layouts():
                                                       "x"]
   port = slurm_port(SLURM)
   assert port == 4242 % 4096 + 61440  # JAX's own choice, so both agree
-  # one task per GPU (2 tasks on this node): the task takes GPU SLURM_LOCALID
-  t = resolve(dcfg(), SLURM)
+  # one task per GPU (2 tasks on this node, both see its 2 GPUs): the task takes GPU
+  # SLURM_LOCALID (more layouts: tests/test_topology.py)
+  t = resolve(dcfg(), {**SLURM, "CUDA_VISIBLE_DEVICES": "0,1"})
   assert (t.coordinator, t.num_processes, t.process_id) == (f"gpu007:{port}", 8, 5)
   assert t.local_device_ids == (1,)
   # one task per node: it drives every GPU
@@ -391,7 +392,7 @@ def test_processes_disagree(data, tmp_path):
   ours = [err for out, err in results if "not all 2 processes registered" in err]
   assert ours, results[0][1][-3000:]
   assert all("not all 2 processes registered" in err or "newer incarnation" in err
-             for out, err in results)
+             or "is already in use" in err for out, err in results)  # (the port: rendezvous)
 
 
 def test_batch_not_divisible_and_config_mismatch(data, tmp_path):

@@ -292,32 +292,7 @@ def test_nonfinite_skip_counts_and_recovers(data, tmp_path):
 
 
 # ----------------------------------------------------------------------------- requeue
-@pytest.mark.parametrize("state,requeued", [("preempted", True), ("finished", False)])
-def test_sbatch_requeues_a_preempted_run(tmp_path, state, requeued):
-  """launch/slurm.sbatch under a fake Slurm (srun/scontrol on PATH record their calls; the
-  training srun leaves run_state.json as main.py does): requeue exactly when preempted."""
-  bin_dir, workdir = tmp_path / "bin", tmp_path / "runs" / "w"
-  bin_dir.mkdir()
-  log = tmp_path / "calls.log"
-  (bin_dir / "srun").write_text(
-      "#!/bin/bash\necho \"srun $*\" >> " + str(log) + "\n"
-      "if [[ \"$*\" == *lmscale_jax.main* ]]; then mkdir -p " + str(workdir) + " && "
-      "echo '{\"state\": \"" + state + "\", \"step\": 7}' > " + str(workdir / "run_state.json") +
-      "; fi\n")
-  (bin_dir / "scontrol").write_text("#!/bin/bash\necho \"scontrol $*\" >> " + str(log) + "\n")
-  for f in ("srun", "scontrol"):
-    os.chmod(bin_dir / f, 0o755)
-  e = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=ROOT,
-           SLURM_JOB_ID="777", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n[1-2]",
-           SLURM_NTASKS="4", DATA_SRC=str(tmp_path / "shared_ds"), PYTHON=sys.executable)
-  r = subprocess.run(["bash", os.path.join(ROOT, "launch", "slurm.sbatch"),
-                      "--config=configs/tiny.py", "--workdir", str(workdir)], env=e, cwd=ROOT,
-                     capture_output=True, text=True, timeout=60)
-  assert r.returncode == 0, r.stderr
-  calls = log.read_text().splitlines()
-  assert "tools/stage.py" in calls[0] and "--ntasks-per-node=1" in calls[0]
-  assert "lmscale_jax.main" in calls[1] and "--config.data.path=" in calls[1]
-  assert ("scontrol requeue 777" in calls) == requeued, calls
+# launch/slurm.sbatch's requeue decisions: tests/test_slurm.py (a fake Slurm running real tasks).
 
 
 @pytest.mark.parametrize("key,value,match", [

@@ -1,4 +1,4 @@
-"""BERT model, HF mapping, FLOPs/param accounting and config files."""
+"""BERT model, FLOPs/param accounting and config files."""
 
 from __future__ import annotations
 
@@ -171,12 +171,88 @@ def test_cudnn_attention_matches_xla(cudnn_mask):
                              atol=2e-2)
 
 
+# Two packed rows (segments 1,2,3 then 1,2) with trailing [PAD]: the segment-mode attention
+# tests' input, as model.segment_ids gives it.
+def packed_segments(s=128):
+  ids = np.full((2, s), 9, np.int32)
+  ids[0, [0, 40, 90]] = SPECIAL_IDS["[CLS]"]
+  ids[1, [0, 70]] = SPECIAL_IDS["[CLS]"]
+  ids[0, 120:] = PAD
+  ids[1, 100:] = PAD
+  return M.segment_ids(jnp.asarray(ids), SPECIAL_IDS["[CLS]"], PAD)
+
+
+def qkv(shape, dtype=jnp.float32):
+  keys = jax.random.split(jax.random.key(0), 3)
+  return [jax.random.normal(key, shape, dtype) for key in keys]
+
+
+def test_segment_ids_positions_and_block_diagonal_mask():
+  cls = SPECIAL_IDS["[CLS]"]
+  ids = jnp.array([[cls, 7, 8, 3, cls, 9, 3, PAD, PAD], [7, 8, cls, 9, 9, 9, 3, cls, 3]])
+  seg = M.segment_ids(ids, cls, PAD)
+  np.testing.assert_array_equal(seg, [[1, 1, 1, 1, 2, 2, 2, 0, 0], [1, 1, 2, 2, 2, 2, 2, 3, 3]])
+  np.testing.assert_array_equal(M.segment_positions(ids, cls),
+                                [[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 1, 0, 1, 2, 3, 4, 0, 1]])
+  mask = np.asarray(M.segment_mask(seg))
+  assert mask.shape == (2, 1, 9, 9)
+  np.testing.assert_array_equal(mask[0, 0, 4], [0, 0, 0, 0, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(mask[0, 0, 8], [0, 0, 0, 0, 0, 0, 0, 1, 1])  # [PAD] → [PAD]
+
+
+def test_segment_attention_is_attention_over_each_segment_alone():
+  q, k, v = qkv((2, 128, 4, 16))
+  seg = packed_segments()
+  attend = jax.jit(M.dot_product_attention, static_argnames="impl")
+  xla = np.asarray(attend(q, k, v, seg > 0, impl="xla", segments=seg))
+  explicit = attend(q, k, v, seg > 0, impl="explicit", segments=seg)
+  np.testing.assert_allclose(xla, explicit, atol=1e-5)
+  for row, (a, b) in ((0, (40, 90)), (1, (70, 100))):  # one segment through the plain path
+    sl = slice(a, b)
+    alone = attend(q[row:row + 1, sl], k[row:row + 1, sl], v[row:row + 1, sl],
+                   jnp.ones((1, b - a), bool), impl="xla")
+    np.testing.assert_allclose(xla[row, sl], alone[0], atol=1e-5)
+
+
+def test_pallas_segment_attention_matches_xla_values_and_gradients():
+  """The Pallas flash kernel (interpreted off GPU) against the dense-mask XLA path."""
+  q, k, v = qkv((2, 128, 2, 16))
+  seg = packed_segments()
+  real = np.asarray(seg > 0)[:, :, None, None]
+
+  def loss(impl):
+    return lambda q, k, v: jnp.sum(jnp.where(real, M.dot_product_attention(
+        q, k, v, seg > 0, impl=impl, segments=seg), 0.0) ** 2)
+
+  pallas = jax.jit(jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2)))(q, k, v)
+  xla = jax.jit(jax.value_and_grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
+  np.testing.assert_allclose(pallas[0], xla[0], rtol=1e-5)
+  for a, b in zip(pallas[1], xla[1]):
+    np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="cuDNN / Pallas GPU attention needs a GPU (JAX_PLATFORMS=cuda)")
+@pytest.mark.parametrize("impl", ["cudnn", "pallas"])
+def test_gpu_segment_attention_matches_xla(impl):
+  q, k, v = qkv((2, 128, 4, 64), jnp.bfloat16)
+  seg = packed_segments()
+  real = np.asarray(seg > 0)[:, :, None, None]
+  out = M.dot_product_attention(q, k, v, seg > 0, impl=impl, segments=seg)
+  xla = M.dot_product_attention(q, k, v, seg > 0, impl="xla", segments=seg)
+  diff = np.where(real, np.abs(np.asarray(out, np.float32) - np.asarray(xla, np.float32)), 0)
+  assert diff.max() < 2e-2, diff.max()
+
+
 def test_attention_impl_selection():
   assert M.attention_impl(small_cfg(attention_impl="xla"), deterministic=False) == "xla"
   assert M.attention_impl(small_cfg(attention_dropout=0.1), deterministic=False) == "explicit"
   assert M.attention_impl(small_cfg(attention_dropout=0.1), deterministic=True) != "explicit"
   if jax.default_backend() == "cpu":
     assert M.attention_impl(small_cfg(dtype="bfloat16"), deterministic=False) == "xla"
+    assert M.attention_impl(small_cfg(dtype="bfloat16", packed_attention="segment"),
+                            deterministic=False) == "xla"
+  assert M.attention_impl(small_cfg(attention_impl="pallas"), deterministic=True) == "pallas"
 
 
 def test_pre_ln_variant_runs_and_has_final_layernorm(params):
@@ -187,8 +263,6 @@ def test_pre_ln_variant_runs_and_has_final_layernorm(params):
                                          "bias": jnp.zeros(cfg.hidden)})
   ids, positions = random_batch(cfg)
   assert np.isfinite(np.asarray(apply(cfg, params, ids, positions))).all()
-  with pytest.raises(ValueError, match="pre_ln"):
-    M.to_hf_state_dict(params, cfg)
 
 
 def test_init_params_is_eval_shape_friendly(cfg, params):
@@ -276,81 +350,6 @@ def test_device_peak_flops_unknown_and_override():
   assert flops.device_peak_flops("NVIDIA GeForce RTX 3090") is None
   assert flops.device_peak_flops("cpu", override_tflops=2.5) == 2.5e12
   assert flops.device_peak_flops("NVIDIA A100-SXM4-40GB", dtype="float32") == 156e12
-
-
-# --------------------------------------------------------------------------- HF mapping
-def expected_hf_keys(layers: int) -> set[str]:
-  keys = {f"bert.embeddings.{n}.weight" for n in
-          ("word_embeddings", "position_embeddings", "token_type_embeddings")}
-  keys |= {"bert.embeddings.LayerNorm.weight", "bert.embeddings.LayerNorm.bias",
-           "cls.predictions.bias", "cls.predictions.decoder.weight",
-           "cls.predictions.decoder.bias"}
-  keys |= {f"cls.predictions.transform.{m}.{p}" for m in ("dense", "LayerNorm")
-           for p in ("weight", "bias")}
-  for i in range(layers):
-    for m in ("attention.self.query", "attention.self.key", "attention.self.value",
-              "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
-              "output.dense", "output.LayerNorm"):
-      keys |= {f"bert.encoder.layer.{i}.{m}.weight", f"bert.encoder.layer.{i}.{m}.bias"}
-  return keys
-
-
-def test_hf_state_dict_keys_and_layout(cfg, params):
-  sd = M.to_hf_state_dict(params, cfg)
-  assert set(sd) == expected_hf_keys(cfg.layers)
-  assert all(isinstance(v, np.ndarray) and v.dtype == np.float32 for v in sd.values())
-  h, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
-  assert sd["bert.encoder.layer.0.intermediate.dense.weight"].shape == (f, h)  # (out, in)
-  assert sd["bert.encoder.layer.1.output.dense.weight"].shape == (h, f)
-  assert sd["bert.embeddings.word_embeddings.weight"].shape == (v, h)
-  np.testing.assert_array_equal(sd["bert.encoder.layer.0.attention.self.query.weight"],
-                                np.asarray(params["layer_0"]["query"]["kernel"]).T)
-  np.testing.assert_array_equal(sd["cls.predictions.decoder.weight"],
-                                sd["bert.embeddings.word_embeddings.weight"])
-
-
-def test_hf_round_trip(cfg, params):
-  back = M.from_hf_state_dict(M.to_hf_state_dict(params, cfg), cfg)
-  assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
-  jax.tree_util.tree_map(np.testing.assert_array_equal, back, params)
-
-
-def test_from_hf_rejects_bad_state_dicts(cfg, params):
-  sd = M.to_hf_state_dict(params, cfg)
-  untied = dict(sd, **{"cls.predictions.decoder.weight": sd["cls.predictions.decoder.weight"] + 1})
-  with pytest.raises(ValueError, match="ties"):
-    M.from_hf_state_dict(untied, cfg)
-  with pytest.raises(ValueError, match="lacks 'bert.encoder.layer.1.output.dense.bias'"):
-    M.from_hf_state_dict({k: v for k, v in sd.items()
-                          if k != "bert.encoder.layer.1.output.dense.bias"}, cfg)
-  with pytest.raises(ValueError, match="pooler"):
-    M.from_hf_state_dict(dict(sd, **{"bert.pooler.dense.bias": np.zeros(cfg.hidden)}), cfg)
-  with pytest.raises(ValueError, match="shape"):
-    M.from_hf_state_dict(M.to_hf_state_dict(params, cfg), small_cfg(ffn=48))
-
-
-def test_matches_hf_bert_for_masked_lm(cfg, params):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  hf = transformers.BertForMaskedLM(transformers.BertConfig(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
-      num_attention_heads=cfg.heads, intermediate_size=cfg.ffn, hidden_act="gelu",
-      max_position_embeddings=cfg.seq_len, type_vocab_size=cfg.type_vocab_size,
-      layer_norm_eps=cfg.layer_norm_eps, pad_token_id=cfg.pad_id,
-      attn_implementation="eager")).eval()
-  sd = M.to_hf_state_dict(params, cfg)
-  own = set(hf.state_dict()) - set(M._HF_IGNORED)
-  assert own <= set(sd)
-  missing, unexpected = hf.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()},
-                                           strict=False)
-  assert not (set(missing) - set(M._HF_IGNORED))
-  assert set(unexpected) <= set(M._HF_TIED)
-  ids, positions = random_batch(cfg)
-  with torch.no_grad():
-    out = hf(input_ids=torch.from_numpy(np.asarray(ids, np.int64)),
-             attention_mask=torch.from_numpy(np.asarray(ids != cfg.pad_id, np.int64))).logits
-  want = np.take_along_axis(out.numpy(), np.asarray(positions)[..., None], 1)
-  np.testing.assert_allclose(apply(cfg, params, ids, positions), want, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- configs

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections import namedtuple
 
 import pytest
@@ -39,16 +41,18 @@ def test_copy_verify_and_idempotent_rerun(src, tmp_path):
   out = stage(src, dest, workers=3)
   # 12 shards + tokenizer.json, dataset_info.json, features.json (+ metadata.json, last)
   assert out["copied"] == len(os.listdir(src)) - 1 == 15
-  assert sorted(os.listdir(dest)) == sorted(os.listdir(src) + [staging.STAGE_FILE])
+  assert sorted(os.listdir(dest)) == sorted(os.listdir(src) + [staging.STAGE_FILE,
+                                                                staging.LOCK_FILE])
   assert dataset.DatasetMeta.load(dest).verify() == []
   for f in os.listdir(src):
     assert open(f"{dest}/{f}", "rb").read() == open(f"{src}/{f}", "rb").read(), f
   assert staging.read_state(dest)["status"] == "complete"
   data_checks.check_dataset_dir(dest)  # training accepts it
-  mtimes = {f: os.stat(os.path.join(dest, f)).st_mtime_ns for f in os.listdir(dest)}
+  data_files = [f for f in os.listdir(dest) if f != staging.LOCK_FILE]  # (each run takes it)
+  mtimes = {f: os.stat(os.path.join(dest, f)).st_mtime_ns for f in data_files}
   again = stage(src, dest, workers=3)
   assert again["copied"] == 0 and again["bytes_copied"] == 0
-  assert {f: os.stat(os.path.join(dest, f)).st_mtime_ns for f in os.listdir(dest)} == mtimes
+  assert {f: os.stat(os.path.join(dest, f)).st_mtime_ns for f in data_files} == mtimes
 
 
 def flip_byte(path, offset=100, keep_mtime=False):
@@ -296,3 +300,89 @@ def test_source_replaced_while_staging_is_named_and_never_committed(src, tmp_pat
   assert dataset.DatasetMeta.load(dest).verify() == []
   for f in os.listdir(source):
     assert open(f"{dest}/{f}", "rb").read() == open(f"{source}/{f}", "rb").read(), f
+
+
+# ----------------------------------------------------------------------------- concurrent stagers
+@pytest.fixture(scope="module")
+def big_src(tmp_path_factory):
+  """16 MB in 8 shards: one copy with --workers 1 takes long enough to be caught mid-way."""
+  d = tmp_path_factory.mktemp("shared_big") / "bin"
+  make_synthetic_dataset(str(d), seq_len=512, vocab_size=512, n_train=16000, n_val=64, shards=8)
+  return str(d)
+
+
+def stager(src, dest, log, *extra) -> subprocess.Popen:
+  """tools/stage.py in its own session, stderr into ``log`` (polled while it runs)."""
+  return subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "stage.py"), src,
+                           str(dest), "--no-progress", "--workers", "1", *extra],
+                          stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                          start_new_session=True)
+
+
+def wait_until(condition, timeout=60.0, poll=0.002):
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(poll)
+
+
+def paused_mid_copy(src, dest, log) -> subprocess.Popen:
+  """A stager stopped (SIGSTOP) while it copies: staging.json says "copying"."""
+  first = stager(src, dest, log)
+  wait_until(lambda: (staging.read_state(dest) or {}).get("status") == "copying")
+  os.kill(first.pid, signal.SIGSTOP)
+  return first
+
+
+def finish_all(procs, timeout=120):
+  out = []
+  for p in procs:
+    try:
+      out.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        os.killpg(q.pid, signal.SIGKILL)
+      raise
+  return out
+
+
+def test_three_concurrent_stagers_all_succeed_and_one_copies(big_src, tmp_path):
+  """Three stagers into one DEST at once (an array job's tasks on one node): the first holds
+  the destination's lock for its whole copy (paused mid-copy here, so the others certainly
+  start during it); the others wait for it, then find everything verified and copy nothing."""
+  dest, logs = tmp_path / "local", [tmp_path / f"stage{i}.log" for i in range(3)]
+  first = paused_mid_copy(big_src, dest, logs[0])
+  try:
+    later = [stager(big_src, dest, log, "--wait", "60") for log in logs[1:]]
+    # Both are blocked on the lock (or, without one, done already) before the first resumes.
+    wait_until(lambda: all("waiting for" in log.read_text() or p.poll() is not None
+                           for p, log in zip(later, logs[1:])), timeout=60, poll=0.05)
+  finally:
+    os.kill(first.pid, signal.SIGCONT)
+  outs = finish_all([first, *later])
+  errs = [log.read_text() for log in logs]
+  assert [p.returncode for p in (first, *later)] == [0, 0, 0], errs
+  copied = [json.loads(out)["copied"] for out in outs]
+  total = len(os.listdir(big_src)) - 1  # every file but metadata.json, written last
+  assert copied == [total, 0, 0], (copied, errs)
+  for err in errs[1:]:
+    assert f"waiting for pid {first.pid} on " in err and "nothing to copy" in err, err
+  assert dataset.DatasetMeta.load(str(dest)).verify() == []
+  data_checks.check_dataset_dir(str(dest))
+
+
+def test_a_stager_waiting_past_its_timeout_names_the_holder(big_src, tmp_path):
+  dest = tmp_path / "local"
+  first = paused_mid_copy(big_src, dest, tmp_path / "first.log")
+  try:
+    late = stager(big_src, dest, tmp_path / "late.log", "--wait", "0.5")
+    finish_all([late], timeout=60)
+  finally:
+    os.kill(first.pid, signal.SIGCONT)
+  finish_all([first])
+  err = (tmp_path / "late.log").read_text()
+  assert late.returncode == 2 and first.returncode == 0, err
+  assert err.splitlines()[-1] == (
+      f"error: pid {first.pid} on {os.uname().nodename} has been staging into {dest} for "
+      "longer than 0 s (--wait / data.stage_timeout): wait for it to finish, or raise the "
+      "timeout"), err

@@ -4,16 +4,18 @@
 #   bash tools/bench_gpu.sh OUTDIR            # on the GPU machine, from the repository root
 #   BENCH_SMOKE=1 bash tools/bench_gpu.sh OUT # CPU dry run: tiny shapes, same code paths
 #
-# 1. bf16 matmul peak (the MFU denominator), cuDNN attention checked against XLA;
-# 2. lmscale_jax training steps on synthetic
+# 0. tools/gpu_check.py (devices, versions, cuDNN vs XLA attention, a 120M step at batch 8 and
+# B120): if it FAILs, the script stops there with its reason (no minutes spent on a broken
+# install); 1. bf16 matmul peak (the MFU denominator); 2. lmscale_jax training steps on synthetic
 # batches: 120M batch 184, 350M batch 64 (with a jax.profiler trace), 350M at 128 sequences
 # per device (remat=dots, and grad_accum_steps=2); 3. the Hugging Face peer
 # (.gpu/peer_hf_bert.py) at the same shapes: bf16 120M b184, bf16 350M b64, fp32 350M b20
 # (the paper's recipe); 4. A/B variants while time remains (Hopper XLA flags, the earlier
 # cuDNN bias mask, rbg dropout); 5. the loader: a real 120M training run on a generated
 # dataset with data.autotune, its input-wait fraction; 6. tools/max_batch.py for 350M on the
-# GPU. Results: OUTDIR/<date>-gpu-bench.jsonl (one object per measurement: system, model,
-# batch, seq, samples_per_sec, mfu, peak_mem_gb, device, …, the 350M step's top device ops
+# GPU. Results: OUTDIR/gpu_check.json (the self-check's report),
+# OUTDIR/<date>-gpu-bench.jsonl (one object per measurement: system, model, batch, seq,
+# samples_per_sec, mfu, peak_mem_gb, device, …, the 350M step's top device ops
 # from its jax.profiler trace), OUTDIR/summary.{json,md} (the table, also on stdout),
 # OUTDIR/max_batch_gpu.jsonl, OUTDIR/logs.tgz; scratch (dataset, run, trace) in $BENCH_WORK.
 #
@@ -137,16 +139,28 @@ peer() {  # peer NAME MODE CONFIG BATCH
     ${shape[@]+"${shape[@]}"}
 }
 
+# --- 0. the self-check: stop early if the install cannot run our GPU path ---------------------
+# (It also compares cuDNN attention with XLA attention, output and gradients, at the model's
+# shapes.) Smoke: --allow-cpu at the tiny shapes.
+CHECK=(--config configs/bert120m.py --seq $SEQ --vocab $VOCAB --batch $B120)
+[ -n "${BENCH_SMOKE:-}" ] && CHECK+=(--allow-cpu --small-batch 2 "${SHAPE120[@]}")
+log "gpu_check"
+timeout 300 "$PY" tools/gpu_check.py "${CHECK[@]}" --json "$OUT/gpu_check.json" \
+  >"$OUT/logs/gpu_check.log" 2>&1
+rc=$?
+sed -n '/^devices:/,$p' "$OUT/logs/gpu_check.log"
+if [ $rc -ne 0 ]; then
+  why=$(grep -E '^(FAIL|error):' "$OUT/logs/gpu_check.log" | tail -n 1)
+  log "stopping: gpu_check failed (exit $rc): ${why:-$(tail -n 3 "$OUT/logs/gpu_check.log" \
+    | tr '\n' ' ' | cut -c1-400)}"
+  tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+  exit 1
+fi
+
 # --- 1. matmul peak ---------------------------------------------------------------------
 run matmul 120 "$PY" benchmarks/bench_step.py --matmul --size $MATMUL --jsonl "$RESULTS"
 PEAK=$("$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'tflops' in l and 'matmul' in l]; print(round(r[-1]['tflops'],3) if r else 0)" "$RESULTS")
 log "matmul peak: $PEAK TFLOP/s (the MFU denominator below; 0 = device table)"
-
-# cuDNN attention with key lengths (the model's GPU path) against XLA attention.
-if [ -z "${BENCH_SMOKE:-}" ]; then
-  JAX_PLATFORMS=cuda run cudnn_check 150 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_model.py -k cudnn
-fi
 
 # --- 2./3. the comparison at the issue's shapes -----------------------------------------
 step jax_120m_b$B120 configs/bert120m.py $B120 --model bert120m

@@ -1,7 +1,21 @@
 #!/usr/bin/env bash
 # Creates ./.venv (Python >= 3.11) with lmscale_jax and its test tools installed. Idempotent.
+#
+#   bash tools/setup.sh          # ./.venv: CPU jax (what the tests, the demo and CI use)
+#   bash tools/setup.sh --cuda   # ./.venv-cuda: jax with CUDA 12 (pip wheels), for GPU nodes
+#
+# --cuda installs '.[cuda12,test]' into a separate ./.venv-cuda (LMSCALE_CUDA_VENV=DIR for
+# another place; a venv cannot be moved after it is made, so create it where the GPU nodes see
+# it, e.g. on the shared filesystem from a login node). It downloads ~3.3 GB of NVIDIA wheels
+# (jax-cuda12-plugin/pjrt, cuBLAS, cuDNN, NCCL, cuFFT, cuSOLVER, cuSPARSE, nvJitLink, …: the
+# CUDA toolkit is not needed on the machine) and needs Linux x86_64/aarch64 and, where it
+# runs, an NVIDIA driver >= 525 (JAX's requirement for CUDA 12). Without a GPU here (a login
+# node) it installs and says so; with one it checks that JAX runs on the GPU (an error naming
+# why, never a silent CPU fallback). Then run: .venv-cuda/bin/python tools/gpu_check.py
 set -euo pipefail
-source "$(dirname "$0")/_no_arguments.sh" "$0" "$@"  # --help, or no arguments at all
+cuda=""
+if [ "${1:-}" = --cuda ]; then cuda=1; shift; fi
+source "$(dirname "$0")/_no_arguments.sh" "$0" "$@"  # --help, or no other argument at all
 cd "$(dirname "$0")/.."
 py=""
 for c in python3.13 python3.12 python3.11 python3; do
@@ -10,6 +24,9 @@ for c in python3.13 python3.12 python3.11 python3; do
   fi
 done
 [ -n "$py" ] || { echo "error: lmscale_jax needs Python >= 3.11 (python3.11+ not found on PATH)" >&2; exit 1; }
+if [ -n "$cuda" ]; then
+  exec bash tools/_setup_cuda.sh "$py" "${LMSCALE_CUDA_VENV:-.venv-cuda}"
+fi
 if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi

@@ -2,9 +2,11 @@
 
   python tools/stage.py SRC_DATASET_DIR DEST_DIR [--workers N]
       [--only-needed --num-processes P --process-ids i,j [--plan interleaved|by_shard]]
-      [--verify-all] [--no-progress]
+      [--verify-all] [--no-progress] [--wait SECONDS]
 
 A rerun copies only what is missing or fails verification (nothing, when DEST is intact).
+Stagers started together into one DEST take turns (a lock in DEST): the later ones wait for
+the first (--wait, default data.stage_timeout) and then find nothing to copy.
 Exit status 0 when DEST is complete and verified, 2 on an error (one line on stderr).
 """
 
@@ -18,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
-from lmscale_jax import staging  # noqa: E402
+from lmscale_jax import config_defaults, staging  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
 
 
@@ -43,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="re-hash every file already in DEST, even those unchanged since "
                            "they were verified")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  wait = config_defaults.get_base_config().data.stage_timeout
+  parser.add_argument("--wait", type=_cli.number(float, 0, 1e7), default=float(wait),
+                      metavar="SECONDS",
+                      help="seconds to wait for another stager already staging into DEST "
+                           f"(default {wait}, data.stage_timeout)")
   return parser
 
 
@@ -58,7 +65,8 @@ def main(argv=None) -> int:
   try:
     out = staging.stage(args.src, args.dest, workers=args.workers, only_needed=args.only_needed,
                         num_processes=args.num_processes, process_ids=ids, plan=args.plan,
-                        verify_all=args.verify_all, progress=not args.no_progress)
+                        verify_all=args.verify_all, progress=not args.no_progress,
+                        lock_timeout=args.wait)
   except UserError as e:  # bad input: one line; a bug keeps its traceback
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -1,0 +1,171 @@
+"""tools/sweep.py and tools/report.py end to end: a real grid of launch/local.sh runs (1 and 2
+CPU processes) on a real dataset, one row per point (a failing point is a row, the sweep goes
+on), a rerun that skips finished points, the plots from its results; the Slurm commands it
+would submit; bad grids and flags as one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, make_synthetic_dataset
+
+SWEEP = os.path.join(ROOT, "tools", "sweep.py")
+REPORT = os.path.join(ROOT, "tools", "report.py")
+# The tests' small model (tests/helpers.small_train_config: the default config, 2 × 64).
+CONFIG = "from tests.helpers import small_train_config\n\n\ndef get_config():\n" \
+         "  return small_train_config('')\n"
+
+
+def tool(script, *args, timeout=120, **env):
+  return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, capture_output=True,
+                        text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def read(path):
+  return [json.loads(line) for line in open(path)]
+
+
+def png_size(path):
+  with open(path, "rb") as f:
+    head = f.read(24)
+  assert head[:8] == b"\x89PNG\r\n\x1a\n"
+  return struct.unpack(">II", head[16:24])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  base = tmp_path_factory.mktemp("sweep")
+  make_synthetic_dataset(str(base / "ds"), seq_len=64, vocab_size=128, n_train=128, n_val=16)
+  (base / "small.py").write_text(CONFIG)
+  return base
+
+
+def grid_args(base, out):
+  return ["--data", base / "ds", "--output", out, "--config", base / "small.py",
+          "--processes", "1,2",
+          "--workers", "0", "--batch", "4", "--steps", "6", "--log-every", "2",
+          "--timeout", "120", "--runs", base / "runs"]
+
+
+def test_grid_records_a_row_per_point_resumes_and_reports(setup, tmp_path):
+  out = setup / "results.jsonl"
+  r = tool(SWEEP, *grid_args(setup, out), timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+  rows = {x["processes"]: x for x in read(out)}
+  assert sorted(rows) == [1, 2]
+  for p, row in rows.items():
+    assert row["status"] == "ok" and row["reason"] is None, row
+    assert row["model"] == "small" and row["devices"] == p and row["global_batch"] == 4 * p
+    assert row["windows"] == 2  # windows at steps 4 and 6: the first (step 2) is not measured
+    assert row["samples_per_sec"] > 0 and row["tokens_per_sec"] > 0 and row["step_time"] > 0
+    assert 0 <= row["input_wait_frac"] <= 1 and row["mfu"] is None  # no peak known on CPU
+    assert row["peak_bytes"] > 0 and row["param_count"] > 0
+    assert row["date"] and row["device"].startswith("cpu")
+  # The medians are those of the run's own metrics.jsonl windows after the first.
+  metrics = [m for m in read(os.path.join(rows[2]["workdir"], "metrics.jsonl"))
+             if "samples_per_sec" in m]
+  assert [m["step"] for m in metrics] == [2, 4, 6]
+  measured = sorted(m["samples_per_sec"] for m in metrics[1:])
+  assert measured[0] <= rows[2]["samples_per_sec"] <= measured[-1]
+
+  again = tool(SWEEP, *grid_args(setup, out), timeout=120)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert "2 point(s), 2 already in" in again.stdout and "compiling" not in again.stdout
+  assert read(out) == list(rows.values())  # nothing rerun, nothing rewritten
+
+  plots = tmp_path / "plots"
+  rep = tool(REPORT, out, "--output", plots, "--storage")
+  assert rep.returncode == 0, rep.stderr[-2000:]
+  assert png_size(plots / "scaling.png") == (600, 400)
+  assert "| small w0 b4 k1 | 2 |" in rep.stdout and "efficiency" in rep.stdout
+  assert "workers.png: skipped" in rep.stdout and "storage.png: skipped" in rep.stdout
+  assert (plots / "report.md").read_text().startswith("## All runs")
+
+
+def test_a_launch_failure_is_a_row_and_the_sweep_goes_on(setup):
+  out = setup / "launch-failed.jsonl"
+  r = tool(SWEEP, "--data", setup / "ds", "--output", out, "--config", setup / "small.py",
+           "--processes", "1,2", "--steps", "4", "--log-every", "2", "--no-probe",
+           "--env", "PYTHON=/nonexistent/python", "--runs", setup / "runs-failed")
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = read(out)
+  assert [x["processes"] for x in rows] == [1, 2]
+  for x in rows:
+    assert x["status"] == "failed" and x["reason"].startswith("launch failed (exit 127)"), x
+    assert "/nonexistent/python" in x["reason"]
+
+
+def test_slurm_commands(setup):
+  r = tool(SWEEP, "--data", setup / "ds", "--output", setup / "slurm.jsonl", "--launcher",
+           "slurm", "--gpus-per-node", "2", "--processes", "1,4", "--batch", "8",
+           "--accum", "2", "--timeout", "900", "--slurm-arg=--partition=gpu", "--dry-run")
+  assert r.returncode == 0, r.stderr
+  one, four = r.stdout.strip().splitlines()
+  assert four.startswith("sbatch --wait --nodes=2 --ntasks-per-node=2 --gpus-per-node=2 "
+                         "--time=15 ")
+  assert one.startswith("sbatch --wait --nodes=1 --ntasks-per-node=1 --gpus-per-node=1 ")
+  assert f"--export=ALL,DATA_SRC={setup / 'ds'} --partition=gpu " in four
+  assert f"{ROOT}/launch/slurm.sbatch --config=configs/tiny.py " in four
+  assert "--config.train.batch_size=64 --config.train.grad_accum_steps=2" in four  # 8·2·4
+  assert "data.path" not in four  # the job stages DATA_SRC and passes its copy
+  assert not os.path.exists(setup / "slurm.jsonl")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--processes", "0,1"], "--processes '0,1': expected comma-separated integers >= 1"),
+    (["--workers", "two"], "--workers 'two': expected comma-separated integers >= 0"),
+    (["--set", "model.layerz=3"], "'model.layerz' (--set/--model) does not exist in "
+                                   "configs/tiny.py; did you mean 'model.layers'?"),
+    (["--set", "train.batch_size=4"], "--set train.batch_size: set by the sweep; use --batch"),
+    (["--set", "model.layers=two"], "model.layers='two': expected a int"),
+    (["--model", "nolabel"], "--model 'nolabel': expected LABEL:key=value"),
+    (["--config", "configs/nope.py"], "--config configs/nope.py: no such config file"),
+    (["--steps", "4", "--log-every", "4"], "need at least two logging windows"),
+    (["--launcher", "slurm", "--processes", "3", "--dry-run"], "--processes 3: not a whole "
+                                                               "number of nodes"),
+])
+def test_bad_grid_is_one_line(setup, args, message):
+  r = tool(SWEEP, "--data", setup / "ds", "--output", setup / "never.jsonl", *args)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+  assert message in lines[0]
+  assert not os.path.exists(setup / "never.jsonl")
+
+
+def test_missing_dataset_and_bad_results_are_one_line(setup, tmp_path):
+  r = tool(SWEEP, "--data", tmp_path, "--output", tmp_path / "x.jsonl")
+  assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no metadata.json" in r.stderr
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"nodes": 4}\n')
+  r = tool(REPORT, bad, "--output", tmp_path / "p")
+  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert "not a tools/sweep.py results file" in r.stderr
+
+
+def test_report_regenerates_the_committed_plots_and_the_storage_models(tmp_path):
+  """The committed sweep (benchmarks/results) through report.py, with the storage model's own
+  rows (lmscale_jax/storage_model.compare at the paper's cluster: 2 GPUs per node, 25 GbE)."""
+  from lmscale_jax import storage_model as sm
+
+  committed = [os.path.join(ROOT, "benchmarks", "results", f"2026-12-01-cpu-sweep{x}.jsonl")
+               for x in ("", "-models")]
+  demand = sm.Demand(records_per_s=184 / 0.129, bytes_per_record=1100.0,
+                     read_calls_per_record=1.0, opens=391 * 4)
+  rows = sm.compare([1, 8, 64, 128], 2, demand, sm.Storage(20e9, 2e5, 2e4),
+                    link_bytes=25e9 / 8, dataset_bytes=25e9, stage_bytes_per_s=214e6,
+                    step_s=0.129)
+  storage = tmp_path / "storage.json"
+  storage.write_text(json.dumps({"rows": rows}, indent=1))  # as tools/storage_model.py --json
+  r = tool(REPORT, *committed, "--output", tmp_path / "plots", "--storage", storage)
+  assert r.returncode == 0, r.stderr[-2000:]
+  for name in ("scaling", "workers", "models", "storage"):
+    assert png_size(tmp_path / "plots" / f"{name}.png") == (600, 400), name
+  assert "| step time (s) | 128 | 0.129 |" in r.stdout
+  assert "skipped" not in r.stdout

@@ -1,0 +1,125 @@
+"""One vector per function: the input to similarity search and to downstream models.
+
+  python tools/embed.py (--workdir DIR [--step N] | --hf OUT) (--elf FILE… | --data DATASET_DIR
+      [--split validation]) --output E.npz [--pool mean|cls]
+
+Each function is encoded on its own as [CLS] function [SEP] (cut at the model's sequence
+length); its vector is the mean of the last hidden layer over its tokens (--pool mean, the
+default: [CLS], [SEP] and padding left out) or the [CLS] position's (--pool cls). --elf takes
+every named function of the binaries, as preparation does; --data takes every function of a
+prepared split (the [SEP]-separated pieces of its packed sequences; no names are stored in a
+dataset, so a function is named split:record:piece). E.npz holds `embeddings` float32 [N, H],
+`names`, `files` (the ELF or shard file), `tokens` (tokens used), `truncated` and `pool`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
+from lmscale_jax import dataset, elf_functions, records, trained_model  # noqa: E402
+from lmscale_jax.errors import UserError  # noqa: E402
+
+BATCH = 32
+
+
+def parser() -> argparse.ArgumentParser:
+  p = _cli.Parser(description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", default="", help="a training run's --workdir")
+  p.add_argument("--step", type=_cli.number(int, 0, 1 << 62), default=None)
+  p.add_argument("--tokenizer", default="", help="(--workdir) the dataset's tokenizer.json")
+  p.add_argument("--hf", default="", metavar="OUT", help="a directory tools/export_hf.py wrote")
+  p.add_argument("--elf", nargs="+", default=None, metavar="FILE", help="x86-64 ELF files")
+  p.add_argument("--data", default=None, metavar="DATASET_DIR", help="a prepared dataset")
+  p.add_argument("--split", choices=list(dataset.SPLITS), default="validation")
+  p.add_argument("--pool", choices=["mean", "cls"], default="mean")
+  p.add_argument("--output", required=True, metavar="E.npz")
+  return p
+
+
+def elf_inputs(model, paths: list[str]):
+  """(name, file, ids, truncated) per named function of the ELF files."""
+  for path in paths:
+    for fn in elf_functions.functions(path):
+      ids, cut = trained_model.encode(model, fn.text)
+      yield fn.name, path, ids, cut
+
+
+def dataset_inputs(model, path: str, split: str):
+  """(name, shard file, ids, truncated) per [SEP]-separated function of a split's records."""
+  meta = dataset.DatasetMeta.load(path)
+  sp = meta.special_ids
+  cls, sep, pad = sp["[CLS]"], sp["[SEP]"], sp["[PAD]"]
+  if meta.vocab_size != model.cfg.vocab_size:
+    raise UserError(f"{path}: vocabulary {meta.vocab_size}, the model's {model.cfg.vocab_size}: "
+                    "not the dataset this model was trained on")
+  reader = records.ShardRecords(meta, split)
+  for r in range(len(reader)):
+    seq = reader.decode(reader.read(np.array([r])), np.array([r]), meta.vocab_size)[0]
+    body = seq[(seq != pad) & (seq != cls)]
+    for k, piece in enumerate(np.split(body, np.flatnonzero(body == sep))):
+      piece = piece[piece != sep]
+      if len(piece):
+        ids = np.concatenate([[cls], piece[:model.cfg.seq_len - 2], [sep]]).astype(np.int32)
+        shard = reader.paths[int(np.searchsorted(reader.ends, r, side="right"))]
+        yield f"{split}:{r}:{k}", shard, ids, len(piece) > model.cfg.seq_len - 2
+
+
+def embed(model, inputs, pool: str) -> dict:
+  pad = model.special_ids["[PAD]"]
+  names, files, lengths, cuts, vectors = [], [], [], [], []
+  batch: list = []
+
+  def flush():
+    ids = trained_model.pad_batch([b[2] for b in batch], model.cfg.seq_len, pad)
+    h = trained_model.last_hidden(model, ids)
+    for row, (_, _, x, _) in zip(h, batch):
+      # Mean over the function's own tokens: positions 1..len-2 (not [CLS], [SEP], padding).
+      vectors.append(row[0] if pool == "cls" else row[1:len(x) - 1].mean(axis=0))
+    batch.clear()
+
+  for item in inputs:
+    name, file, ids, cut = item
+    names.append(name), files.append(file), lengths.append(len(ids) - 2), cuts.append(cut)
+    batch.append(item)
+    if len(batch) == BATCH:
+      flush()
+  if batch:
+    flush()
+  if not vectors:
+    raise UserError("no functions to embed in the given input")
+  return {"embeddings": np.stack(vectors).astype(np.float32), "names": np.array(names),
+          "files": np.array(files), "tokens": np.array(lengths, np.int32),
+          "truncated": np.array(cuts, bool), "pool": np.array(pool)}
+
+
+def main(argv=None) -> int:
+  parser_ = parser()
+  a = parser_.parse_args(argv)
+  if (a.elf is None) == (a.data is None):
+    parser_.error("give --elf FILE… or --data DATASET_DIR (one of them)")
+
+  def go() -> int:
+    model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
+    inputs = (elf_inputs(model, a.elf) if a.elf is not None
+              else dataset_inputs(model, a.data, a.split))
+    out = embed(model, inputs, a.pool)
+    buf = io.BytesIO()
+    np.savez(buf, **out)
+    dataset.atomic_write_bytes(a.output, buf.getvalue())
+    n, h = out["embeddings"].shape
+    print(f"wrote {n} function embeddings of {h} dimensions ({a.pool} pooling) to {a.output}")
+    return 0
+
+  return _cli.guarded(go, f"nothing was written to {a.output}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

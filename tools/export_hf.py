@@ -1,0 +1,142 @@
+"""Export a training run's checkpoint as a Hugging Face BertForMaskedLM directory.
+
+  python tools/export_hf.py --workdir DIR [--step N] [--tokenizer tokenizer.json] --output OUT
+
+OUT gets config.json (every BertConfig field that changes the computation, from the run's own
+config.json), model.safetensors (float32), tokenizer.json / tokenizer_config.json /
+special_tokens_map.json (special-token roles, a [CLS] … [SEP] post-processor) and a model card
+(README.md), so that AutoModelForMaskedLM.from_pretrained(OUT) and
+AutoTokenizer.from_pretrained(OUT) load it as it is. The tokenizer is the run's
+data.path/tokenizer.json unless --tokenizer is given. OUT is written under a temporary name
+and renamed when complete; it must not exist or be empty. model.pre_ln=True runs are refused
+(no transformers architecture has that model; see lmscale_jax/hf_convert.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
+from lmscale_jax import dataset, flops, hf_convert  # noqa: E402
+from lmscale_jax import tokenizer as toklib  # noqa: E402
+from lmscale_jax import trained_model  # noqa: E402
+from lmscale_jax.errors import UserError  # noqa: E402
+
+
+def parser() -> argparse.ArgumentParser:
+  p = _cli.Parser(description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", required=True, help="the training run's --workdir")
+  p.add_argument("--step", type=_cli.number(int, 0, 1 << 62), default=None,
+                 help="checkpoint step (default: the latest)")
+  p.add_argument("--tokenizer", default="", metavar="tokenizer.json",
+                 help="the dataset's tokenizer (default: data.path/tokenizer.json of the run)")
+  p.add_argument("--output", required=True, metavar="OUT", help="directory to create")
+  return p
+
+
+def check_output(out: str) -> None:
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise UserError(f"--output {out}: exists and is not an empty directory; give a new "
+                    "directory (nothing was written)")
+
+
+def final_eval(workdir: str, step: int) -> dict | None:
+  """The last evaluation row of metrics.jsonl at or before ``step``."""
+  best = None
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except ValueError:  # a line cut by a crash
+          continue
+        if "eval_loss" in row and row.get("step", 0) <= step:
+          best = row
+  except FileNotFoundError:
+    return None
+  return best
+
+
+def model_card(model: trained_model.TrainedModel) -> str:
+  c, cfg, run = model.run_config, model.cfg, model.source
+  ev = final_eval(run, model.step)
+  loss = (f"{ev['eval_loss']:.4f} (MLM accuracy {ev.get('eval_mlm_accuracy', float('nan')):.4f}"
+          f", step {ev['step']}, {c.train.eval_batches} validation batches)" if ev else
+          "not measured (no evaluation row in metrics.jsonl)")
+  params = flops.count_params_from_config(cfg)
+  return f"""---
+library_name: transformers
+pipeline_tag: fill-mask
+tags: [bert, fill-mask, lmscale_jax]
+---
+# BERT masked-language model (lmscale_jax)
+
+Pretrained with lmscale_jax (masked-language modelling), exported by
+`tools/export_hf.py` from `{os.path.abspath(run)}` at step {model.step}.
+
+| | |
+|---|---|
+| data | `{c.data.path}` (sequences of {cfg.seq_len} tokens, vocabulary {cfg.vocab_size}) |
+| steps | {model.step} of {c.train.steps}, global batch {c.train.batch_size}, peak LR {c.train.learning_rate} |
+| final eval loss | {loss} |
+| model | {cfg.layers} layers × {cfg.hidden}, {cfg.heads} heads, FFN {cfg.ffn}, {params:,} parameters |
+
+Inputs are wrapped as `[CLS] … [SEP]` by the tokenizer, as in training. For binary code the
+text is pretokenised instruction text (`mov rax qword [ rbp - 0x18 ] [NEXT] …`).
+
+```python
+from transformers import pipeline
+fill = pipeline("fill-mask", model="OUT")
+fill("push rbp [NEXT] mov rbp rsp [NEXT] [MASK] rsp 0x10")
+```
+"""
+
+
+def export(a) -> str:
+  check_output(a.output)
+  run_config, shape = trained_model.read_run(a.workdir)
+  tok = trained_model.run_tokenizer(run_config, a.tokenizer)
+  # Refuse what cannot be represented before restoring anything.
+  hf_convert.check_exportable(trained_model.resolve(run_config.model, shape,
+                                                    toklib.validate(tok, "tokenizer")))
+  model = trained_model.from_workdir(a.workdir, a.step, a.tokenizer)
+  out = os.path.abspath(a.output)
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.", suffix=".tmp")
+  try:
+    hf_convert.save_model(model.params, model.cfg, tmp)
+    toklib.write_hf_files(model.tokenizer, tmp, model_max_length=model.cfg.seq_len)
+    dataset.atomic_write_bytes(os.path.join(tmp, "README.md"), model_card(model).encode())
+    os.chmod(tmp, 0o755)
+    check_output(a.output)  # still free: then the complete directory takes the name
+    if os.path.isdir(out):
+      os.rmdir(out)
+    os.rename(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return (f"exported {a.workdir} step {model.step} to {a.output} "
+          f"(BertForMaskedLM, {model.cfg.layers} layers × {model.cfg.hidden}, "
+          f"vocab {model.cfg.vocab_size})")
+
+
+def main(argv=None) -> int:
+  a = parser().parse_args(argv)
+
+  def go() -> int:
+    print(export(a))
+    return 0
+
+  return _cli.guarded(go, f"nothing was written to {a.output}; rerun to export")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,131 @@
+"""List, or verify, the checkpoints of a training workdir.
+
+  python tools/inspect_checkpoint.py WORKDIR [--step N] [--verify]
+
+Lists each complete checkpoint (oldest first) with its commit time, size, manifests and the
+metrics logged at its step (workdir/metrics.jsonl), after a summary of the run's config
+(workdir/config.json); checkpoints moved aside as corrupt and interrupted saves are listed
+too. --verify re-reads every file against every process's manifest and exits 1 naming each
+bad file (what a resume does before it loads a checkpoint): run it before a long job
+restarts, or in a job script. Reads only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
+
+from lmscale_jax import checkpoint as ckpt_lib  # noqa: E402
+from lmscale_jax import checkpoint_manifest as manifest_lib  # noqa: E402
+from lmscale_jax.errors import UserError  # noqa: E402
+
+_METRICS = ("loss", "mlm_accuracy", "learning_rate", "eval_loss", "eval_mlm_accuracy")
+
+
+def main(argv=None) -> int:
+  p = _cli.Parser(description=__doc__.splitlines()[0])
+  p.add_argument("workdir")
+  p.add_argument("--step", type=_cli.number(int, 0, 1 << 62), default=None, metavar="N",
+                 help="only the checkpoint of step N")
+  p.add_argument("--verify", action="store_true",
+                 help="check every file against the manifests; exit 1 naming any bad file")
+  a = p.parse_args(argv)
+  return _cli.guarded(lambda: inspect(a.workdir, a.step, a.verify), "nothing was changed")
+
+
+def config_summary(workdir: str) -> str:
+  path = os.path.join(workdir, "config.json")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+    m, t, c = saved["model"], saved["config"]["train"], saved["config"]["checkpoint"]
+  except (OSError, ValueError, KeyError) as e:
+    return f"config: {path} unreadable ({type(e).__name__})"
+  return (f"config: model {m['layers']} × {m['hidden']} (vocab {m['vocab_size']}, seq "
+          f"{m['seq_len']}); batch {t['batch_size']}, lr {t['learning_rate']:g} "
+          f"({t['schedule']}, warmup {t['warmup_steps']}), train.steps {t['steps']}; "
+          f"checkpoint every {c['every']}, keep {c['keep']}; "
+          f"{len(saved.get('changes', []))} recorded change(s)")
+
+
+def metrics_by_step(workdir: str) -> dict:
+  rows: dict = {}
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except ValueError:  # a torn last line of a killed run
+          continue
+        rows.setdefault(row.get("step"), {}).update(
+            {k: row[k] for k in _METRICS if k in row})
+  except OSError:
+    pass
+  return rows
+
+
+def _committed(step_dir: str) -> str:
+  try:
+    with open(os.path.join(step_dir, manifest_lib.STEP_METADATA)) as f:
+      nsecs = json.load(f)["commit_timestamp_nsecs"]
+    return datetime.datetime.fromtimestamp(nsecs / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+  except (OSError, ValueError, KeyError, TypeError):
+    return "commit time unknown"
+
+
+def describe(workdir: str, step: int, metrics: dict) -> str:
+  path = ckpt_lib.step_dir(workdir, step)
+  parts = manifest_lib.parts_present(path)
+  count = max(parts.values(), default=0)
+  shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.get(step, {}).items()) or "no metrics"
+  manifests = (f"manifests {len(parts)}/{count}" if parts else
+               "no manifest" if manifest_lib.expects_manifest(path) else "saved before manifests")
+  return (f"step {step:>8}  {_committed(path)}  {ckpt_lib.dir_bytes(path) / 2**20:9.2f} MiB  "
+          f"{manifests}  {shown}")
+
+
+def inspect(workdir: str, step: int | None, verify: bool) -> int:
+  root = ckpt_lib.checkpoints_dir(workdir)
+  if not os.path.isdir(root):
+    raise UserError(f"{workdir}: no checkpoints directory ({root}); give the --workdir of a "
+                    "training run")
+  steps = sorted(ckpt_lib.complete_steps(workdir))
+  if step is not None:
+    if step not in steps:
+      raise UserError(f"{workdir}: no checkpoint at step {step}; it has steps "
+                      f"{', '.join(map(str, steps)) or 'none'}")
+    steps = [step]
+  print(f"workdir {workdir}")
+  print(config_summary(workdir))
+  metrics = metrics_by_step(workdir)
+  for s in steps:
+    print(describe(workdir, s, metrics))
+  for name in sorted(os.listdir(root)):
+    if ckpt_lib.CORRUPT_SUFFIX in name or name.endswith(".orbax-checkpoint-tmp"):
+      kind = "moved aside (failed verification)" if ckpt_lib.CORRUPT_SUFFIX in name else (
+          "interrupted save (removed by the next run)")
+      print(f"{name}: {kind}")
+  if not verify:
+    return 0
+  bad = 0
+  for s in steps:
+    problems = manifest_lib.verify(ckpt_lib.step_dir(workdir, s))
+    print(f"verify step {s}: " + ("ok" if not problems else f"{len(problems)} problem(s)"))
+    for problem in problems:
+      print(f"  {problem}", file=sys.stderr)
+    bad += bool(problems)
+  if bad:
+    print(f"error: {bad} of {len(steps)} checkpoint(s) in {root} do not verify (files named "
+          "above)", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
