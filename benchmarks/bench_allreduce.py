@@ -228,17 +228,24 @@ def train_run(processes: int, dataset: str, workdir: str, overrides: list[str],
 
 
 def train_check(a, device: str) -> list[dict]:
-  """Measured step times of 1 and 2 training processes (same per-process batch) against the
-  model: ``step(2) = step(1 process on 1 core) + all-reduce(float32 gradients, 2 ranks)``
-  with the last ``fit_of == "all"`` of --calibration. The 1-process input runs on one core
-  (taskset) because each of the 2 processes gets one of this machine's 2 cores; a second such
-  run is the 1-process "measured" (how well one run predicts another)."""
+  """Measured step times of 1 and 2 training processes (global batch 2·--train-batch) against
+  the model ``step(P) = compute + all-reduce(float32 gradients, P ranks)``, with the last
+  ``fit_of == "all"`` line of --calibration for the all-reduce.
+
+  The compute term is what the cluster model takes as one device's step: here the two
+  processes share this machine's cores, so it is measured two ways, each by a real run:
+  ``shared`` = one process on all cores at the global batch (the same work on the same
+  cores: the input of the predictions in ``predicted_step_s``), and ``own_core`` = one process
+  pinned to one core (taskset) at the per-process batch (what each process would have if the
+  cores were its own: ``predicted_own_core_s``). A second ``shared`` run is the 1-process
+  "measured" (how well one run predicts another). Runs alternate: shared, own core, 2
+  processes, shared; ``--train-rounds`` repeats them and each kind's median is used.
+  """
   import tempfile
 
   from lmscale_jax import cluster_model
 
-  fit = next(r for r in reversed([json.loads(x) for x in open(a.calibration)])
-             if r.get("kind") == "fit" and r.get("fit_of") == "all")
+  fit = cluster_model.calibration_fit(a.calibration, "all")
   b = a.train_batch
   common = [f"--config.model.hidden={a.train_hidden}", f"--config.model.ffn={4 * a.train_hidden}",
             "--config.model.heads=4", f"--config.train.steps={a.train_steps}",
@@ -248,32 +255,45 @@ def train_check(a, device: str) -> list[dict]:
   now = datetime.datetime.now()
   with tempfile.TemporaryDirectory(prefix="bench_allreduce_") as tmp:
     root = a.train_workdirs or tmp
-    runs = {}
-    for name, procs, batch, pin in (("1p-1core-a", 1, b, "0"), ("2p", 2, 2 * b, None),
-                                    ("1p-1core-b", 1, b, "0")):
-      workdir = os.path.join(root, name)
-      shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume
-      runs[name] = train_run(procs, a.train_check, workdir,
-                             common + [f"--config.train.batch_size={batch}"], pin)
-      runs[name]["loadavg_1m"] = os.getloadavg()[0]
-      print(f"{name}: step {runs[name]['step_time_s'] * 1e3:.1f} ms", file=sys.stderr)
-  base = runs["1p-1core-a"]
-  grad = 4 * base["params"]
+    seen: dict[str, list[dict]] = {}
+    for rnd in range(a.train_rounds):
+      for name, procs, batch, pin in (("1p-shared-a", 1, 2 * b, None),
+                                      ("1p-own-core", 1, b, "0"), ("2p", 2, 2 * b, None),
+                                      ("1p-shared-b", 1, 2 * b, None)):
+        workdir = os.path.join(root, f"{name}-{rnd}")
+        shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume
+        run = train_run(procs, a.train_check, workdir,
+                        common + [f"--config.train.batch_size={batch}"], pin)
+        run["loadavg_1m"] = os.getloadavg()[0]
+        seen.setdefault(name, []).append(run)
+        print(f"round {rnd} {name}: step {run['step_time_s'] * 1e3:.1f} ms", file=sys.stderr)
+  # Each kind's median over the rounds (the machine's load drifts between runs).
+  runs = {name: {"step_time_s": statistics.median(r["step_time_s"] for r in rs),
+                 "all_step_s": [r["step_time_s"] for r in rs], "params": rs[0]["params"],
+                 "windows": sum(r["windows"] for r in rs),
+                 "loadavg_1m": statistics.median(r["loadavg_1m"] for r in rs)}
+          for name, rs in seen.items()}
+  shared, own = runs["1p-shared-a"]["step_time_s"], runs["1p-own-core"]["step_time_s"]
+  grad = 4 * runs["2p"]["params"]
   comm = cluster_model.calibrated_allreduce_s(grad, 2, fit["alpha_s"], fit["beta_bytes_per_s"],
                                               fit.get("cores"))
   rows = []
-  for procs, measured, predicted in ((1, runs["1p-1core-b"], base["step_time_s"]),
-                                     (2, runs["2p"], base["step_time_s"] + comm)):
+  for procs, measured, predicted, own_core in (
+      (1, runs["1p-shared-b"], shared, None), (2, runs["2p"], shared + comm, own + comm)):
     rows.append({"date": now.date().isoformat(), "device": device,
                  "time": now.isoformat(timespec="seconds"), "bench": "allreduce-train-check",
-                 "processes": procs, "per_process_batch": b, "hidden": a.train_hidden,
-                 "params": base["params"], "grad_bytes": grad, "windows": measured["windows"],
-                 "measured_step_s": measured["step_time_s"], "predicted_step_s": predicted,
-                 "predicted_comm_s": comm if procs == 2 else 0.0,
-                 "input_step_s": base["step_time_s"],
-                 "error": predicted / measured["step_time_s"] - 1,
+                 "processes": procs, "global_batch": 2 * b, "hidden": a.train_hidden,
+                 "params": runs["2p"]["params"], "grad_bytes": grad,
+                 "windows": measured["windows"], "rounds": a.train_rounds,
+                 "runs_step_s": {k: v["all_step_s"] for k, v in runs.items()},
+                 "measured_step_s": measured["step_time_s"],
+                 "predicted_step_s": predicted, "error": predicted / measured["step_time_s"] - 1,
+                 "predicted_comm_s": comm if procs == 2 else 0.0, "shared_compute_s": shared,
+                 "own_core_compute_s": own, "predicted_own_core_s": own_core,
+                 "own_core_error": (own_core / measured["step_time_s"] - 1) if own_core else None,
                  "calibration": {"alpha_s": fit["alpha_s"], "beta": fit["beta_bytes_per_s"],
-                                 "time": fit["time"]}, "loadavg_1m": measured["loadavg_1m"]})
+                                 "cores": fit.get("cores"), "time": fit["time"]},
+                 "loadavg_1m": measured["loadavg_1m"]})
   return rows
 
 
@@ -354,9 +374,11 @@ def main(argv=None) -> int:
   t.add_argument("--calibration", default=os.path.join(ROOT, "benchmarks", "results",
                                                        "2026-12-01-cpu-allreduce.jsonl"))
   t.add_argument("--train-batch", type=number(int, 1, 4096), default=8,
-                 help="sequences per process")
+                 help="sequences per process (the global batch is twice that)")
   t.add_argument("--train-hidden", type=number(int, 64, 4096), default=256)
   t.add_argument("--train-steps", type=number(int, 4, 100000), default=60)
+  t.add_argument("--train-rounds", type=number(int, 1, 100), default=1,
+                 help="repeat the four runs; each kind's median step time is used")
   t.add_argument("--train-workdirs", metavar="DIR", help="keep the runs' workdirs here "
                  "(default: a temporary directory, removed)")
   t.add_argument("--train-log-every", type=number(int, 1, 1000), default=5)

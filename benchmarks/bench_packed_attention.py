@@ -1,7 +1,7 @@
 """model.packed_attention "cross" vs "segment": what each trains to, and what a step costs.
 
   python benchmarks/bench_packed_attention.py --packed DATA_GREEDY --single DATA_NONE \
-      [--steps 800] [--eval-batches 32] [--work DIR] [--time-rounds 5] [--out FILE]
+      [--steps 800] [--eval-batches 32] [--seed N] [--work DIR] [--time-rounds 5] [--out FILE]
 
 ``--packed``: a dataset prepared with ``--packing greedy`` (tools/prepare_binary.py);
 ``--single``: the same inputs prepared with ``--packing none --tokenizer PACKED/tokenizer.json``
@@ -52,6 +52,8 @@ def parser() -> Parser:
   p.add_argument("--steps", type=number(int, 1, 1 << 30), default=800,
                  help="training steps of each mode (configs/tiny.py: 800)")
   p.add_argument("--eval-batches", type=number(int, 1, 1 << 20), default=32)
+  p.add_argument("--seed", type=number(int, 0, 1 << 31), default=None,
+                 help="train.seed and data.seed of both runs (default: configs/tiny.py's)")
   p.add_argument("--work", default="/tmp/bench_packed_attention",
                  help="directory for the two runs' workdirs (replaced)")
   p.add_argument("--time-rounds", type=number(int, 1, 1000), default=5,
@@ -96,6 +98,8 @@ def train_both(a) -> dict[str, str]:
            f"--workdir={workdir}", f"--config.data.path={a.packed}",
            f"--config.train.steps={a.steps}", f"--config.model.packed_attention={mode}",
            f"--config.checkpoint.every={a.steps}"]
+    if a.seed is not None:
+      cmd += [f"--config.train.seed={a.seed}", f"--config.data.seed={a.seed}"]
     log = open(os.path.join(a.work, f"{mode}.log"), "w")
     procs[mode] = (subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=log), log,
                    workdir)
@@ -164,6 +168,7 @@ def main(argv=None) -> int:
     train_wall = time.time() - t0
     base = {"date": datetime.date.today().isoformat(), "device": _host.cpu_name(),
             "config": "configs/tiny.py", "steps": a.steps, "eval_batches": a.eval_batches,
+            "seed": a.seed,
             "packed": os.path.abspath(a.packed), "single": os.path.abspath(a.single),
             "train_wall_s": round(train_wall, 1)}
     rows = []

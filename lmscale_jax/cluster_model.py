@@ -266,9 +266,10 @@ def fit_alpha_beta(points, cores: int | None = None) -> tuple[float, float]:
   return alpha, 1 / inv_beta
 
 
-def load_calibration(path: str, fit_of: str = "all") -> Link:
-  """The link fitted by ``benchmarks/bench_allreduce.py`` (its last ``fit`` line of ``fit_of``:
-  "all" = every process count at once, or "2", "4", …)."""
+def calibration_fit(path: str, fit_of: str = "all") -> dict:
+  """The last ``fit`` line of ``fit_of`` ("all" = every process count at once, or "2", "4",
+  …) that ``benchmarks/bench_allreduce.py`` wrote to ``path``, from a run that kept freed
+  memory in the heap (``heap: keep``: the transport's time, not page faults)."""
   try:
     with open(path) as f:
       lines = f.read().splitlines()
@@ -280,12 +281,18 @@ def load_calibration(path: str, fit_of: str = "all") -> Link:
       row = json.loads(line)
     except ValueError:
       raise ModelError(f"--calibration {path}: line {i} is not JSON") from None
-    if row.get("kind") == "fit" and row.get("fit_of") == fit_of:
+    if (row.get("kind") == "fit" and row.get("fit_of") == fit_of
+        and row.get("heap", "keep") == "keep"):
       fits.append(row)
   if not fits:
-    raise ModelError(f"--calibration {path}: no fit line with fit_of={fit_of!r} (expected the "
-                     "output of benchmarks/bench_allreduce.py)")
-  fit = fits[-1]
+    raise ModelError(f"--calibration {path}: no fit line with fit_of={fit_of!r} of a "
+                     "heap=keep run (expected the output of benchmarks/bench_allreduce.py)")
+  return fits[-1]
+
+
+def load_calibration(path: str, fit_of: str = "all") -> Link:
+  """The link of :func:`calibration_fit` (α, β; its ``cores`` only matter on that machine)."""
+  fit = calibration_fit(path, fit_of)
   return link(f"calibrated ({os.path.basename(path)}, fit of {fit_of})",
               fit["beta_bytes_per_s"], fit["alpha_s"])
 

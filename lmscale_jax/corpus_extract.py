@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from typing import TYPE_CHECKING, Iterator
 
 from tqdm import tqdm
@@ -52,15 +53,27 @@ def parse_corpus_line(line: str) -> tuple[bytes, str]:
   return bytes.fromhex(digest_hex), text
 
 
+# Function bytes → (digest, bytes decoded) of what this process extracted in this run
+# (elf_corpus.iter_functions' ``repeats``); emptied when a run starts (in-process worker).
+_REPEATS: dict = {}
+_REPEAT_LINE = 33  # the length of a digest-only line: 32 hex digits and "\n"
+
+
 def _extract_worker(args) -> tuple[FileResult, str]:
   """Pool task: one part of an input file → its lines streamed to a temp file (bounded memory)."""
   kind, path, part, parts, tmp, txt_docs, text_field = args
+  t0 = time.perf_counter()
   res = FileResult(path=path, file_bytes=os.path.getsize(path))
-  it = (elf_corpus.iter_functions(path, res, part, parts) if kind == "binary"
+  it = (elf_corpus.iter_functions(path, res, part, parts, _REPEATS) if kind == "binary"
         else text_corpus.iter_documents(path, res, txt_docs, text_field))
   with open(tmp, "w", encoding="utf-8") as f:
     for digest, text in it:
-      f.write(format_corpus_line(digest, text))
+      # A function whose bytes this process already sent in this run: only its digest
+      # (``_REPEAT_LINE``), which the parent has then seen (it reads the tasks in order).
+      f.write(format_corpus_line(digest, text) if text is not None else f"{digest.hex()}\n")
+  # What iter_functions did not time itself: digests, the lines to the temp file (text input:
+  # all of it).
+  res.seconds["extract_write"] = time.perf_counter() - t0 - sum(res.seconds.values())
   return res, tmp
 
 
@@ -96,8 +109,13 @@ def list_files(o: Options) -> tuple[list[str], dict, list[str]]:
   return files, skipped, notes
 
 
-def extract(o: Options, work: str, files: list[str], skipped: dict) -> list[str]:
-  """Pass 1 over ``files`` (from :func:`list_files`). Returns the corpus chunk paths."""
+def extract(o: Options, work: str, files: list[str], skipped: dict,
+            seconds: dict | None = None) -> list[str]:
+  """Pass 1 over ``files`` (from :func:`list_files`). Returns the corpus chunk paths.
+
+  ``seconds`` gets each stage's seconds added: the workers' (summed over workers) and
+  ``dedup`` (this process: the duplicate check and the chunk writes)."""
+  seconds = {} if seconds is None else seconds
   done = chunks(work)
   seen: set[bytes] = set()
   for path, _ in done:
@@ -112,6 +130,7 @@ def extract(o: Options, work: str, files: list[str], skipped: dict) -> list[str]
     return [p for p, _ in done]
 
   index = len(done)
+  _REPEATS.clear()  # what an in-process worker of an earlier run remembered is not seen here
   tmpdir = os.path.join(work, "extract")
   os.makedirs(tmpdir, exist_ok=True)
   chunk_path = os.path.join(work, f"corpus-{index:05d}.txt")
@@ -138,6 +157,9 @@ def extract(o: Options, work: str, files: list[str], skipped: dict) -> list[str]
 
   with worker_pool.ordered_map(o.workers) as pmap, input_errors():
     for (i, args), (res, tmp) in zip(tasks, pmap(_extract_worker, [a for _, a in tasks])):
+      t0 = time.perf_counter()
+      for stage, s in res.seconds.items():
+        seconds[stage] = seconds.get(stage, 0.0) + s
       part, parts = args[2], args[3]
       if part == 0:
         whole = FileResult(path=res.path, file_bytes=res.file_bytes)
@@ -148,6 +170,12 @@ def extract(o: Options, work: str, files: list[str], skipped: dict) -> list[str]
         whole.skip = whole.skip or res.skip  # corrupt / other machine: said by every part
       with open(tmp, encoding="utf-8") as f:
         for line in f:
+          if len(line) == _REPEAT_LINE:
+            if bytes.fromhex(line[:32]) not in seen:
+              raise RuntimeError(f"{tmp}: a repeated function whose first occurrence was "
+                                 "never read (a bug: the tasks were read out of order)")
+            stats["deduplicated"] += 1
+            continue
           digest, _ = parse_corpus_line(line)
           if digest in seen:
             stats["deduplicated"] += 1
@@ -156,6 +184,7 @@ def extract(o: Options, work: str, files: list[str], skipped: dict) -> list[str]
           stats["kept"] += 1
           chunk.write(line)
       os.unlink(tmp)
+      seconds["dedup"] = seconds.get("dedup", 0.0) + time.perf_counter() - t0
       bar.update(res.file_bytes / parts)
       if part + 1 < parts:
         continue

@@ -2,16 +2,18 @@
 
 Function boundaries come from ``.symtab`` and ``.dynsym`` (``STT_FUNC`` symbols with a size, first
 name per address wins); bytes are read through the executable section that holds them and
-disassembled with capstone (x86-64).
+decoded with iced-x86 (x86-64, ``pretokenize.CodePretokenizer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import mmap
 import os
 import stat
+import time
 from typing import Iterator
 
 import numpy as np
@@ -106,6 +108,8 @@ class FileResult:
   code_bytes: int = 0         # machine-code bytes disassembled
   partial: int = 0            # functions whose disassembly stopped at an undecodable byte
   error: str = ""
+  # Seconds of this file's stages: "elf_parse" (headers, symbol tables), "decode_pretokenize".
+  seconds: dict = dataclasses.field(default_factory=dict)
 
 
 def function_digest(text: str) -> bytes:
@@ -156,6 +160,20 @@ def function_symbols(shdrs: np.ndarray, data) -> dict:
   return funcs
 
 
+REPEATS_SIZE = 1 << 18  # functions remembered by bytes (~40 MB)
+
+
+def _remember(repeats: dict, key: bytes, value: tuple) -> None:
+  if len(repeats) >= REPEATS_SIZE:  # the oldest quarter goes (dicts keep insertion order)
+    for old in list(itertools.islice(repeats, len(repeats) // 4)):
+      del repeats[old]
+  repeats[key] = value
+
+
+def _add_seconds(res: FileResult, stage: str, seconds: float) -> None:
+  res.seconds[stage] = res.seconds.get(stage, 0.0) + seconds
+
+
 def extract_file(path: str) -> tuple[FileResult, list]:
   """One ELF file → (result, [(digest, text)…]): convenience wrapper around iter_functions."""
   res = FileResult(path=path, file_bytes=os.path.getsize(path))
@@ -173,22 +191,25 @@ def _part(addrs: list, funcs: dict, part: int, parts: int) -> list:
   return [a for a, w in zip(addrs, which.tolist()) if w == part]
 
 
-def iter_functions(path: str, res: FileResult, part: int = 0,
-                   parts: int = 1) -> Iterator[tuple[bytes, str]]:
+def iter_functions(path: str, res: FileResult, part: int = 0, parts: int = 1,
+                   repeats: dict | None = None) -> Iterator[tuple[bytes, str | None]]:
   """Yields (digest, text) per function of one ELF file, streaming; fills ``res`` as it goes.
 
   ``part``/``parts`` select a contiguous slice of the file's functions (by address) so a large
   file can be spread over several workers; the parts, concatenated in order, are the whole file.
+  ``repeats`` (a dict the caller keeps across files): a function whose bytes it already holds
+  is not decoded again and yields (digest, None). Its text is a function of its bytes alone
+  (branch targets are classified by offset), so it is the same duplicate either way.
 
   Never raises for a bad file: ``res.skip`` says why it was skipped. A file found corrupt part
   way has its already-yielded functions kept (their bytes decoded fine).
   """
-  import capstone
   from elftools.common.exceptions import ELFError
   from elftools.elf.elffile import ELFFile
 
-  from lmscale_jax.pretokenize import Pretokenizer
+  from lmscale_jax.pretokenize import code_pretokenizer
 
+  t0, decode = time.perf_counter(), 0.0
   try:
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
       elf = ELFFile(fh)
@@ -201,9 +222,10 @@ def iter_functions(path: str, res: FileResult, part: int = 0,
       sections = list(zip(shdrs["addr"].tolist(), shdrs["offset"].tolist(),
                           shdrs["size"].tolist(), executable.tolist()))
       funcs = function_symbols(shdrs, data)
-      md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-      pre = Pretokenizer()
-      for addr in _part(sorted(funcs), funcs, part, parts):
+      function_text = code_pretokenizer().function_text
+      addrs = _part(sorted(funcs), funcs, part, parts)
+      _add_seconds(res, "elf_parse", time.perf_counter() - t0)
+      for addr in addrs:
         fsize, shndx = funcs[addr]
         if shndx >= len(sections):
           continue
@@ -214,20 +236,30 @@ def iter_functions(path: str, res: FileResult, part: int = 0,
         fsize = min(fsize, s_addr + s_size - addr, len(data) - off)
         if fsize <= 0:
           continue
+        t = time.perf_counter()
         code = data[off:off + fsize]
-        insns = list(md.disasm_lite(code, addr))
-        if not insns:
+        key = hashlib.blake2b(code, digest_size=16).digest() if repeats is not None else None
+        seen = repeats.get(key) if key is not None else None
+        if seen is None:
+          text, decoded = function_text(code, addr)
+          digest = function_digest(text) if decoded else b""
+          if key is not None and decoded:
+            _remember(repeats, key, (digest, decoded))
+        else:
+          (digest, decoded), text = seen, None
+        decode += time.perf_counter() - t
+        if not decoded:
           continue
-        decoded = insns[-1][0] + insns[-1][1] - addr
         res.partial += decoded < fsize
         res.functions += 1
         res.code_bytes += decoded
-        text = pre.function_text(insns, addr, addr + fsize)
-        yield function_digest(text), text
+        yield digest, text
   except (ELFError, ValueError, IndexError, KeyError, OSError, AssertionError) as e:
     # pyelftools raises a variety of exceptions on truncated/corrupt files.
     res.skip = "corrupt"
     res.error = f"{type(e).__name__}: {e}"
     return
+  finally:
+    _add_seconds(res, "decode_pretokenize", decode)
   if not res.functions:
     res.skip = "no_functions"

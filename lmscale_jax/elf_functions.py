@@ -4,7 +4,7 @@ keeps only the text and a digest).
 
 The same symbols (elf_corpus.function_symbols: sized STT_FUNC, first name per address,
 .symtab then .dynsym), the same bytes (cut at the end of their section and of the file) and
-the same text (pretokenize.Pretokenizer) as preparation, so a function reads exactly as the
+the same text (pretokenize.code_pretokenizer) as preparation, so a function reads exactly as the
 model saw such functions in training.
 """
 
@@ -15,7 +15,7 @@ import mmap
 
 from lmscale_jax import elf_corpus
 from lmscale_jax.errors import UserError
-from lmscale_jax.pretokenize import NEXT, Pretokenizer
+from lmscale_jax.pretokenize import NEXT, code_pretokenizer
 
 _SHF_EXECINSTR = 0x4  # ELF section flag: holds machine code
 
@@ -44,7 +44,6 @@ def _symbol_names(elf) -> dict[int, str]:
 
 def functions(path: str, only: str | None = None) -> list[Function]:
   """Every named function of ``path`` (address order), or the one called ``only``."""
-  import capstone
   from elftools.common.exceptions import ELFError
   from elftools.elf.elffile import ELFFile
 
@@ -64,10 +63,9 @@ def functions(path: str, only: str | None = None) -> list[Function]:
         some = ", ".join(sorted(set(names.values()))[:5])
         raise UserError(f"{path} has no function named {only!r} ({len(funcs)} functions, "
                         f"e.g. {some}; names as `nm` prints them)")
-      md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-      pre, out = Pretokenizer(), []
+      out = []
       for addr in wanted:
-        text = _text(md, pre, shdrs, data, addr, *funcs[addr])
+        text = _text(shdrs, data, addr, *funcs[addr])
         if text:
           out.append(Function(names.get(addr, f"sub_{addr:x}"), path, addr, text))
       return out
@@ -77,7 +75,7 @@ def functions(path: str, only: str | None = None) -> list[Function]:
     raise UserError(f"{path}: unreadable ELF file ({type(e).__name__}: {e})") from None
 
 
-def _text(md, pre, shdrs, data, addr: int, size: int, shndx: int) -> str:
+def _text(shdrs, data, addr: int, size: int, shndx: int) -> str:
   if shndx >= len(shdrs):
     return ""
   sec = shdrs[shndx]
@@ -86,5 +84,4 @@ def _text(md, pre, shdrs, data, addr: int, size: int, shndx: int) -> str:
     return ""
   off = s_off + addr - s_addr
   size = min(size, s_addr + s_size - addr, len(data) - off)
-  insns = list(md.disasm_lite(data[off:off + size], addr)) if size > 0 else []
-  return pre.function_text(insns, addr, addr + size) if insns else ""
+  return code_pretokenizer().function_text(data[off:off + size], addr)[0] if size > 0 else ""

@@ -4,6 +4,9 @@ Owns the number of predictions per sequence (:func:`num_predictions`: the loader
 the model's abstract batch agree because both ask it) and the masking rule: of a sequence's
 ``m`` maskable (non-special) tokens, ``round(mask_prob * m)`` (at least 1 if ``m > 0``, at
 most P) are chosen; 80% become [MASK], 10% a uniformly random non-special id, 10% stay.
+Specials are never chosen and never drawn as replacements, so a masked row keeps its
+records' [CLS]/[SEP]/[PAD] where they were: the model derives packed functions' segments from
+the masked ids (``model.segment_ids``) and the batches need no segment key.
 
 The loader masks with :meth:`Masker.keyed`: a counter-based hash (:mod:`lmscale_jax.hashing`)
 of ``(seed, global stream position, token position)``, so a row's mask depends neither on how

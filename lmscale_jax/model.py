@@ -85,13 +85,18 @@ def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: dataset.Dat
   ``vocab_size``/``seq_len`` of 0 are taken from the dataset; a non-zero value must agree with
   it. Adds ``pad_id`` (from the dataset's special ids), ``remat`` (``config.train.remat``) and
   ``cudnn_mask`` (one of :data:`CUDNN_MASKS`; "lengths" unless a benchmark sets it) and
-  ``cls_id`` (where segments start in ``packed_attention="segment"``).
+  ``cls_id`` (where segments start in ``packed_attention="segment"``; a ``--packing none``
+  dataset resolves "segment" to "cross", the same computation).
   """
   config_checks.check_model_fits_dataset(model_cfg, meta)
   cfg = ml_collections.ConfigDict(model_cfg.to_dict())
   cfg.vocab_size, cfg.seq_len = meta.vocab_size, meta.seq_len
   cfg.pad_id = meta.pad_id
   cfg.cls_id = int(meta.special_ids["[CLS]"])
+  if cfg.get("packed_attention") == "segment" and meta.raw.get("packing") == "none":
+    # One function per record: the same computation as one window, and cuDNN keeps its
+    # key-length padding mask instead of a dense [B,1,S,S] bias.
+    cfg.packed_attention = "cross"
   cfg.remat = remat
   cfg.cudnn_mask = "lengths"  # see dot_product_attention; benchmarks A/B "bias"
   if cfg.hidden % cfg.heads:

@@ -423,14 +423,15 @@ def _prepare(o: Options) -> dict:
   work = os.path.join(o.output, WORK)
   if resumed and o.progress:
     print(f"resuming the unfinished preparation in {o.output}")
-  stages = {}
-  t = time.time()
-  chunks = corpus_extract.extract(o, work, files, skipped)
+  # stage_seconds: each stage's seconds of work, in pass order; a worker stage is summed over
+  # the workers (so with N busy workers the stages add up to ~N × the pass's wall time).
+  stages = {"elf_parse": 0.0, "decode_pretokenize": 0.0, "extract_write": 0.0, "dedup": 0.0}
+  chunks = corpus_extract.extract(o, work, files, skipped, stages)
   extract_stats = corpus_extract.chunks(work)[-1][1]["stats"]
-  stages["extract"], t = round(time.time() - t, 2), time.time()
+  t = time.time()
   tok = _tokenizer(o, work, chunks)
-  stages["tokenizer"], t = round(time.time() - t, 2), time.time()
+  stages["tokenizer"] = time.time() - t
   result = shard_writer.write_shards(o, work, chunks, tok)
-  stages["tokenize_pack_write"] = round(time.time() - t, 2)
-  result["stage_seconds"] = stages
+  stages.update(result["seconds"])
+  result["stage_seconds"] = {k: round(v, 3) for k, v in stages.items()}
   return _finalize(o, work, result, extract_stats, t0, workers)

@@ -113,8 +113,10 @@ def _compile(cc: str, level: str, src: Source, out: str, flags: list[str]) -> st
     return f"{src.ident}: {cc} -{level} took over {COMPILE_TIMEOUT} s; skipped"
   if r.returncode == 0:
     return ""
-  first = next((ln for ln in r.stderr.splitlines() if "error" in ln),
-               (r.stderr.strip().splitlines() or ["(no message)"])[-1])
+  lines = r.stderr.strip().splitlines() or ["(no message)"]
+  # The compiler's or linker's own first complaint, not collect2's summary of it.
+  first = next((ln for ln in lines if ("error" in ln or "undefined reference" in ln)
+                and not ln.startswith("collect2")), lines[-1])
   return f"{src.ident}: {cc} -{level} failed: {first.strip()[:300]}; skipped"
 
 

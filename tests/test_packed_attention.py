@@ -156,6 +156,15 @@ def test_one_function_per_row_is_the_same_in_both_modes(params):
     np.testing.assert_allclose(a[:n], b[:n], atol=1e-6)
 
 
+def test_segment_mode_on_a_packing_none_dataset_resolves_to_one_window(tmp_path):
+  """Identical computation (above), so the cheaper path: cuDNN keeps its key-length mask."""
+  meta = make_packed_dataset(tmp_path / "none", n_train=40, n_val=10, mode="none")
+  segment = make_config(model=dict(packed_attention="segment")).model
+  assert M.resolve_model_config(segment, meta).packed_attention == "cross"
+  packed = make_packed_dataset(tmp_path / "greedy", n_train=40, n_val=10)
+  assert M.resolve_model_config(segment, packed).packed_attention == "segment"
+
+
 def test_masked_loader_batches_keep_the_segments_of_their_records(tmp_path):
   """The model derives segments from the masked ids: [CLS]/[PAD] are never masked nor drawn
   as replacements, so the loader's batches carry the records' segments unchanged."""

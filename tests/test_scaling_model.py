@@ -256,3 +256,15 @@ def test_storage_tool_models_a_measurement_and_rejects_bad_files(dataset_dir, tm
                                                    script=STORAGE_TOOL))
   assert "storage bandwidth '0'" in one_error_line(tool("--fs-gbyte", "0",
                                                         script=STORAGE_TOOL))
+
+
+def test_calibration_ignores_fits_of_page_faulting_runs(tmp_path):
+  path = tmp_path / "cal.jsonl"
+  fit = {"bench": "allreduce", "kind": "fit", "fit_of": "all", "alpha_s": 1e-4}
+  path.write_text("".join(json.dumps(r) + "\n" for r in (
+      {**fit, "heap": "keep", "beta_bytes_per_s": 7e8},
+      {**fit, "heap": "default", "beta_bytes_per_s": 2e8})))
+  assert cm.load_calibration(str(path)).bandwidth == 7e8
+  path.write_text(json.dumps({**fit, "heap": "default", "beta_bytes_per_s": 2e8}) + "\n")
+  with pytest.raises(cm.ModelError, match="no fit line with fit_of='all' of a heap=keep run"):
+    cm.load_calibration(str(path))

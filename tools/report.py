@@ -82,7 +82,7 @@ def runs_table(rows: list[dict]) -> str:
   for r in sorted(rows, key=lambda r: (r["model"], r["batch"], r["accum"], r["workers"],
                                        r["processes"])):
     peak = r.get("peak_bytes")
-    body.append([r["model"], r["processes"], r["devices"], r["workers"], r["batch"], r["accum"],
+    body.append([r["model"] + (f" [{r['tag']}]" if r.get("tag") else ""), r["processes"], r["devices"], r["workers"], r["batch"], r["accum"],
                  r["global_batch"], r["status"], fmt(r.get("samples_per_sec"), "{:.1f}"),
                  fmt(r.get("tokens_per_sec"), "{:.0f}"), fmt(r.get("step_time"), "{:.4f}"),
                  fmt(r.get("input_wait_frac"), "{:.1%}"), fmt(r.get("mfu"), "{:.1%}"),
@@ -139,15 +139,15 @@ def workers_table(rows) -> str:
 
 
 def model_rows(rows) -> list[dict]:
-  """Per model: the largest per-device batch that ran, its best throughput, the first that
-  failed (at the fewest processes swept for that model)."""
+  """Per model swept over >= 2 batches: the largest per-device batch that ran, its best
+  throughput, the first that failed (at the fewest processes swept for that model)."""
   out = []
   for model in sorted({r["model"] for r in rows}):
     mine = [r for r in rows if r["model"] == model]
     least = min(r["processes"] for r in mine)
     mine = [r for r in mine if r["processes"] == least]
     ok = [r for r in mine if r["status"] == "ok"]
-    if not ok:
+    if not ok or len({r["batch"] for r in mine}) < 2:  # no batch axis: no "largest" to find
       continue
     top = max(r["batch"] for r in ok)
     best = max((r for r in ok if r["batch"] == top), key=lambda r: r["samples_per_sec"])
@@ -204,15 +204,15 @@ def plot_scaling(rows, out_dir: str) -> str:
                                                                                        key))
     ax.plot([p for p, *_ in pts], [i for *_, i, _ in pts], "--", color=line.get_color(),
             alpha=0.6)
-    for p, s, _, eff in pts:
+    for p, s, _, eff in pts[1:]:  # the first is 100% by definition
       ax.annotate(f"{eff:.0%}", (p, s), textcoords="offset points", xytext=(4, -12),
                   fontsize=8)
   ax.plot([], [], "k--", alpha=0.6, label="ideal (linear)")
   ax.set(xlabel="processes", ylabel="samples/s (global)",
-         title="Throughput vs processes (labels: efficiency)")
+         title="Throughput vs processes (labels: efficiency vs ideal)")
   ax.set_xticks(sorted({p for _, p, *_ in found}))
   ax.set_ylim(bottom=0)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7, loc="upper left")
   ax.grid(alpha=0.3)
   return save(fig, out_dir, "scaling.png")
 
@@ -255,9 +255,10 @@ def plot_models(rows, out_dir: str) -> str:
     oom = sorted({r["batch"] for r in mine if r["status"] != "ok" and r["batch"] not in ok})
     if oom:
       left.plot(oom, [0] * len(oom), "x", color=line.get_color(), markersize=9, clip_on=False)
+  batches = sorted({r["batch"] for r in rows if r["model"] in {m["model"] for m in found}})
   left.set(xlabel="batch per device", ylabel="samples/s (x: failed, e.g. OOM)", xscale="log")
-  left.set_xticks(sorted({r["batch"] for r in rows}), [str(b) for b in
-                                                      sorted({r["batch"] for r in rows})])
+  left.minorticks_off()
+  left.set_xticks(batches, [str(b) for b in batches])
   left.set_ylim(bottom=0)
   left.legend(fontsize=7)
   params = [m["params"] / 1e6 for m in found]
@@ -267,6 +268,9 @@ def plot_models(rows, out_dir: str) -> str:
                    textcoords="offset points", xytext=(4, 4), fontsize=8)
   right.set(xlabel="parameters (M)", ylabel="largest batch per device that ran",
             xscale="log")
+  right.minorticks_off()
+  right.set_xticks(params, [f"{p:.3g}" for p in params])
+  right.set_xlim(min(params) / 1.5, max(params) * 1.5)
   right.set_ylim(bottom=0)
   for ax in (left, right):
     ax.grid(alpha=0.3)

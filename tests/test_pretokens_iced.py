@@ -1,0 +1,116 @@
+"""Preparation decodes with iced-x86; its pretokens must mean what capstone's gave.
+
+The reference is the decoder preparation used before (capstone's ``disasm_lite``) through the
+same operand normalisation (``pretokenize.Pretokenizer``), compared per instruction address on
+the real libraries of this machine. The differences left, all rare (see DIFFERENCES):
+x87 ``fcomip``/``fucomip`` (capstone: ``fcompi``/``fucompi``; the Intel SDM vol. 2A names them
+FCOMIP/FUCOMIP), ``comisd xmm, m64`` (capstone: ``xmmword``; SDM: COMISD xmm1, xmm2/m64 reads
+64 bits), a useless ``ss`` prefix on bytes of data between functions (iced shows it, capstone
+drops it), and capstone's ``riz`` (SIB index 100b, which the SDM defines as no index).
+A direct branch with a ``bnd`` prefix (MPX, SDM vol. 1 ch. 17: the prefix does not change the
+branch) is now a branch (``bnd jmp <fwd>``), where capstone's mnemonic ``bnd jmp`` made its
+target a number; none occurs in these libraries.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+
+import pytest
+
+from lmscale_jax import elf_corpus
+from lmscale_jax.pretokenize import NEXT, CodePretokenizer, Pretokenizer
+
+LIB = "/usr/lib/x86_64-linux-gnu"
+LIBRARIES = ["libc.so.6", "libsqlite3.so.0", "libcrypto.so.3"]
+# (capstone's first word, iced's first word) of the differences the docstring explains.
+DIFFERENCES = {("fucompi", "fucomip"), ("fcompi", "fcomip"), ("comisd", "comisd"),
+               ("pop", "ss"), ("xor", "ss"), ("and", "and")}
+
+
+def functions(path: str):
+  """(bytes, address) of every function preparation reads (elf_corpus.iter_functions' rules)."""
+  from elftools.elf.elffile import ELFFile
+
+  out = []
+  with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+    shdrs = elf_corpus.section_headers(ELFFile(fh), data)
+    for addr, (size, shndx) in sorted(elf_corpus.function_symbols(shdrs, data).items()):
+      sec = shdrs[shndx]
+      s_addr, s_off, s_size = int(sec["addr"]), int(sec["offset"]), int(sec["size"])
+      if int(sec["flags"]) & 0x4 and s_addr <= addr < s_addr + s_size:
+        off = s_off + addr - s_addr
+        out.append((data[off:off + min(size, s_addr + s_size - addr)], addr))
+  return out
+
+
+def capstone_pretokens(code: bytes, addr: int) -> dict[int, str]:
+  """address → pretokens, the way preparation made them with capstone (the reference)."""
+  import capstone
+
+  insns = list(capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64).disasm_lite(code, addr))
+  if not insns:
+    return {}
+  text = Pretokenizer().function_text(insns, addr, addr + len(code))
+  return dict(zip((i[0] for i in insns), text.split(f" {NEXT} ")))
+
+
+def iced_pretokens(pre: CodePretokenizer, code: bytes, addr: int) -> dict[int, str]:
+  from iced_x86 import Decoder
+
+  text, _ = pre.function_text(code, addr)
+  return dict(zip((i.ip for i in Decoder(64, code, ip=addr)), text.split(f" {NEXT} ")))
+
+
+def libraries() -> list[str]:
+  found = [os.path.join(LIB, n) for n in LIBRARIES if os.path.exists(os.path.join(LIB, n))]
+  if len(found) < 2:
+    pytest.skip(f"fewer than two of {LIBRARIES} in {LIB}")
+  return found
+
+
+def test_iced_pretokens_match_capstone_on_system_libraries():
+  pre = CodePretokenizer()
+  for path in libraries():
+    same = total = 0
+    kinds = collections.Counter()
+    for code, addr in functions(path):
+      new = iced_pretokens(pre, code, addr)
+      for a, ref in capstone_pretokens(code, addr).items():
+        total += 1
+        if new.get(a) == ref:
+          same += 1
+        else:
+          kinds[(ref.split()[0], (new.get(a) or "<none>").split()[0])] += 1
+    assert total > 20_000, path
+    assert same / total >= 0.999, (path, same, total, kinds.most_common(10))
+    assert set(kinds) <= DIFFERENCES, (path, kinds.most_common(10))
+
+
+def test_memoised_pretokens_equal_fresh_formatting():
+  """The memo (by bytes, then by shape) never changes a text: same as formatting each one."""
+  memo, fresh = CodePretokenizer(), CodePretokenizer(memo_size=0)
+  path = libraries()[0]
+  fns = functions(path)
+  for code, addr in fns + fns[::7]:  # the second pass runs on a warm memo
+    assert memo.function_text(code, addr) == fresh.function_text(code, addr), hex(addr)
+
+
+def test_branch_targets_depend_on_offsets_not_addresses_and_decoding_stops_at_bad_bytes():
+  code = bytes.fromhex(
+      "75fe"          # jne to itself, at the entry: <self>
+      "7402"          # je +2: <fwd>
+      "ebfa"          # jmp -6, to the entry: <self>
+      "e800100000"    # call far outside: <ext>
+      "f2e9f1ffffff"  # bnd jmp back to offset 2: <back> (capstone's text made it a number)
+      "488b0518000000"  # mov rax, [rip + 0x18]: <rip>
+      "4883ecff"      # sub rsp, -1: capstone writes the negative immediate
+      "ff")           # undecodable: the text ends before it
+  for start in (0x1000, 0x7FFF_0000_0000):
+    text, decoded = CodePretokenizer().function_text(code, start)
+    assert decoded == len(code) - 1
+    assert text.split(f" {NEXT} ") == [
+        "jne <self>", "je <fwd>", "jmp <self>", "call <ext>", "bnd jmp <back>",
+        "mov rax qword [ rip + <rip> ]", "sub rsp - 0x1"]

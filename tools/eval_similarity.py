@@ -1,0 +1,182 @@
+"""Is the pretrained model any good? Binary code similarity detection on a benchmark built here.
+
+  python tools/eval_similarity.py --bench BENCH.jsonl (--workdir DIR[@STEP] | --hf OUT)…
+      [--pool 100,1000] [--pairs gcc-O0:gcc-O3,…] [--queries K] [--seed 0]
+      [--train-elf PATH… [--train-max-bytes N]] [--json OUT.json] [--results FILE.jsonl]
+
+The jTrans protocol: each function at one compiled variant is a query; its pool holds the same
+source function at another variant (the positive) and N−1 other functions of that variant;
+the methods rank the pool by cosine similarity. Recall@1 and MRR per pool size and variant pair
+(both directions; O0↔O3 is the hard one) and over all pairs. Methods, on the same pools:
+bag-of-pretokens TF-IDF, each given model (embeddings as tools/embed.py computes them: mean of
+the last hidden layer over the function's tokens), and the same architecture with random
+initial weights. --workdir and --hf may be given several times (one row each).
+
+--train-elf (with the demo's cap, --train-max-bytes 24000000) lists the pretraining inputs as
+prepare does and reports how many benchmark functions its corpus holds verbatim (the same
+normalised-text hash as prepare's deduplication): the leakage check. --results appends one
+JSON line per number (date, device) to a benchmarks/results file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
+from benchmarks import _host  # noqa: E402
+from lmscale_jax import dataset, similarity, similarity_bench  # noqa: E402
+from lmscale_jax.errors import UserError  # noqa: E402
+
+
+def parser():
+  p = _cli.Parser(description=__doc__.splitlines()[0])
+  p.add_argument("--bench", required=True, help="a file tools/build_similarity_bench.py wrote")
+  p.add_argument("--workdir", action="append", default=[], metavar="DIR[@STEP]",
+                 help="a training run (repeatable; @STEP: that checkpoint)")
+  p.add_argument("--step", type=_cli.number(int, 0, 1 << 62), default=None,
+                 help="(--workdir) the checkpoint step; default the latest")
+  p.add_argument("--tokenizer", default="", help="(--workdir) the dataset's tokenizer.json")
+  p.add_argument("--hf", action="append", default=[], metavar="OUT",
+                 help="a directory tools/export_hf.py wrote (repeatable)")
+  p.add_argument("--pool", default="100,1000", help="pool sizes, comma-separated")
+  p.add_argument("--pairs", default="", help="variant pairs A:B (default: every two levels "
+                 "of a compiler, and a level across compilers)")
+  p.add_argument("--queries", type=_cli.number(int, 0, 1 << 30), default=0,
+                 help="at most this many queries per pair and direction (0 = all)")
+  p.add_argument("--seed", type=_cli.number(int, 0, 1 << 31), default=0,
+                 help="the pools' and the random-init weights' seed")
+  p.add_argument("--embed-pool", choices=["mean", "cls"], default="mean")
+  p.add_argument("--no-random-init", action="store_true", help="leave the random-init row out")
+  p.add_argument("--train-elf", nargs="+", default=[], metavar="PATH",
+                 help="the pretraining inputs, for the leakage check")
+  p.add_argument("--train-max-bytes", type=_cli.number(int, 0, 1 << 62), default=0,
+                 help="prepare's --max-input-bytes of that corpus (the demo: 24000000)")
+  p.add_argument("--json", default="", metavar="OUT.json", help="write everything as JSON")
+  p.add_argument("--results", default="", metavar="FILE.jsonl", help="append JSON lines")
+  return p
+
+
+def pool_sizes(text: str) -> list[int]:
+  try:
+    sizes = [int(x) for x in text.split(",") if x]
+  except ValueError:
+    sizes = []
+  if not sizes or min(sizes) < 2:
+    raise UserError(f"--pool {text!r}: expected comma-separated integers >= 2, e.g. 100,1000")
+  return sizes
+
+
+def model_vectors(model, texts: list[str], pool: str) -> np.ndarray:
+  """tools/embed.py's embedding of each function text (alone, as [CLS] text [SEP])."""
+  import embed as embed_tool  # tools/embed.py (jax: imported once a model is needed)
+  from lmscale_jax import trained_model
+
+  inputs = ((str(i), "", *trained_model.encode(model, t)) for i, t in enumerate(texts))
+  return similarity.normalise(embed_tool.embed(model, inputs, pool)["embeddings"])
+
+
+def random_init(model, seed: int):
+  """The same architecture and tokenizer with the initial weights training starts from."""
+  import jax
+
+  from lmscale_jax import model as model_lib
+  from lmscale_jax import trained_model
+
+  params = jax.jit(lambda r: model_lib.init_params(model.cfg, r))(jax.random.key(seed))
+  return trained_model.TrainedModel(cfg=model.cfg, params=jax.device_get(params),
+                                    tokenizer=model.tokenizer, source="random-init")
+
+
+def workdir_step(text: str) -> tuple[str, int | None]:
+  """``DIR@STEP`` → (DIR, STEP): one run at two checkpoints, or two runs at the same step."""
+  path, at, step = text.rpartition("@")
+  if at and step.isdigit() and not os.path.isdir(text):
+    return path, int(step)
+  return text, None
+
+
+def label(model) -> str:
+  name = os.path.basename(os.path.normpath(model.source))
+  return f"{name}@{model.step}" if model.step is not None else name
+
+
+def methods(a, items) -> tuple[dict, dict]:
+  """→ ({label: vectors}, {label: what it is})."""
+  from lmscale_jax import trained_model
+
+  vecs = {"tfidf": similarity.tfidf_vectors(items.text)}
+  info = {"tfidf": {"kind": "bag-of-pretokens TF-IDF, fitted on the benchmark"}}
+  models = [trained_model.load(w, "", step if step is not None else a.step, a.tokenizer)
+            for w, step in map(workdir_step, a.workdir)]
+  models += [trained_model.load("", h) for h in a.hf]
+  seen_arch = set()
+  for m in models:
+    vecs[label(m)] = model_vectors(m, items.text, a.embed_pool)
+    info[label(m)] = {"kind": "pretrained", "source": m.source, "step": m.step,
+                      "packed_attention": m.cfg.get("packed_attention", "cross"),
+                      "layers": m.cfg.layers, "hidden": m.cfg.hidden}
+    arch = (m.cfg.layers, m.cfg.hidden, m.cfg.heads, m.cfg.ffn, m.cfg.vocab_size)
+    if not a.no_random_init and arch not in seen_arch:
+      seen_arch.add(arch)
+      name = "random-init" if len(models) == 1 else f"random-init({label(m)})"
+      vecs[name] = model_vectors(random_init(m, a.seed), items.text, a.embed_pool)
+      info[name] = {"kind": "random initial weights", "seed": a.seed, "architecture_of": m.source}
+  return vecs, info
+
+
+def main(argv=None) -> int:
+  parser_ = parser()
+  a = parser_.parse_args(argv)
+  if not a.workdir and not a.hf:
+    parser_.error("give a model: --workdir DIR (a training run) or --hf OUT (an export)")
+
+  def go() -> int:
+    sizes = pool_sizes(a.pool)
+    header, groups = similarity_bench.load(a.bench)
+    items = similarity.Items.from_groups(groups)
+    pairs = similarity.parse_pairs(a.pairs, header["variants"])
+    vecs, info = methods(a, items)
+    results = similarity.evaluate(items, vecs, pairs, sizes, seed=a.seed, max_queries=a.queries)
+    leak = None
+    if a.train_elf:
+      digests, files = similarity.training_digests(a.train_elf, a.train_max_bytes)
+      leak = {"train_files": files, **similarity.overlap(items, digests)}
+    print(f"{a.bench}: {len(groups)} functions, {len(items)} compiled variants "
+          f"({', '.join(header['variants'])})")
+    print(similarity.table(results))
+    if leak is not None:
+      print(f"leakage: {leak['in_training_corpus']} of {leak['functions']} benchmark functions "
+            f"are in the pretraining corpus verbatim ({leak['train_files']} files; "
+            f"{leak['groups_touched']} groups touched)")
+    doc = {"bench": a.bench, "bench_stats": header["stats"], "variants": header["variants"],
+           "compilers": header["compilers"], "methods": info, "overlap": leak,
+           "results": [r.row() for r in results]}
+    if a.json:
+      dataset.atomic_write_json(a.json, doc)
+    if a.results:
+      append_results(a.results, doc)
+    return 0
+
+  return _cli.guarded(go, "nothing was written")
+
+
+def append_results(path: str, doc: dict) -> None:
+  base = {"date": datetime.date.today().isoformat(), "device": _host.cpu_name(),
+          "bench": doc["bench"], "groups": doc["bench_stats"]["groups"],
+          "functions": doc["bench_stats"]["functions"],
+          "leakage_fraction": doc["overlap"]["fraction"] if doc["overlap"] else None}
+  lines = [json.dumps({**base, **r, "method_info": doc["methods"][r["method"]]})
+           for r in doc["results"]]
+  with open(path, "a") as f:  # appended whole lines, as the other benchmarks' results files
+    f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
