@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # removed from the open list by identity: fields hold arrays
 class _OpenSequence:
   free: int     # token slots left (after the [CLS] and [SEP] of every piece)
   pieces: list  # token-id arrays, in order

@@ -148,6 +148,7 @@ _SHARD_NAME = re.compile(r"(binary_code|text_corpus)-(train|validation)\.array_r
 def _ours_by_name(name: str) -> bool:
   """A name this tool writes (a dataset prepared before manifests existed has no manifest)."""
   return (name in (WORK, MANIFEST, dataset.METADATA, dataset.STATS, dataset.TOKENIZER,
+                   toklib.TOKENIZER_CONFIG, toklib.SPECIAL_TOKENS_MAP,
                    *TFDS_FILES) or _SHARD_NAME.fullmatch(name) is not None)
 
 

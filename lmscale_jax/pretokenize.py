@@ -228,7 +228,8 @@ class CodePretokenizer:
       return self._entry(ins)
     if ins.is_ip_rel_memory_operand and not co.has_immediate:  # only the sign of rip's offset
       o = co.displacement_offset
-      shape = (key[:o] + b"\0\0\0\0" + key[o + 4:], key[o + 3] >= 0x80)
+      shape = (key[:o] + b"\0\0\0\0" + key[o + 4:],
+               _number_class(int.from_bytes(key[o:o + 4], "little", signed=True), 4, rip=True))
     else:
       # The bytes with their constants zeroed still decode to the same form (the constants'
       # places follow from the opcode, ModRM and SIB bytes), so they and the classes are a key.
@@ -307,10 +308,10 @@ def _evict_oldest(memo: dict) -> None:
 def _number_class(v: int, size: int, rip: bool = False):
   """What the text of a ``size``-byte constant ``v`` can depend on: its sign, and the normalised
   form of every way a formatter prints it (negated, or as unsigned in any width ≥ its own); a
-  rip-relative displacement only its sign (it is written ``<rip>``). Two values of one class
-  give the same pretokens in the same instruction."""
+  rip-relative displacement only its sign (it is written ``<rip>``), zero apart (``[rip]``
+  has no number). Two values of one class give the same pretokens in the same instruction."""
   if rip:
-    return v < 0
+    return (v > 0) - (v < 0)
   if -0x100 < v < 0x100:
     return v
   return (v < 0, normalize_number(-v),

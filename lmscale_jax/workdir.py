@@ -38,7 +38,7 @@ RESULT_KEYS = (
     "train.dropout_rng", "train.inject_nonfinite_steps",
     "data.seed", "data.mask_prob", "data.max_predictions", "data.shard_by_process",
     "data.on_corrupt", "model.dropout", "model.attention_dropout", "model.dtype",
-    "model.layer_norm_eps")
+    "model.layer_norm_eps", "model.packed_attention")
 EXTEND_KEYS = ("train.steps",)
 NEUTRAL_KEYS = (
     "train.log_every", "train.eval_every", "train.eval_batches", "train.remat", "train.fsdp",
@@ -46,7 +46,12 @@ NEUTRAL_KEYS = (
     "data.workers", "data.prefetch_buffer", "data.read_threads", "data.stage_from",
     "data.stage_workers", "data.stage_timeout", "data.autotune", "data.autotune_max_workers",
     "data.autotune_target", "model.initializer_range", "model.attention_impl",
+    "init_from",  # the weights of step 0 only: a resume restores its checkpoint instead
     *(f"model.{k}" for k in SHAPE_KEYS))  # shapes: compared on the resolved model instead
+# Keys added after workdirs already existed: the value that reproduces what a run whose
+# config.json lacks the key did. Such a workdir resumes under that value as unchanged (and
+# under another as a change of the key's rule), instead of failing on "None -> value".
+LEGACY_VALUES = {"model.packed_attention": "cross", "init_from": ""}
 
 
 def resume_rule(key: str) -> str:
@@ -90,6 +95,7 @@ def check_config_change(workdir: str, config, model_cfg, *, resume_step: int | N
   if resume_step is None:  # no checkpoint yet: nothing saved would be reinterpreted
     return []
   before, now = config_checks.flat_keys(old.get("config", {})), config_checks.flat_keys(new["config"])
+  before = {**{k: v for k, v in LEGACY_VALUES.items() if k in now}, **before}
   changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
   by_rule = {k: resume_rule(k) for k in changed}
   state = [k for k in changed if by_rule[k] == "state"]

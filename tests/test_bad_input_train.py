@@ -231,6 +231,27 @@ def test_neutral_changes_resume_silently(data, resumable):
   assert saved.get("changes", []) == [] and saved["config"]["train"]["log_every"] == 2
 
 
+def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, resumable):
+  """config.json written before model.packed_attention and init_from existed: the run it holds
+  was "cross" with no init, so that resumes as unchanged and "segment" is a result change."""
+  from lmscale_jax import checkpoint, train
+  from lmscale_jax import workdir as workdir_lib
+
+  path = resumable / "config.json"
+  saved = json.load(open(path))
+  del saved["config"]["model"]["packed_attention"], saved["config"]["init_from"]
+  path.write_text(json.dumps(saved))
+  assert set(workdir_lib.LEGACY_VALUES) == {"model.packed_attention", "init_from"}
+  with pytest.raises(checkpoint.IncompatibleCheckpoint, match="model.packed_attention='cross', "
+                     "this run has model.packed_attention='segment'"):
+    train.train_and_evaluate(small_train_config(data, steps=4), str(resumable))
+  c = small_train_config(data, steps=4)
+  c.model.packed_attention = "cross"
+  train.train_and_evaluate(c, str(resumable))
+  assert json.load(open(path))["changes"] == [
+      {"step": 4, "key": "train.steps", "from": 3, "to": 4}]
+
+
 def test_every_config_key_has_a_resume_rule():
   """A key added to the defaults must be classified (else it defaults to refusing a resume,
   which is safe but may surprise): every key appears in exactly one list."""
