@@ -8,8 +8,8 @@ import numpy as np
 
 from lmscale_jax import hf_convert
 from tests.hf_helpers import hf_side
-from tests.test_packed_attention import (PAD, SEQ, logits_all, model_cfg, pack, params,
-                                         random_functions, spans)
+from tests.test_packed_attention import (SEQ, functions_alone, logits_all, model_cfg, pack,
+                                         params, random_functions)
 
 __all__ = ["params"]  # the module fixture of tests/test_packed_attention.py, shared
 
@@ -18,13 +18,7 @@ def test_packed_function_logits_equal_the_exported_model_on_it_alone(params, tmp
   cfg = model_cfg("segment")
   rows = pack(random_functions(np.random.default_rng(5), 30))[:6]
   ours = logits_all(cfg, params, rows)
-  alone, where = [], []
-  for r, row in enumerate(rows):
-    for s, e in spans(row):
-      one = np.full(SEQ, PAD, np.int64)
-      one[:e - s] = row[s:e]
-      alone.append(one)
-      where.append((r, s, e))
+  alone, where = functions_alone(rows, np.int64)
   assert len(where) > len(rows)
   out = tmp_path / "hf"
   out.mkdir()

@@ -67,6 +67,19 @@ def spans(row: np.ndarray) -> list[tuple[int, int]]:
   return [(s, s + int(np.argmax(row[s:] == SEP)) + 1) for s in starts]
 
 
+def functions_alone(rows: np.ndarray, dtype=np.uint16):
+  """Every [CLS] … [SEP] span of ``rows`` alone in its own padded sequence, and where it came
+  from: (row, start, end)."""
+  alone, where = [], []
+  for r, row in enumerate(rows):
+    for s, e in spans(row):
+      one = np.full(SEQ, PAD, dtype)
+      one[:e - s] = row[s:e]
+      alone.append(one)
+      where.append((r, s, e))
+  return alone, where
+
+
 def model_cfg(packed_attention: str, **model):
   c = make_config(model=dict(layers=2, hidden=32, heads=4, ffn=64, dropout=0.0,
                              dtype="float32", packed_attention=packed_attention, **model))
@@ -126,13 +139,7 @@ def test_segment_logits_of_a_packed_function_equal_its_logits_alone(params):
   in a packed record equal those of the function alone in its own sequence (max abs diff
   < 1e-5); in "cross" mode they do not (the test can tell)."""
   rows = pack(random_functions(np.random.default_rng(2), 40))[:8]
-  alone, where = [], []
-  for r, row in enumerate(rows):
-    for s, e in spans(row):
-      one = np.full(SEQ, PAD, np.uint16)
-      one[:e - s] = row[s:e]
-      alone.append(one)
-      where.append((r, s, e))
+  alone, where = functions_alone(rows)
   assert len(where) > 2 * len(rows)
   for mode, close in (("segment", True), ("cross", False)):
     cfg = model_cfg(mode)

@@ -47,6 +47,15 @@ def number(kind, lo, hi):
   return parse
 
 
+def add_model_source(p: argparse.ArgumentParser) -> None:
+  """The trained model a tool reads (lmscale_jax.trained_model): a run's workdir (latest or
+  --step checkpoint, the dataset's tokenizer) or a directory tools/export_hf.py wrote."""
+  p.add_argument("--workdir", default="", help="a training run's --workdir")
+  p.add_argument("--step", type=number(int, 0, 1 << 62), default=None)
+  p.add_argument("--tokenizer", default="", help="(--workdir) the dataset's tokenizer.json")
+  p.add_argument("--hf", default="", metavar="OUT", help="a directory tools/export_hf.py wrote")
+
+
 def parser(kind: str) -> argparse.ArgumentParser:
   what = "ELF files or directories" if kind == "binary" else ".txt / .jsonl files"
   p = Parser(description=f"Prepare a packed uint16 ArrayRecord MLM dataset from {what}.")

@@ -32,10 +32,7 @@ BATCH = 32
 
 def parser() -> argparse.ArgumentParser:
   p = _cli.Parser(description=__doc__.splitlines()[0])
-  p.add_argument("--workdir", default="", help="a training run's --workdir")
-  p.add_argument("--step", type=_cli.number(int, 0, 1 << 62), default=None)
-  p.add_argument("--tokenizer", default="", help="(--workdir) the dataset's tokenizer.json")
-  p.add_argument("--hf", default="", metavar="OUT", help="a directory tools/export_hf.py wrote")
+  _cli.add_model_source(p)
   p.add_argument("--elf", nargs="+", default=None, metavar="FILE", help="x86-64 ELF files")
   p.add_argument("--data", default=None, metavar="DATASET_DIR", help="a prepared dataset")
   p.add_argument("--split", choices=list(dataset.SPLITS), default="validation")

@@ -31,10 +31,7 @@ BATCH = 32  # sequences per forward pass (--elf: one per instruction)
 
 def parser() -> argparse.ArgumentParser:
   p = _cli.Parser(description=__doc__.splitlines()[0])
-  p.add_argument("--workdir", default="", help="a training run's --workdir")
-  p.add_argument("--step", type=_cli.number(int, 0, 1 << 62), default=None)
-  p.add_argument("--tokenizer", default="", help="(--workdir) the dataset's tokenizer.json")
-  p.add_argument("--hf", default="", metavar="OUT", help="a directory tools/export_hf.py wrote")
+  _cli.add_model_source(p)
   p.add_argument("--text", default=None, help="text with one or more [MASK]")
   p.add_argument("--elf", default=None, metavar="FILE", help="an x86-64 ELF file")
   p.add_argument("--function", default=None, metavar="NAME", help="(--elf) its symbol name")
