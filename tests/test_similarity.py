@@ -99,7 +99,8 @@ def test_tfidf_far_above_chance_and_identical_functions_rank_first(bench, tmp_pa
   assert {m for m, _, _ in got} == {"tfidf", "hf", "random-init"}
   hard = got["tfidf", 100, "gcc-O0↔gcc-O3"]
   assert hard["queries"] == 2 * doc["bench_stats"]["groups"]  # both directions
-  assert hard["recall_at_1"] >= 0.1 and hard["mrr"] >= 0.2  # chance: 0.01 and 0.052 (measured: 0.149 and 0.271)
+  # chance: 0.01 and 0.052 (measured: 0.149 and 0.271)
+  assert hard["recall_at_1"] >= 0.1 and hard["mrr"] >= 0.2
   for method in ("tfidf", "hf", "random-init"):
     assert got[method, 100, "gcc-O3=gcc-O3"]["recall_at_1"] == 1.0  # itself ranks first
   assert got["tfidf", 1000, "all"]["recall_at_1"] is None  # fewer than 1000 functions

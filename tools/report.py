@@ -82,7 +82,8 @@ def runs_table(rows: list[dict]) -> str:
   for r in sorted(rows, key=lambda r: (r["model"], r["batch"], r["accum"], r["workers"],
                                        r["processes"])):
     peak = r.get("peak_bytes")
-    body.append([r["model"] + (f" [{r['tag']}]" if r.get("tag") else ""), r["processes"], r["devices"], r["workers"], r["batch"], r["accum"],
+    label = r["model"] + (f" [{r['tag']}]" if r.get("tag") else "")
+    body.append([label, r["processes"], r["devices"], r["workers"], r["batch"], r["accum"],
                  r["global_batch"], r["status"], fmt(r.get("samples_per_sec"), "{:.1f}"),
                  fmt(r.get("tokens_per_sec"), "{:.0f}"), fmt(r.get("step_time"), "{:.4f}"),
                  fmt(r.get("input_wait_frac"), "{:.1%}"), fmt(r.get("mfu"), "{:.1%}"),
