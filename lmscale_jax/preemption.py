@@ -20,6 +20,7 @@ group, and if they died the pending step could not get its batch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -27,6 +28,7 @@ import threading
 from absl import logging
 
 _requested = threading.Event()
+_ctrl_c = threading.Event()
 
 
 def install() -> None:
@@ -72,6 +74,34 @@ def requested() -> bool:
   """Whether this process received a signal itself: the answer for a single process (several
   agree through JAX's sync manager instead, see ``Checkpointer.reached_preemption``)."""
   return _requested.is_set()
+
+
+@contextlib.contextmanager
+def ctrl_c_at_step_boundaries():
+  """Inside: a Ctrl-C (SIGINT) only sets a flag, :func:`ctrl_c_requested`, which the loop turns
+  into KeyboardInterrupt between steps; a second one raises at once. Why: the default handler
+  raises wherever the main thread is, also inside Orbax's save/wait or JAX's fetches, which can
+  leave their locks held or swallow it (a CI run hung 240 s after one Ctrl-C, another trained
+  to the end through it)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield  # signal handlers can only be set from the main thread (e.g. tests calling train)
+    return
+
+  def on_sigint(signum, frame) -> None:
+    if _ctrl_c.is_set():
+      raise KeyboardInterrupt
+    _ctrl_c.set()
+
+  old = signal.signal(signal.SIGINT, on_sigint)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, old)
+    _ctrl_c.clear()
+
+
+def ctrl_c_requested() -> bool:
+  return _ctrl_c.is_set()
 
 
 def ignore_in_worker(worker_index: int, worker_count: int) -> None:

@@ -28,6 +28,7 @@ from lmscale_jax import masking
 from lmscale_jax import metrics as metrics_lib
 from lmscale_jax import model as model_lib
 from lmscale_jax import prefetch
+from lmscale_jax import preemption
 from lmscale_jax import steps as steps_lib
 from lmscale_jax import workdir as workdir_lib
 from lmscale_jax.errors import UserError
@@ -396,32 +397,35 @@ def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, e
   log = TrainLog(setup, workdir, start, checkpointer, train_iter)
   preempted, step = False, start
   try:
-    for step in range(start + 1, train_config.steps + 1):
-      state, metrics = steps.train_step(state, next(train_iter))
-      log.after_step(step, metrics)
-      do_eval = step % train_config.eval_every == 0 or step == train_config.steps
-      # Every process asks at every step and gets the same answer.
-      preempted = checkpointer.reached_preemption(step) and step < train_config.steps
-      do_save = step % config.checkpoint.every == 0 or step == train_config.steps or preempted
-      if do_eval or do_save:
-        log.pause()  # neither counts as training time
-      if do_eval:
-        row = evaluate(steps, state.params, eval_batches)
-        log.eval_row(step, {**row, "eval_seconds": time.perf_counter() - log.paused_at})
-      if do_save:
-        log.check_before_save(step)
-        checkpointer.save(step, state, train_iter)
-      else:
-        checkpointer.poll()  # the manifest of a finished background save (processes > 0)
-      if do_eval or do_save:
-        log.resume()
-      if preempted:
-        checkpointer.wait()  # synchronous: the process may be killed soon after it exits
-        if is_writer:
-          logging.warning("preempted: stopped after step %d of %d; checkpoint %s saved. Rerun "
-                          "the same command to continue from it.", step, train_config.steps,
-                          ckpt_lib.step_dir(workdir, step))
-        break
+    with preemption.ctrl_c_at_step_boundaries():
+      for step in range(start + 1, train_config.steps + 1):
+        if preemption.ctrl_c_requested():
+          raise KeyboardInterrupt
+        state, metrics = steps.train_step(state, next(train_iter))
+        log.after_step(step, metrics)
+        do_eval = step % train_config.eval_every == 0 or step == train_config.steps
+        # Every process asks at every step and gets the same answer.
+        preempted = checkpointer.reached_preemption(step) and step < train_config.steps
+        do_save = step % config.checkpoint.every == 0 or step == train_config.steps or preempted
+        if do_eval or do_save:
+          log.pause()  # neither counts as training time
+        if do_eval:
+          row = evaluate(steps, state.params, eval_batches)
+          log.eval_row(step, {**row, "eval_seconds": time.perf_counter() - log.paused_at})
+        if do_save:
+          log.check_before_save(step)
+          checkpointer.save(step, state, train_iter)
+        else:
+          checkpointer.poll()  # the manifest of a finished background save (processes > 0)
+        if do_eval or do_save:
+          log.resume()
+        if preempted:
+          checkpointer.wait()  # synchronous: the process may be killed soon after it exits
+          if is_writer:
+            logging.warning("preempted: stopped after step %d of %d; checkpoint %s saved. Rerun "
+                            "the same command to continue from it.", step, train_config.steps,
+                            ckpt_lib.step_dir(workdir, step))
+          break
     log.finish(step)
   except (NonFiniteLoss, ckpt_lib.CheckpointDiskFull):
     # Raised alike in every process (the metrics are global), so waiting for a save still in
