@@ -59,8 +59,10 @@ _WORKER_TIMEOUT_S = 900
 
 
 # ----------------------------------------------------------------------------- worker
-def worker(process_id: int, processes: int, port: int, sizes_mb, repeats: int) -> None:
-  """One process of the job: times the all-reduce of every size; prints one JSON line."""
+def worker(process_id: int, processes: int, port: int, sizes_mb, repeats: int,
+           leaves: list[int]) -> None:
+  """One process of the job: times the all-reduce of every size, as one array and as each
+  count of ``leaves`` equal arrays in one call; prints one JSON line."""
   os.environ.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
   import jax
   import jax.numpy as jnp
@@ -75,9 +77,11 @@ def worker(process_id: int, processes: int, port: int, sizes_mb, repeats: int) -
   distributed.initialize(config)
   mesh = sharding.data_mesh()
   spec = NamedSharding(mesh, PartitionSpec(sharding.AXIS))
-  allreduce = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, sharding.AXIS), mesh=mesh,
-                                    in_specs=PartitionSpec(sharding.AXIS),
-                                    out_specs=PartitionSpec()))
+  # A list of arrays is one call of one psum per leaf, which XLA combines into one
+  # all-reduce of many operands: what a training step's per-leaf gradient reduction runs.
+  allreduce = jax.jit(jax.shard_map(lambda x: jax.tree.map(
+      lambda y: jax.lax.psum(y, sharding.AXIS), x), mesh=mesh,
+      in_specs=PartitionSpec(sharding.AXIS), out_specs=PartitionSpec()))
 
   def global_array(elements: int):
     local = np.full(elements, 1.0 + process_id, np.float32)
@@ -86,9 +90,13 @@ def worker(process_id: int, processes: int, port: int, sizes_mb, repeats: int) -
   barrier_in = global_array(1)
   allreduce(barrier_in).block_until_ready()
   inputs = {str(size): global_array(int(size * MB) // 4) for size in sizes_mb}
+  for size in sizes_mb:
+    for n in leaves:
+      inputs[f"{size}x{n}"] = [global_array(int(size * MB) // 4 // n) for _ in range(n)]
   expected = sum(1.0 + p for p in range(processes))
   for size, x in inputs.items():  # compile + first run (not timed)
-    if float(np.asarray(allreduce(x).addressable_data(0))[0]) != expected:
+    first = jax.tree.leaves(allreduce(x))[0]
+    if float(np.asarray(first.addressable_data(0))[0]) != expected:
       raise RuntimeError(f"all-reduce of {size} MB gave a wrong sum")
   times = {size: [] for size in inputs}
   faults = {size: [] for size in inputs}  # minor page faults: fresh memory touched per call
@@ -99,7 +107,7 @@ def worker(process_id: int, processes: int, port: int, sizes_mb, repeats: int) -
       allreduce(barrier_in).block_until_ready()
       f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       t0 = time.perf_counter()
-      allreduce(x).block_until_ready()
+      jax.block_until_ready(allreduce(x))
       times[size].append(time.perf_counter() - t0)
       faults[size].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
   print("RESULT " + json.dumps({"process": process_id, "times": times, "faults": faults}),
@@ -125,12 +133,14 @@ HEAP_ENV = {"keep": {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_ARENA_MAX":
             "default": {}}
 
 
-def run_job(processes: int, sizes_mb, repeats: int, heap: str) -> dict:
-  """Starts the job's processes; returns size (MB) -> (per-repeat seconds of the slowest
-  process, median minor page faults per call of process 0)."""
+def run_job(processes: int, sizes_mb, repeats: int, heap: str, leaves: list[int]) -> dict:
+  """Starts the job's processes; returns "size" or "size x leaves" (MB) -> (per-repeat
+  seconds of the slowest process, median minor page faults per call of process 0)."""
   port = free_port()
   cmd = [sys.executable, os.path.abspath(__file__), "--_worker", str(processes), str(port),
          "--sizes-mb", ",".join(map(str, sizes_mb)), "--repeats", str(repeats)]
+  if leaves:
+    cmd += ["--leaves", ",".join(map(str, leaves))]
   env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
   env.update(HEAP_ENV[heap])
   procs = [subprocess.Popen(cmd + ["--_process", str(i)], stdout=subprocess.PIPE,
@@ -151,23 +161,28 @@ def run_job(processes: int, sizes_mb, repeats: int, heap: str) -> dict:
       if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-  return {float(s): ([max(o["times"][s][r] for o in outputs) for r in range(repeats)],
-                     statistics.median(outputs[0]["faults"][s]))
+  return {s: ([max(o["times"][s][r] for o in outputs) for r in range(repeats)],
+               statistics.median(outputs[0]["faults"][s]))
           for s in outputs[0]["times"]}
 
 
-def measure(processes_list, sizes_mb, repeats: int, device: str, heap: str) -> list[dict]:
+def measure(processes_list, sizes_mb, repeats: int, device: str, heap: str,
+            leaves: list[int] = ()) -> list[dict]:
+  """One ``point`` row per process count, size and leaf count (``leaves``: 1 = one array;
+  only those enter the α–β fits)."""
   now = datetime.datetime.now()
   rows = []
   for processes in processes_list:
     t0 = time.time()
-    per_size = run_job(processes, sizes_mb, repeats, heap)
+    per_size = run_job(processes, sizes_mb, repeats, heap, list(leaves))
     print(f"{processes} processes: {len(per_size)} sizes in {time.time() - t0:.0f} s",
           file=sys.stderr)
-    for size, (seconds, faults) in per_size.items():
+    for key, (seconds, faults) in per_size.items():
+      size, _, n = key.partition("x")
       rows.append({"date": now.date().isoformat(), "device": device,
                    "time": now.isoformat(timespec="seconds"), "bench": "allreduce",
-                   "kind": "point", "processes": processes, "bytes": int(size * MB),
+                   "kind": "point", "processes": processes, "bytes": int(float(size) * MB),
+                   "leaves": int(n or 1),
                    "dtype": "float32", "heap": heap, "repeats": repeats, "seconds": seconds,
                    "median_s": statistics.median(seconds),
                    "page_faults_per_call": faults, "cores": os.cpu_count(),
@@ -180,6 +195,7 @@ def fit_rows(points: list[dict], device: str) -> list[dict]:
   from lmscale_jax import cluster_model
 
   cores = os.cpu_count()
+  points = [r for r in points if r.get("leaves", 1) == 1]
   counts = sorted({r["processes"] for r in points})
   # "all": one link for every process count, its bandwidth shared by processes beyond the
   # cores; "all-uncorrected": the same without that (how wrong a plain network fit is here);
@@ -208,38 +224,54 @@ def fit_rows(points: list[dict], device: str) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- train check
-def train_run(processes: int, dataset: str, workdir: str, overrides: list[str],
-              pin: str | None) -> dict:
-  """One real training run through launch/local.sh; its workdir's step time and parameters."""
+def _start_train(processes: int, dataset: str, workdir: str, overrides: list[str]):
   cmd = ["bash", os.path.join(ROOT, "launch", "local.sh"), str(processes), "--",
          "--config=configs/tiny.py", f"--config.data.path={dataset}", f"--workdir={workdir}",
          *overrides]
-  if pin:  # every process of the run on these cores (taskset: inherited by the children)
-    cmd = ["taskset", "-c", pin, *cmd]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=_WORKER_TIMEOUT_S)
-  if result.returncode != 0:
-    tail = result.stderr.strip().splitlines()[-1:] or ["(no output)"]
-    raise RuntimeError(f"training run {workdir} exited with {result.returncode}: {tail[0]}")
+  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def train_runs(processes: int, dataset: str, workdirs: list[str],
+               overrides: list[str]) -> list[dict]:
+  """Real training runs through launch/local.sh, all started at once (one per workdir); each
+  workdir's step time and parameters."""
   from lmscale_jax import cluster_model
 
-  return cluster_model.workdir_step(workdir)
+  started = [(w, _start_train(processes, dataset, w, overrides)) for w in workdirs]
+  for workdir, proc in started:
+    try:
+      _, err = proc.communicate(timeout=_WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      raise RuntimeError(f"training run {workdir} ran past {_WORKER_TIMEOUT_S} s") from None
+    if proc.returncode != 0:
+      tail = err.strip().splitlines()[-1:] or ["(no output)"]
+      raise RuntimeError(f"training run {workdir} exited with {proc.returncode}: {tail[0]}")
+  return [cluster_model.workdir_step(w) for w in workdirs]
+
+
+# The runs of one round: (kind, processes, global batch in units of --train-batch, copies).
+TRAIN_RUNS = (("1p-shared-a", 1, 2, 1), ("1p-concurrent", 1, 1, 2), ("2p", 2, 2, 1),
+              ("1p-shared-b", 1, 2, 1))
 
 
 def train_check(a, device: str) -> list[dict]:
   """Measured step times of 1 and 2 training processes (global batch 2·--train-batch) against
   the model ``step(P) = compute + all-reduce(float32 gradients, P ranks)``, with the last
-  ``fit_of == "all"`` line of --calibration for the all-reduce.
+  ``fit_of == "all"`` line of --calibration for the all-reduce (one collective: the 2-process
+  run reduces its gradients as one buffer, ``train.grad_allreduce=auto`` on CPU processes).
 
-  The compute term is what the cluster model takes as one device's step: here the two
-  processes share this machine's cores, so it is measured two ways, each by a real run:
-  ``shared`` = one process on all cores at the global batch (the same work on the same
-  cores: the input of the predictions in ``predicted_step_s``), and ``own_core`` = one process
-  pinned to one core (taskset) at the per-process batch (what each process would have if the
-  cores were its own: ``predicted_own_core_s``). A second ``shared`` run is the 1-process
-  "measured" (how well one run predicts another). Runs alternate: shared, own core, 2
-  processes, shared; ``--train-rounds`` repeats them and each kind's median is used.
+  The compute term is what the cluster model takes as one device's step, without
+  communication. The two processes share this machine's two cores (measured: a second
+  single-threaded process on the other core halves the first one's speed, so they are not
+  independent cores), so it is measured as the 2-process run shares them: ``concurrent`` =
+  two 1-process runs at the per-process batch started together (the input of
+  ``predicted_step_s``). ``shared`` = one process on all cores at the global batch predicts
+  the 1-process run measured by a second ``shared`` run (how well one run predicts another).
+  Runs alternate: shared, concurrent, 2 processes, shared; ``--train-rounds`` repeats them
+  and each kind's median is used.
   """
   import tempfile
 
@@ -257,29 +289,31 @@ def train_check(a, device: str) -> list[dict]:
     root = a.train_workdirs or tmp
     seen: dict[str, list[dict]] = {}
     for rnd in range(a.train_rounds):
-      for name, procs, batch, pin in (("1p-shared-a", 1, 2 * b, None),
-                                      ("1p-own-core", 1, b, "0"), ("2p", 2, 2 * b, None),
-                                      ("1p-shared-b", 1, 2 * b, None)):
-        workdir = os.path.join(root, f"{name}-{rnd}")
-        shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume
-        run = train_run(procs, a.train_check, workdir,
-                        common + [f"--config.train.batch_size={batch}"], pin)
-        run["loadavg_1m"] = os.getloadavg()[0]
-        seen.setdefault(name, []).append(run)
-        print(f"round {rnd} {name}: step {run['step_time_s'] * 1e3:.1f} ms", file=sys.stderr)
+      for name, procs, batches, copies in TRAIN_RUNS:
+        workdirs = [os.path.join(root, f"{name}-{rnd}-{c}") for c in range(copies)]
+        for w in workdirs:
+          shutil.rmtree(w, ignore_errors=True)  # a fresh run, not a resume
+        done = train_runs(procs, a.train_check, workdirs,
+                          common + [f"--config.train.batch_size={batches * b}"])
+        for run in done:
+          run["loadavg_1m"] = os.getloadavg()[0]
+          seen.setdefault(name, []).append(run)
+        print(f"round {rnd} {name}: step " + ", ".join(
+            f"{r['step_time_s'] * 1e3:.1f}" for r in done) + " ms", file=sys.stderr)
   # Each kind's median over the rounds (the machine's load drifts between runs).
   runs = {name: {"step_time_s": statistics.median(r["step_time_s"] for r in rs),
                  "all_step_s": [r["step_time_s"] for r in rs], "params": rs[0]["params"],
                  "windows": sum(r["windows"] for r in rs),
                  "loadavg_1m": statistics.median(r["loadavg_1m"] for r in rs)}
           for name, rs in seen.items()}
-  shared, own = runs["1p-shared-a"]["step_time_s"], runs["1p-own-core"]["step_time_s"]
+  shared, concurrent = runs["1p-shared-a"]["step_time_s"], runs["1p-concurrent"]["step_time_s"]
   grad = 4 * runs["2p"]["params"]
   comm = cluster_model.calibrated_allreduce_s(grad, 2, fit["alpha_s"], fit["beta_bytes_per_s"],
                                               fit.get("cores"))
   rows = []
-  for procs, measured, predicted, own_core in (
-      (1, runs["1p-shared-b"], shared, None), (2, runs["2p"], shared + comm, own + comm)):
+  for procs, measured, compute in ((1, runs["1p-shared-b"], shared),
+                                   (2, runs["2p"], concurrent)):
+    predicted = compute + (comm if procs == 2 else 0.0)
     rows.append({"date": now.date().isoformat(), "device": device,
                  "time": now.isoformat(timespec="seconds"), "bench": "allreduce-train-check",
                  "processes": procs, "global_batch": 2 * b, "hidden": a.train_hidden,
@@ -288,9 +322,10 @@ def train_check(a, device: str) -> list[dict]:
                  "runs_step_s": {k: v["all_step_s"] for k, v in runs.items()},
                  "measured_step_s": measured["step_time_s"],
                  "predicted_step_s": predicted, "error": predicted / measured["step_time_s"] - 1,
-                 "predicted_comm_s": comm if procs == 2 else 0.0, "shared_compute_s": shared,
-                 "own_core_compute_s": own, "predicted_own_core_s": own_core,
-                 "own_core_error": (own_core / measured["step_time_s"] - 1) if own_core else None,
+                 "predicted_comm_s": comm if procs == 2 else 0.0,
+                 "compute_s": compute, "compute_from": "1p-shared-a" if procs == 1 else
+                 "1p-concurrent", "shared_compute_s": shared,
+                 "concurrent_compute_s": concurrent,
                  "calibration": {"alpha_s": fit["alpha_s"], "beta": fit["beta_bytes_per_s"],
                                  "cores": fit.get("cores"), "time": fit["time"]},
                  "loadavg_1m": measured["loadavg_1m"]})
@@ -311,6 +346,21 @@ def last_run(path: str) -> list[dict]:
     raise UserError(f"--refit {path}: no all-reduce points")
   latest = max(r["time"] for r in points)
   return [{k: v for k, v in r.items() if k != "fits"} for r in points if r["time"] == latest]
+
+
+def leaves_table(points: list[dict]) -> str:
+  """The same bytes as one array and as N arrays in one call; the cost of each extra leaf."""
+  one = {(r["processes"], r["bytes"]): r["median_s"] for r in points if r.get("leaves", 1) == 1}
+  lines = []
+  for r in points:
+    n, base = r.get("leaves", 1), one.get((r["processes"], r["bytes"]))
+    if n > 1 and base is not None:
+      lines.append(f"| {r['processes']} | {r['bytes'] / MB:g} | {n} | {base * 1e3:.1f} | "
+                   f"{r['median_s'] * 1e3:.1f} | {(r['median_s'] - base) / (n - 1) * 1e6:.0f} |")
+  if not lines:
+    return ""
+  return "\n".join(["| processes | MB | leaves | one array ms | leaves ms | us per extra leaf |",
+                    "|---|---|---|---|---|---|", *lines])
 
 
 def table(points: list[dict], fits: list[dict]) -> str:
@@ -343,6 +393,17 @@ def sizes(text: str) -> list[float]:
   return values
 
 
+def leaf_counts(text: str) -> list[int]:
+  try:
+    values = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    values = []
+  if not values or any(not 2 <= v <= 4096 for v in values):
+    raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated leaf counts, "
+                                     "each in 2..4096")
+  return values
+
+
 def counts(text: str) -> list[int]:
   try:
     values = [int(x) for x in text.split(",") if x.strip()]
@@ -361,6 +422,9 @@ def main(argv=None) -> int:
   p.add_argument("--sizes-mb", type=sizes, default=list(DEFAULT_SIZES_MB),
                  help="comma-separated message sizes in MB (1,2,4,…,256)")
   p.add_argument("--repeats", type=number(int, 1, 1000), default=7)
+  p.add_argument("--leaves", type=leaf_counts, default=[], help="comma-separated: also "
+                 "reduce each size split into this many equal arrays in one call (a training "
+                 "step's per-leaf gradient reduction; e.g. 42, configs/tiny.py's leaves)")
   p.add_argument("--heap", choices=tuple(HEAP_ENV), default="keep",
                  help="keep: freed memory stays in the process heap (the transport's time, "
                  "default); default: glibc's defaults (large buffers page-fault every call)")
@@ -386,7 +450,7 @@ def main(argv=None) -> int:
   p.add_argument("--_process", type=int, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a._worker:
-    worker(a._process, a._worker[0], a._worker[1], a.sizes_mb, a.repeats)
+    worker(a._process, a._worker[0], a._worker[1], a.sizes_mb, a.repeats, a.leaves)
     return 0
 
   def go() -> int:
@@ -405,9 +469,10 @@ def main(argv=None) -> int:
       device = points[0]["device"]
     else:
       device = _host.cpu_name() + "; localhost gloo"
-      points = measure(a.processes, a.sizes_mb, a.repeats, device, a.heap)
+      points = measure(a.processes, a.sizes_mb, a.repeats, device, a.heap, a.leaves)
     fits = fit_rows(points, device)
-    print(table(points, fits))
+    print(table([r for r in points if r.get("leaves", 1) == 1], fits))
+    print(leaves_table(points))
     out = a.out or a.refit or os.path.join(ROOT, "benchmarks", "results",
                                            f"{points[0]['date']}-cpu-allreduce.jsonl")
     with open(out, "a") as f:  # appended: earlier runs' lines stay (one line per record)

@@ -127,6 +127,7 @@ def check_config(config) -> None:
   _one_of(t.schedule, optim.SCHEDULES, "train.schedule")
   _one_of(t.nonfinite, optim.NONFINITE_MODES, "train.nonfinite")
   _one_of(t.grad_allreduce_dtype, sorted(steps.REDUCE_DTYPES), "train.grad_allreduce_dtype")
+  _one_of(t.get("grad_allreduce", "auto"), steps.GRAD_ALLREDUCE, "train.grad_allreduce")
   _one_of(t.dropout_rng, steps.DROPOUT_RNGS, "train.dropout_rng")
   _one_of(config.data.on_corrupt, records.ON_CORRUPT, "data.on_corrupt")
   _one_of(config.checkpoint.on_full, checkpoint.ON_FULL, "checkpoint.on_full")

@@ -68,6 +68,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.grad_accum_steps = 1  # microbatches per step (lax.scan in the jitted step)
   c.train.fsdp = False          # shard params + optimizer state over the data axis (ZeRO-3)
   c.train.grad_allreduce_dtype = "float32"  # float32 | bfloat16: dtype of the gradient reduction
+  # auto | per_tensor | flat: one collective per gradient, or one for them all (auto: flat for
+  # CPU processes over gloo, where each collective pays its latency; steps.resolve_grad_allreduce)
+  c.train.grad_allreduce = "auto"
   c.train.dropout_rng = "threefry"  # threefry | rbg (RngBitGenerator: cheaper masks on GPU)
   c.train.nonfinite = "error"   # error | skip: on a non-finite loss/gradient (never applied)
   c.train.max_consecutive_nonfinite = 20  # skip mode: stop after this many skips in a row

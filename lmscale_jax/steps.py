@@ -32,6 +32,8 @@ class TrainState:
 
 
 REDUCE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# train.grad_allreduce: how the gradients of replicated parameters are reduced across devices.
+GRAD_ALLREDUCE = ("auto", "per_tensor", "flat")
 # "threefry" is jax's default (bit-identical on any device count); "rbg" draws dropout masks
 # with XLA's RngBitGenerator, much cheaper on GPU but not partition-invariant.
 DROPOUT_RNGS = ("threefry", "rbg")
@@ -45,6 +47,24 @@ def mlm_loss(logits, labels, weights):
   return (ce * weights).sum() / wsum, (ce * weights).sum(), correct, weights.sum()
 
 
+def resolve_grad_allreduce(mode: str) -> str:
+  """``auto`` is ``flat`` where the collectives are gloo's (the CPU backend, several
+  processes) and ``per_tensor`` elsewhere.
+
+  Why: gloo reduces each operand of XLA's combined all-reduce as a ring of its own, each
+  paying the transport's latency. Measured here (2 processes on 2 cores, 2026-12-01, see
+  docs/scaling.md): the 42 gradients of a 2-layer, 256-wide BERT took 28 ms to reduce against
+  8 ms as one buffer, and the whole step 247–276 ms against 205–219 ms. On GPUs XLA combines
+  the all-reduces into few NCCL calls and overlaps them with the backward pass; one buffer
+  would wait for the whole backward pass and copy every gradient twice.
+  """
+  if mode not in GRAD_ALLREDUCE:
+    raise ValueError(f"train.grad_allreduce {mode!r}: expected one of {GRAD_ALLREDUCE}")
+  if mode != "auto":
+    return mode
+  return "flat" if jax.default_backend() == "cpu" and jax.process_count() > 1 else "per_tensor"
+
+
 def step_rng(seed: int, step, dropout_rng: str = "threefry"):
   """Dropout key of a step: keyed by (seed, step), so identical after a resume."""
   impl = None if dropout_rng == "threefry" else "unsafe_rbg"
@@ -55,6 +75,7 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
                     accum_steps: int = 1, mesh: Mesh | None = None, param_specs=None,
                     reduce_dtype: str = "float32", compute_dtype: str = "float32",
                     dropout_rng: str = "threefry", manual: bool | None = None,
+                    flat_reduce: bool = False,
                     inject_nonfinite_steps: tuple[int, ...] = ()):
   """The training step ``(state, batch) -> (state, metrics)`` (to be jitted).
 
@@ -66,7 +87,8 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
   * **manual** (anything else): :func:`make_grads_fn`, a ``shard_map`` over the ``data`` axis
     in which each device gathers FSDP-sharded parameters, runs its microbatches with
     ``lax.scan``, and reduces its float32-accumulated gradients once with ``psum`` (replicated
-    leaves) or ``psum_scatter`` (FSDP leaves) in ``reduce_dtype``.
+    leaves; with ``flat_reduce`` one ``psum`` of them all, concatenated) or ``psum_scatter``
+    (FSDP leaves) in ``reduce_dtype``.
 
   The optimizer update runs in the global view either way, on parameters and moments sharded
   like ``param_specs`` (elementwise, so no communication, except the scalar of the global-norm
@@ -75,13 +97,14 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
   injection, for tests of that path) makes the loss and gradients of those 1-based steps NaN.
   """
   if manual is None:
-    manual = needs_manual_grads(accum_steps, reduce_dtype, param_specs)
+    manual = needs_manual_grads(accum_steps, reduce_dtype, param_specs, flat_reduce)
   grads_fn = None
   if manual:
     if mesh is None:
       raise ValueError("the manual gradient path needs the device mesh")
     grads_fn = make_grads_fn(model, mesh, param_specs, accum_steps=accum_steps,
-                             reduce_dtype=reduce_dtype, compute_dtype=compute_dtype)
+                             reduce_dtype=reduce_dtype, compute_dtype=compute_dtype,
+                             flat_reduce=flat_reduce)
 
   def train_step(state: TrainState, batch):
     rng = step_rng(seed, state.step, dropout_rng)
@@ -123,10 +146,11 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
   return train_step
 
 
-def needs_manual_grads(accum_steps: int, reduce_dtype: str, param_specs) -> bool:
+def needs_manual_grads(accum_steps: int, reduce_dtype: str, param_specs,
+                       flat_reduce: bool = False) -> bool:
   """Whether the step takes the shard_map gradient path (anything but the plain step)."""
   sharded = param_specs is not None and sharding.is_sharded(param_specs)
-  return int(accum_steps) > 1 or reduce_dtype != "float32" or sharded
+  return int(accum_steps) > 1 or reduce_dtype != "float32" or sharded or bool(flat_reduce)
 
 
 def _to_varying(x):
@@ -141,8 +165,27 @@ def _sharded_dim(spec: PartitionSpec) -> int | None:
   return next((i for i, a in enumerate(spec) if a is not None), None)
 
 
+def _psum_concatenated(grads, param_specs, reduce):
+  """``reduce`` of every leaf, the replicated ones as one ``psum`` of their concatenation
+  (one collective instead of one per leaf; see :func:`resolve_grad_allreduce`)."""
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  leaves, treedef = jax.tree.flatten(grads)
+  specs = jax.tree.leaves(param_specs, is_leaf=is_spec)
+  replicated = [i for i, spec in enumerate(specs) if _sharded_dim(spec) is None]
+  out = [None if _sharded_dim(spec) is None else reduce(g, spec)
+         for g, spec in zip(leaves, specs)]
+  if replicated:
+    summed = reduce(jnp.concatenate([leaves[i].ravel() for i in replicated]), PartitionSpec())
+    offset = 0
+    for i in replicated:
+      size = leaves[i].size
+      out[i] = summed[offset:offset + size].reshape(leaves[i].shape)
+      offset += size
+  return jax.tree.unflatten(treedef, out)
+
+
 def make_grads_fn(model, mesh: Mesh, param_specs, *, accum_steps: int, reduce_dtype: str,
-                  compute_dtype: str):
+                  compute_dtype: str, flat_reduce: bool = False):
   """``(params, batch, rng) -> (grads, sums)`` over the global batch, as a ``shard_map``.
 
   Per device: all-gather the FSDP-sharded leaves (matrices cast to the compute dtype first:
@@ -152,7 +195,8 @@ def make_grads_fn(model, mesh: Mesh, param_specs, *, accum_steps: int, reduce_dt
   needs no communication); ``lax.scan`` over them accumulating float32 gradients of
   ``ce_sum(microbatch) / W`` with ``W`` the global batch's prediction count, whose sum is
   exactly the gradient of the global mean loss; then one reduction per leaf in
-  ``reduce_dtype``. Peak activation memory is one microbatch's.
+  ``reduce_dtype`` (``flat_reduce``: one for all replicated leaves together). Peak activation
+  memory is one microbatch's.
 
   Dropout: the key is ``fold_in(step key, device index)`` and, with accumulation,
   ``fold_in(·, microbatch)``: masks differ from the plain step's (statistically the same);
@@ -212,7 +256,10 @@ def make_grads_fn(model, mesh: Mesh, param_specs, *, accum_steps: int, reduce_dt
       zero = jnp.zeros((), jnp.float32)
       init = _to_varying((zeros, zero, zero))  # the carry varies like the gradients
       (grads, ce, correct), _ = jax.lax.scan(body, init, (jnp.arange(k), micro))
-    grads = jax.tree.map(reduce, grads, param_specs, is_leaf=is_spec)
+    if flat_reduce:
+      grads = _psum_concatenated(grads, param_specs, reduce)
+    else:
+      grads = jax.tree.map(reduce, grads, param_specs, is_leaf=is_spec)
     sums = {"ce": ce, "correct": correct, "weight": batch["mlm_weights"].sum(),
             "tokens": (batch["input_ids"] != model.cfg.pad_id).sum()}
     return grads, jax.lax.psum(sums, AXIS)
@@ -246,6 +293,7 @@ class Steps:
   train_step: Any          # (state, batch) -> (state, metrics); state donated
   eval_step: Any           # (params, batch) -> sums
   manual: bool             # gradients through make_grads_fn (see make_train_step)
+  grad_allreduce: str = "per_tensor"  # train.grad_allreduce as resolved for this run
 
 
 def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.ConfigDict,
@@ -275,13 +323,15 @@ def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.Con
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
   abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                           abstract, state_sharding)
+  flat_reduce = resolve_grad_allreduce(str(t.get("grad_allreduce", "auto"))) == "flat"
   if manual is None:
-    manual = needs_manual_grads(t.grad_accum_steps, t.grad_allreduce_dtype, specs.params)
+    manual = needs_manual_grads(t.grad_accum_steps, t.grad_allreduce_dtype, specs.params,
+                                flat_reduce)
   step_fn = make_train_step(
       model, optimizer, schedule, t.seed, model_cfg.pad_id, accum_steps=int(t.grad_accum_steps),
       mesh=mesh, param_specs=specs.params, reduce_dtype=t.grad_allreduce_dtype,
       compute_dtype=model_cfg.dtype, dropout_rng=t.dropout_rng, manual=manual,
-      inject_nonfinite_steps=config_checks.parse_steps(t.inject_nonfinite_steps,
+      flat_reduce=flat_reduce, inject_nonfinite_steps=config_checks.parse_steps(t.inject_nonfinite_steps,
                                                        "train.inject_nonfinite_steps"))
   train_step = jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
                        out_shardings=(state_sharding, replicated), donate_argnums=0)
@@ -292,5 +342,6 @@ def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.Con
   return Steps(mesh=mesh, model=model, optimizer=optimizer, schedule=schedule,
                state_sharding=state_sharding, batch_sharding=batch_sharding,
                abstract_state=abstract, init=init, train_step=train_step,
-               eval_step=eval_step, manual=manual)
+               eval_step=eval_step, manual=manual,
+               grad_allreduce="flat" if flat_reduce else "per_tensor")
 

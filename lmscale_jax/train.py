@@ -86,7 +86,8 @@ def describe(setup: Setup) -> str:
   train_config, cfg = setup.config.train, setup.model_cfg
   levers = (f"remat {train_config.remat}, grad_accum_steps {train_config.grad_accum_steps}, "
             f"fsdp {bool(train_config.fsdp)}, "
-            f"grad_allreduce_dtype {train_config.grad_allreduce_dtype}")
+            f"grad_allreduce_dtype {train_config.grad_allreduce_dtype}, "
+            f"grad_allreduce {train_config.get('grad_allreduce', 'auto')}")
   return (f"model: {setup.param_count:,} parameters ({cfg.layers} layers × {cfg.hidden}, "
           f"vocab {cfg.vocab_size}, seq {setup.meta.seq_len}); "
           f"{setup.flops_per_step / 1e12:.3f} TFLOP per step (global batch "
@@ -339,6 +340,9 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   is_writer = jax.process_index() == 0
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
+  if is_writer and jax.device_count() > 1:
+    logging.info("gradient all-reduce: %s (train.grad_allreduce=%s)", steps.grad_allreduce,
+                 config.train.get("grad_allreduce", "auto"))
   # The refusals first, from what is on disk: a refused run leaves the workdir as it was.
   # The checkpoint to resume is the newest that verifies (the same in every process).
   resume = ckpt_lib.choose_resume_step(workdir)

@@ -42,6 +42,7 @@ RESULT_KEYS = (
 EXTEND_KEYS = ("train.steps",)
 NEUTRAL_KEYS = (
     "train.log_every", "train.eval_every", "train.eval_batches", "train.remat", "train.fsdp",
+    "train.grad_allreduce",
     "train.max_consecutive_nonfinite", "checkpoint", "metrics", "distributed", "data.path",
     "data.workers", "data.prefetch_buffer", "data.read_threads", "data.stage_from",
     "data.stage_workers", "data.stage_timeout", "data.autotune", "data.autotune_max_workers",
@@ -51,7 +52,7 @@ NEUTRAL_KEYS = (
 # Keys added after workdirs already existed: the value that reproduces what a run whose
 # config.json lacks the key did. Such a workdir resumes under that value as unchanged (and
 # under another as a change of the key's rule), instead of failing on "None -> value".
-LEGACY_VALUES = {"model.packed_attention": "cross", "init_from": ""}
+LEGACY_VALUES = {"model.packed_attention": "cross", "init_from": "", "train.grad_allreduce": "auto"}
 
 
 def resume_rule(key: str) -> str:

@@ -268,6 +268,8 @@ def test_losses_match_one_process(runs):
     ev1, evn = series(runs[1][0], "eval_loss"), series(runs[n][0], "eval_loss")
     assert sorted(evn) == [3, 6]
     np.testing.assert_allclose([evn[s] for s in ev1], [ev1[s] for s in ev1], rtol=1e-5)
+  # CPU processes reduce their gradients as one buffer (steps.resolve_grad_allreduce)
+  assert "gradient all-reduce: flat (train.grad_allreduce=auto)" in runs[2][1].stderr
   # process 0 logged the topology once
   err4 = runs[4][1].stderr
   assert err4.count("topology: 4 processes × 1 cpu device = 4 global devices; mesh "

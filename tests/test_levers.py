@@ -1,5 +1,6 @@
-"""Memory levers (train.remat, grad_accum_steps, fsdp, grad_allreduce_dtype) against the plain
-step: same losses, less memory; FSDP state through an Orbax checkpoint; config validation.
+"""Memory and communication levers (train.remat, grad_accum_steps, fsdp, grad_allreduce_dtype,
+grad_allreduce) against the plain step: same losses, less memory, fewer collectives; FSDP
+state through an Orbax checkpoint; config validation.
 
 The multi-device checks run once, in one subprocess with 4 CPU devices (the device count is
 fixed when jax starts); each variant trains the same 4 batches from the same initial state.
@@ -64,6 +65,9 @@ def run(name, **kw):
   abstract_b = flops.abstract_batch(BATCH, s.meta.seq_len, s.predictions, st.batch_sharding)
   step = st.train_step.lower(st.abstract_state, abstract_b).compile()
   mem = step.memory_analysis()
+  # Collectives of the step (lowered StableHLO): one per reduced leaf, or one for them all.
+  all_reduces = st.train_step.lower(st.abstract_state, abstract_b).as_text().count(
+      "stablehlo.all_reduce")
   state = jax.device_put(init_state, st.state_sharding)
   losses = []
   for hb in host_batches:
@@ -80,7 +84,8 @@ def run(name, **kw):
                      "params": [np.asarray(x).ravel().tolist() for x in leaves],
                      "state_bytes_dev0": per_device, "sharded_param_leaves": sharded,
                      "big_matrices": big_matrices, "peak_bytes": flops.peak_bytes(mem),
-                     "argument_bytes": mem.argument_size_in_bytes}
+                     "argument_bytes": mem.argument_size_in_bytes, "all_reduces": all_reduces,
+                     "leaves": len(leaves)}
 
 out = {}
 for name, kw in [
@@ -90,6 +95,9 @@ for name, kw in [
     ("fsdp_accum2_dots", {"fsdp": True, "grad_accum_steps": 2, "remat": "dots"}),
     ("bf16_reduce", {"grad_allreduce_dtype": "bfloat16"}),
     ("fsdp_bf16_reduce", {"fsdp": True, "grad_allreduce_dtype": "bfloat16"}),
+    ("flat_reduce", {"grad_allreduce": "flat"}),
+    ("fsdp_flat_reduce", {"fsdp": True, "grad_allreduce": "flat"}),
+    ("per_tensor", {"grad_allreduce": "per_tensor"}),
 ]:
   st, state, out[name] = run(name, **kw)
   if name == "plain":
@@ -208,6 +216,22 @@ def test_grad_allreduce_dtype(runs):
     assert r["params"] != runs["plain"]["params"]
 
 
+def test_flat_grad_allreduce_is_one_collective_with_the_same_result(runs):
+  # "flat" concatenates the replicated gradients into one psum: the sums are the same
+  # elementwise sums as one psum per leaf, so it matches the plain step like any manual path.
+  for name in ("flat_reduce", "fsdp_flat_reduce"):
+    assert runs[name]["manual"]
+    _assert_matches_plain(runs, name)
+  # The per-leaf manual path (accum4) reduces each of the model's leaves on its own; flat has
+  # one gradient all-reduce plus the step's scalar sums (prediction weight, metrics).
+  leaves = runs["plain"]["leaves"]
+  assert runs["accum4"]["all_reduces"] >= leaves
+  assert runs["flat_reduce"]["all_reduces"] <= runs["accum4"]["all_reduces"] - leaves + 1
+  # "auto" on one process is "per_tensor": the plain step, not the manual path.
+  assert not runs["plain"]["manual"] and not runs["per_tensor"]["manual"]
+  assert runs["per_tensor"]["losses"] == runs["plain"]["losses"]
+
+
 # ----------------------------------------------------------------------------- memory
 def test_compiled_memory_of_the_levers(runs):
   """Peak bytes per device from ``.compile().memory_analysis()`` of the steps above (16
@@ -249,6 +273,8 @@ def test_lever_config_validation(data):
     train.build_setup(small_config(data, grad_accum_steps=0))
   with pytest.raises(ConfigError, match="grad_allreduce_dtype='float16'"):
     train.build_setup(small_config(data, grad_allreduce_dtype="float16"))
+  with pytest.raises(ConfigError, match="grad_allreduce='bucketed'"):
+    train.build_setup(small_config(data, grad_allreduce="bucketed"))
   with pytest.raises(ConfigError, match="dropout_rng='philox'"):
     train.build_setup(small_config(data, dropout_rng="philox"))
   assert jax.device_count() == 1  # the in-process tests above run on one CPU device

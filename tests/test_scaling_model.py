@@ -193,13 +193,18 @@ def test_calibration_from_a_real_two_process_allreduce(tmp_path):
   out = tmp_path / "allreduce.jsonl"
   bench = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_allreduce.py"), "--processes",
-       "2", "--sizes-mb", "0.25,2", "--repeats", "2", "--out", str(out)], cwd=ROOT,
-      capture_output=True, text=True, timeout=120)
+       "2", "--sizes-mb", "0.25,2", "--repeats", "2", "--leaves", "3", "--out", str(out)],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert bench.returncode == 0, bench.stderr[-2000:]
   rows = [json.loads(x) for x in open(out)]
   points = [r for r in rows if r["kind"] == "point"]
-  assert [(r["processes"], r["bytes"]) for r in points] == [(2, 250_000), (2, 2_000_000)]
+  assert sorted((r["processes"], r["bytes"], r["leaves"]) for r in points) == [
+      (2, 250_000, 1), (2, 250_000, 3), (2, 2_000_000, 1), (2, 2_000_000, 3)]
   assert all(len(r["seconds"]) == 2 and r["page_faults_per_call"] >= 0 for r in points)
+  # The same bytes as 3 arrays in one call: reported beside the one array, never fitted.
+  assert "| processes | MB | leaves |" in bench.stdout
+  assert all("fits" in r for r in points if r["leaves"] == 1)
+  assert not any("fits" in r for r in points if r["leaves"] == 3)
   fit = next(r for r in rows if r["kind"] == "fit" and r["fit_of"] == "all")
   assert fit["beta_bytes_per_s"] > 0 and fit["alpha_s"] >= 0
   link = cm.load_calibration(str(out))
