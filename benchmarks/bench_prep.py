@@ -85,11 +85,12 @@ def iced_only(blobs) -> tuple[float, float, int]:
   instruction."""
   from iced_x86 import Decoder
 
-  total, t0, c0 = 0, time.perf_counter(), cpu_seconds()
+  total, count, t0, c0 = 0, 0, time.perf_counter(), cpu_seconds()
   for code, addr in blobs:
     for insn in Decoder(64, code, ip=addr):
       total += insn.len
-  return time.perf_counter() - t0, cpu_seconds() - c0, total
+      count += 1
+  return time.perf_counter() - t0, cpu_seconds() - c0, total, {"instructions": count}
 
 
 def _capstone_half(args) -> tuple[float, float, int]:
@@ -113,15 +114,20 @@ def capstone_concurrent(blobs, workers: int) -> tuple[float, float, int]:
   return wall, sum(r[1] for r in results), sum(r[2] for r in results)
 
 
-def extraction_only(files: list[str]) -> tuple[float, float, int]:
-  pretokenize.code_pretokenizer(fresh=True)  # a cold memo, as a fresh worker has
+def extraction_only(files: list[str]) -> tuple[float, float, int, dict]:
+  """Our extraction over ``files``, with a cold memo; the memo's sizes at the end (what the
+  misses were: each new instruction bytes is one memo entry; a new shape, branch opcode or
+  constant-free instruction one formatting)."""
+  pre = pretokenize.code_pretokenizer(fresh=True)  # a cold memo, as a fresh worker has
   total, t0, c0 = 0, time.perf_counter(), cpu_seconds()
   for path in files:
     res = elf_corpus.FileResult(path=path, file_bytes=0)
     for _ in elf_corpus.iter_functions(path, res):
       pass
     total += res.code_bytes
-  return time.perf_counter() - t0, cpu_seconds() - c0, total
+  return time.perf_counter() - t0, cpu_seconds() - c0, total, {
+      "memo_entries": len(pre._memo), "shape_entries": len(pre._shapes),
+      "branch_opcodes": len(pre._branches)}
 
 
 def prepare_only(files: list[str], workers: int) -> tuple[float, float, dict]:
@@ -158,11 +164,12 @@ def main() -> int:
     p.error(f"no ELF files under {' '.join(a.input)}")
   device, rows = _host.cpu_name(), []
 
-  def row(system: str, workers: int, seconds: float, cpu: float, code: int, **extra) -> None:
+  def row(system: str, workers: int, seconds: float, cpu: float, code: int,
+          counts: dict | None = None, **extra) -> None:
     rows.append({"system": system, "workers": workers, "code_mb": code / 1e6,
                  "seconds": seconds, "cpu_seconds": cpu,
                  "mb_s_core": code / 1e6 / seconds / workers, "mb_per_cpu_s": code / 1e6 / cpu,
-                 **extra})
+                 **(counts or {}), **extra})
 
   blobs = function_bytes(files)
   row("capstone disasm_lite alone", 1, *best(lambda: capstone_only(blobs), a.repeat))
@@ -201,18 +208,22 @@ def main() -> int:
             f"{r['mb_s_core']:>10.3f} {r['ratio_vs_capstone']:>11.2f}× "
             f"{r['mb_per_cpu_s']:>9.3f} {r['cpu_ratio_vs_capstone']:>11.2f}× {scaling:>8}")
       f.write(json.dumps(r) + "\n")
+  counts = {k: v for r in rows for k, v in r.items()
+            if k in ("instructions", "memo_entries", "shape_entries", "branch_opcodes")}
+  if counts:
+    print(f"decode profile: {counts}")
   for r in rows:
     if "stage_seconds" in r:
       print(f"workers={r['workers']} stage_seconds: {r['stage_seconds']}")
   ends = [r for r in rows if r["system"].startswith("lmscale prepare")]
   if ends and ends[0]["workers"] == 1:
-    print(f"goal ≥ {GOAL_MB_S_CORE} MB/s/core with one worker: {ends[0]['mb_s_core']:.2f} "
-          f"({'met' if ends[0]['mb_s_core'] >= GOAL_MB_S_CORE else 'not met'}); "
-          + ", ".join(f"{r['workers']} workers scale {r['scaling']:.0%} (goal "
-                      f"{GOAL_SCALING:.0%})" for r in ends if "scaling" in r and r["workers"] > 1)
-          + "; capstone alone scales " + ", ".join(
-              f"{r['scaling']:.0%} with {r['workers']} processes" for r in rows
-              if r["system"].startswith("capstone") and "scaling" in r))
+    print("; ".join([
+        f"goal ≥ {GOAL_MB_S_CORE} MB/s/core with one worker: {ends[0]['mb_s_core']:.2f} "
+        f"({'met' if ends[0]['mb_s_core'] >= GOAL_MB_S_CORE else 'not met'})",
+        *(f"{r['workers']} workers scale {r['scaling']:.0%} (goal {GOAL_SCALING:.0%})"
+          for r in ends if r["workers"] > 1),
+        *(f"capstone alone scales {r['scaling']:.0%} with {r['workers']} processes"
+          for r in rows if r["system"].startswith("capstone") and "scaling" in r)]))
   return 0
 
 

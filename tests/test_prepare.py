@@ -186,6 +186,19 @@ def test_identical_for_any_worker_count(built, tmp_path):
   _same_output(out1, tmp_path / "w2")
 
 
+def test_identical_for_any_worker_count_with_many_pass3_pieces(built, tmp_path, monkeypatch):
+  # Pass 3's tasks are chosen in this process: small pieces give the workers many tasks.
+  monkeypatch.setattr(shard_writer, "PIECE_BYTES", 64 << 10)
+  tasks, pieces = [], shard_writer.pieces
+  monkeypatch.setattr(shard_writer, "pieces", lambda *a: tasks.append(pieces(*a)) or tasks[-1])
+  tok = str(built[0] / dataset.TOKENIZER)
+  one = prepare.prepare(opts(tmp_path / "one", workers=1, tokenizer=tok))
+  two = prepare.prepare(opts(tmp_path / "two", workers=2, tokenizer=tok))
+  _same_output(tmp_path / "one", tmp_path / "two")
+  assert tasks[0] != tasks[1] and len(tasks[0]) == len(tasks[1]) > 8  # other work dirs
+  assert one["content_tokens"] == two["content_tokens"] == built[1]["content_tokens"]
+
+
 def test_packing_none_pads_more(built, tmp_path):
   _, greedy = built
   none = prepare.prepare(opts(tmp_path / "none", workers=1, packing="none",
@@ -315,6 +328,42 @@ def test_pretoken_memo_matches_the_tokenizer(built):
   texts.append("mov rax qword [ rbp - 0x18 ] [NEXT] vfrobnicate zmm31 [NEXT] ret")  # unseen word
   for t in texts:
     np.testing.assert_array_equal(memo.encode(t), tok.encode(t, add_special_tokens=False).ids)
+
+
+def test_binary_vocabulary_is_the_most_frequent_words():
+  """Words counted per instruction then spread (tokenizer._pretoken_wordpiece) give the same
+  vocabulary as counting every word: after specials and characters, by count, then name."""
+  import collections
+
+  from lmscale_jax import tokenizer as toklib
+
+  texts = [t for p in small_elves(2) for _, t in elf_corpus.extract_file(p)[1]]
+  tok = toklib.train(texts, vocab_size=300, kind="binary")
+  counts = collections.Counter(w for t in texts for w in t.split() if w != "[NEXT]")
+  vocab = sorted(tok.get_vocab(), key=tok.token_to_id)
+  words = [w for w in vocab[len(dataset.SPECIAL_TOKENS):] if len(w) > 1 and
+           not w.startswith("##")]
+  want = sorted((w for w, n in counts.items() if n >= 2 and len(w) > 1),
+                key=lambda w: (-counts[w], w))
+  assert len(words) > 100 and words == want[:len(words)]
+
+
+def test_pass3_pieces_cover_the_chunks_at_line_ends(tmp_path):
+  """Pass 3's tasks: byte ranges of the corpus chunks that end at line ends and, in order,
+  are every chunk exactly (a line split over two pieces would be lost or garbled)."""
+  chunk = tmp_path / "corpus-00000.txt"
+  lines = [f"{i:032x}\t" + "mov eax [NEXT] " * (i % 97) + "ret\u2028ok\n" for i in range(3000)]
+  chunk.write_bytes("".join(lines).encode("utf-8"))
+  small = tmp_path / "corpus-00001.txt"
+  small.write_bytes(b"")
+  got = shard_writer.pieces([str(chunk), str(small)], piece_bytes=10_000)
+  data = chunk.read_bytes()
+  assert len(got) > 20 and all(p == str(chunk) for p, _, _ in got)
+  assert got[0][1] == 0 and got[-1][2] == len(data)
+  assert all(a[2] == b[1] for a, b in zip(got, got[1:]))
+  assert all(data[end - 1:end] == b"\n" for _, _, end in got)
+  again = [line for piece in got for batch in shard_writer._piece_lines(*piece) for line in batch]
+  assert again == lines  # U+2028 inside a text is not a line end
 
 
 def test_file_parts_concatenate_to_the_whole_file():
