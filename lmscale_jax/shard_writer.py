@@ -59,8 +59,8 @@ _SEPARATOR = f" {NEXT} "
 
 
 class _InstructionIds(dict):
-  """One instruction's text → its words' ids then the separator's (uint16 bytes); bounded (a corpus holds
-  millions of distinct instructions, a chunk's repeat)."""
+  """One instruction's text → its words' ids then the separator's (uint16 bytes); bounded (a
+  corpus holds millions of distinct instructions, a chunk's repeat)."""
 
   def __init__(self, words: PretokenIds, size: int = 1 << 18):
     super().__init__()

@@ -331,7 +331,8 @@ def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.Con
       model, optimizer, schedule, t.seed, model_cfg.pad_id, accum_steps=int(t.grad_accum_steps),
       mesh=mesh, param_specs=specs.params, reduce_dtype=t.grad_allreduce_dtype,
       compute_dtype=model_cfg.dtype, dropout_rng=t.dropout_rng, manual=manual,
-      flat_reduce=flat_reduce, inject_nonfinite_steps=config_checks.parse_steps(t.inject_nonfinite_steps,
+      flat_reduce=flat_reduce,
+      inject_nonfinite_steps=config_checks.parse_steps(t.inject_nonfinite_steps,
                                                        "train.inject_nonfinite_steps"))
   train_step = jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
                        out_shardings=(state_sharding, replicated), donate_argnums=0)

@@ -52,7 +52,8 @@ NEUTRAL_KEYS = (
 # Keys added after workdirs already existed: the value that reproduces what a run whose
 # config.json lacks the key did. Such a workdir resumes under that value as unchanged (and
 # under another as a change of the key's rule), instead of failing on "None -> value".
-LEGACY_VALUES = {"model.packed_attention": "cross", "init_from": "", "train.grad_allreduce": "auto"}
+LEGACY_VALUES = {"model.packed_attention": "cross", "init_from": "",
+                 "train.grad_allreduce": "auto"}
 
 
 def resume_rule(key: str) -> str:
