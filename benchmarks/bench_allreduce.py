@@ -393,26 +393,21 @@ def sizes(text: str) -> list[float]:
   return values
 
 
-def leaf_counts(text: str) -> list[int]:
-  try:
-    values = [int(x) for x in text.split(",") if x.strip()]
-  except ValueError:
-    values = []
-  if not values or any(not 2 <= v <= 4096 for v in values):
-    raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated leaf counts, "
-                                     "each in 2..4096")
-  return values
+def int_list(what: str, lo: int, hi: int):
+  """An argparse type: comma-separated integers, each in lo..hi (``what`` names them)."""
+  def parse(text: str) -> list[int]:
+    try:
+      values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+      values = []
+    if not values or any(not lo <= v <= hi for v in values):
+      raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {what}, "
+                                       f"each in {lo}..{hi}")
+    return values
+  return parse
 
 
-def counts(text: str) -> list[int]:
-  try:
-    values = [int(x) for x in text.split(",") if x.strip()]
-  except ValueError:
-    values = []
-  if not values or any(not 2 <= v <= 64 for v in values):
-    raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated process counts, "
-                                     "each in 2..64")
-  return values
+leaf_counts, counts = int_list("leaf counts", 2, 4096), int_list("process counts", 2, 64)
 
 
 def main(argv=None) -> int:

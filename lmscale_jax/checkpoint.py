@@ -106,8 +106,18 @@ def complete_steps(workdir: str) -> list[int]:
   return sorted((int(m.step) for m in STEP_NAMES.find_all(root)), reverse=True)
 
 
+def _size_or_zero(path: str) -> int:
+  try:
+    return os.path.getsize(path)
+  except FileNotFoundError:
+    return 0
+
+
 def dir_bytes(path: str) -> int:
-  return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path)
+  """Bytes under ``path``. Files may vanish while it walks: other processes rename their
+  temporary manifests into place in the same step directory (a CI run crashed here on
+  ``.manifest.process_3-of-4.json.<random>.tmp``)."""
+  return sum(_size_or_zero(os.path.join(root, f)) for root, _, files in os.walk(path)
              for f in files)
 
 

@@ -51,12 +51,13 @@ def resolve_grad_allreduce(mode: str) -> str:
   """``auto`` is ``flat`` where the collectives are gloo's (the CPU backend, several
   processes) and ``per_tensor`` elsewhere.
 
-  Why: gloo reduces each operand of XLA's combined all-reduce as a ring of its own, each
-  paying the transport's latency. Measured here (2 processes on 2 cores, 2026-12-01, see
-  docs/scaling.md): the 42 gradients of a 2-layer, 256-wide BERT took 28 ms to reduce against
-  8 ms as one buffer, and the whole step 247–276 ms against 205–219 ms. On GPUs XLA combines
-  the all-reduces into few NCCL calls and overlaps them with the backward pass; one buffer
-  would wait for the whole backward pass and copy every gradient twice.
+  Why: XLA:CPU reduces each operand of its combined all-reduce with a collective call of its
+  own (xla/backends/cpu/runtime/all_reduce_thunk.cc loops ``comm.AllReduce`` over them), and
+  over gloo each call pays the transport's latency. Measured here (2 processes on 2 cores, 2026-12-01, see
+  docs/scaling.md): 7.6 MB as the 42 gradients of a 2-layer, 256-wide BERT took 28–58 ms to
+  reduce against 9–10 ms as one buffer, and the whole step 247–276 ms against 205–219 ms. On
+  GPUs XLA combines the all-reduces into few NCCL calls and overlaps them with the backward
+  pass; one buffer would wait for the whole backward pass and copy every gradient twice.
   """
   if mode not in GRAD_ALLREDUCE:
     raise ValueError(f"train.grad_allreduce {mode!r}: expected one of {GRAD_ALLREDUCE}")

@@ -232,16 +232,19 @@ def test_neutral_changes_resume_silently(data, resumable):
 
 
 def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, resumable):
-  """config.json written before model.packed_attention and init_from existed: the run it holds
-  was "cross" with no init, so that resumes as unchanged and "segment" is a result change."""
+  """config.json written before model.packed_attention, init_from and train.grad_allreduce
+  existed: the run it holds was "cross" with no init, so that resumes as unchanged and
+  "segment" is a result change; the reduction's layout ("auto") is not recorded as a change."""
   from lmscale_jax import checkpoint, train
   from lmscale_jax import workdir as workdir_lib
 
   path = resumable / "config.json"
   saved = json.load(open(path))
   del saved["config"]["model"]["packed_attention"], saved["config"]["init_from"]
+  del saved["config"]["train"]["grad_allreduce"]
   path.write_text(json.dumps(saved))
-  assert set(workdir_lib.LEGACY_VALUES) == {"model.packed_attention", "init_from"}
+  assert set(workdir_lib.LEGACY_VALUES) == {"model.packed_attention", "init_from",
+                                            "train.grad_allreduce"}
   with pytest.raises(checkpoint.IncompatibleCheckpoint, match="model.packed_attention='cross', "
                      "this run has model.packed_attention='segment'"):
     train.train_and_evaluate(small_train_config(data, steps=4), str(resumable))
