@@ -123,7 +123,6 @@ class Pretokenizer:
 
 
 # ----------------------------------------------------------------------------- iced-x86
-_REL = {2: 1, 5: 4, 6: 4}  # a relative branch's length → the bytes of its offset
 _STOP = ()  # memo entry of an undecodable instruction: the function's text ends before it
 # capstone prints these immediates unsigned (in the operand's size) even when negative.
 _UNSIGNED_MNEMONICS = frozenset(["and", "or", "xor", "mov", "lock and", "lock or", "lock xor"])
@@ -165,13 +164,14 @@ class CodePretokenizer:
     # of few shapes. memo_size=0: no memo at all (the tests' reference).
     self._decoder, self._memo, self._memo_size = Decoder, {}, memo_size
     self._shapes, self._branches = {}, {}
-    # Unprefixed relative branches, first byte (or 0F xx) → their length: call/jmp rel32,
-    # jmp/jcc/loop/jrcxz rel8, jcc rel32 (Intel SDM vol. 2: E8 cd, E9 cd, EB cb, 7x cb,
-    # E0–E3 cb, 0F 8x cd). Their _branches entry (by the bytes before the offset) gives the
-    # text; without a memo (memo_size=0, the tests' reference) every instruction is formatted.
+    # Unprefixed relative branches, first byte (or 0F xx) → (length, opcode bytes): call/jmp
+    # rel32, jmp/jcc/loop/jrcxz rel8, jcc rel32 (Intel SDM vol. 2: E8 cd, E9 cd, EB cb, 7x cb,
+    # E0–E3 cb, 0F 8x cd). Their _branches entry (by the opcode bytes) gives the text; without
+    # a memo (memo_size=0, the tests' reference) every instruction is formatted.
     self._rel_branches = {} if not memo_size else {
-        0xE8: 5, 0xE9: 5, 0xEB: 2, **{b: 2 for b in range(0x70, 0x80)},
-        **{b: 2 for b in range(0xE0, 0xE4)}, **{bytes([0x0F, b]): 6 for b in range(0x80, 0x90)}}
+        0xE8: (5, 1), 0xE9: (5, 1), 0xEB: (2, 1), **{b: (2, 1) for b in range(0x70, 0x80)},
+        **{b: (2, 1) for b in range(0xE0, 0xE4)},
+        **{bytes([0x0F, b]): (6, 2) for b in range(0x80, 0x90)}}
     self._ops = Pretokenizer(cache_size=max(1, memo_size // 2))
     self._fmt, self._signed_fmt = _formatter(), _formatter(signed=True)
     self._invalid, self._nopw, self._register = Code.INVALID, Code.NOPW, OpKind.REGISTER
@@ -208,8 +208,8 @@ class CodePretokenizer:
         # text is its opcode's, by where it lands. Measured: half the memo's misses, ~3 µs each
         # through _miss; this way one int.from_bytes and one lookup, and nothing memoised.
         op = rel.get(key[:2] if key[0] == 0x0F else key[0])
-        if op is not None and op == n and (texts := branches.get(key[:n - _REL[n]])):
-          t = p + n + int.from_bytes(key[n - _REL[n]:], "little", signed=True)
+        if op is not None and op[0] == n and (texts := branches.get(key[:op[1]])):
+          t = p + n + int.from_bytes(key[op[1]:], "little", signed=True)
           append(texts[1] if t == 0 else texts[4] if not 0 < t < size else
                  texts[2] if t > p else texts[3])
           p += n

@@ -53,11 +53,12 @@ def resolve_grad_allreduce(mode: str) -> str:
 
   Why: XLA:CPU reduces each operand of its combined all-reduce with a collective call of its
   own (xla/backends/cpu/runtime/all_reduce_thunk.cc loops ``comm.AllReduce`` over them), and
-  over gloo each call pays the transport's latency. Measured here (2 processes on 2 cores, 2026-12-01, see
-  docs/scaling.md): 7.6 MB as the 42 gradients of a 2-layer, 256-wide BERT took 28–58 ms to
-  reduce against 9–10 ms as one buffer, and the whole step 247–276 ms against 205–219 ms. On
-  GPUs XLA combines the all-reduces into few NCCL calls and overlaps them with the backward
-  pass; one buffer would wait for the whole backward pass and copy every gradient twice.
+  over gloo each call pays the transport's latency. Measured here (2 processes on 2 cores,
+  2026-12-01, see docs/scaling.md): 7.6 MB as the 42 gradients of a 2-layer, 256-wide BERT
+  took 28–58 ms to reduce against 9–10 ms as one buffer, and the whole step 247–276 ms
+  against 205–219 ms. On GPUs XLA combines the all-reduces into few NCCL calls and overlaps
+  them with the backward pass; one buffer would wait for the whole backward pass and copy
+  every gradient twice.
   """
   if mode not in GRAD_ALLREDUCE:
     raise ValueError(f"train.grad_allreduce {mode!r}: expected one of {GRAD_ALLREDUCE}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 
 import numpy as np
 
@@ -12,6 +14,17 @@ from lmscale_jax import config_defaults, dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECIAL_IDS = {t: i for i, t in enumerate(dataset.SPECIAL_TOKENS)}
+
+
+def communicate(p: subprocess.Popen, timeout: float = 180) -> tuple[str, str]:
+  """``p.communicate`` that never hangs a test: past ``timeout`` the process group (started
+  with ``start_new_session``) is killed and the test fails with the tails of its output."""
+  try:
+    return p.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(p.pid, signal.SIGKILL)
+    out, err = p.communicate()
+    raise AssertionError(f"timed out after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
 
 
 def make_config(data_path="", **sections) -> ml_collections.ConfigDict:

@@ -23,7 +23,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tests.helpers import make_config, make_synthetic_dataset
+from tests.helpers import communicate, make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Test-only: halves XLA:CPU compile time (LLVM optimisation off). Every run compared here uses
@@ -161,15 +161,6 @@ def base_env(**extra) -> dict:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("LMSCALE_", "SLURM_"))}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA, PYTHONUNBUFFERED="1", **extra)
   return env
-
-
-def communicate(p: subprocess.Popen, timeout: float) -> tuple[str, str]:
-  try:
-    return p.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    os.killpg(p.pid, signal.SIGKILL)
-    out, err = p.communicate()
-    raise AssertionError(f"timed out after {timeout} s:\n{err[-4000:]}")
 
 
 def local_sh(n: int, args: list[str], timeout: float = 200, **env) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ import uuid
 import pytest
 
 from lmscale_jax import dataset, run_state
-from tests.helpers import make_synthetic_dataset
+from tests.helpers import communicate, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launch", "slurm.sbatch")
@@ -105,15 +105,6 @@ def wait_for(procs, condition, timeout=120.0):
         raise AssertionError(f"exited early ({p.returncode}): {p.communicate()[1][-3000:]}")
     assert time.monotonic() < deadline, "timed out"
     time.sleep(0.02)
-
-
-def communicate(p, timeout=180) -> tuple[str, str]:
-  try:
-    return p.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    os.killpg(p.pid, signal.SIGKILL)
-    out, err = p.communicate()
-    raise AssertionError(f"timed out after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
 
 
 # ----------------------------------------------------------------------------- slurm.sbatch
