@@ -189,10 +189,10 @@ def _foreign(out: str, names: list[str]) -> list[str]:
 
 def _remove_stale_temps(out: str, ours: set[str]) -> None:
   """The temp files a killed run left half written beside our files (a finished dataset holds
-  none: a CI run killed during the write of stats.json kept one)."""
+  none: CI runs killed during the writes of stats.json and of the manifest kept one each)."""
   for n in os.listdir(out):
     m = _TEMP_NAME.fullmatch(n)
-    if m is not None and m.group(1) in ours:
+    if m is not None and (m.group(1) in ours or m.group(1) == MANIFEST):
       os.unlink(os.path.join(out, n))
 
 

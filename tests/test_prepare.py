@@ -233,8 +233,10 @@ def test_kill_and_rerun_completes_identically(built, tmp_path, wait_for):
   proc.wait()
   assert not (out / dataset.METADATA).exists()
   kept = sorted((out / prepare.WORK).rglob("*.json"))
-  # What a kill during finalize's write of stats.json leaves (a CI run's kill landed there).
+  # What kills during finalize's writes of stats.json and of the manifest leave (CI runs'
+  # kills landed in both).
   (out / f".{dataset.STATS}.k1ll3d.tmp").write_text("{")
+  (out / f".{prepare.MANIFEST}.k1ll3d.tmp").write_text("{")
   r = _cli("prepare_binary.py", *args)
   assert r.returncode == 0, r.stderr
   v = _cli("inspect_shards.py", out, "--verify")
