@@ -41,8 +41,11 @@ def list_inputs(paths: list[str], max_input_bytes: int = 0,
   Non-ELF files are counted in ``skipped["not_elf"]``, FIFOs/devices/sockets (named or found in
   a directory: reading /dev/zero or a pipe would never end) in ``skipped["not_regular"]`` and
   dangling links in ``skipped["broken_link"]``; ``notes`` gets one line per input named
-  explicitly that was skipped, so the user is told. ``max_input_bytes`` (0 = no limit) stops
-  the listing once that many ELF bytes are taken (the demo's bounded corpus).
+  explicitly that was skipped, so the user is told. ``max_input_bytes`` (0 = no limit) bounds
+  the ELF bytes taken (the demo's corpus): a file that would cross it is skipped
+  (``skipped["over_max_input_bytes"]``) and the listing goes on with the next, so a large
+  library early in the order does not end it (the demo's 24 MB stopped at 3 MB, before
+  libLLVM's 110 MB); the first ELF file is taken whatever its size.
   """
   from lmscale_jax.text_corpus import describe_non_regular
 
@@ -93,7 +96,11 @@ def list_inputs(paths: list[str], max_input_bytes: int = 0,
         count("not_elf")
         continue
       if max_input_bytes and total + st.st_size > max_input_bytes and out:
-        return out
+        count("over_max_input_bytes")
+        if f == p:
+          notes.append(f"input {p!r} ({st.st_size:,} bytes) would pass --max-input-bytes "
+                       f"{max_input_bytes:,}: skipped (files_skipped.over_max_input_bytes)")
+        continue
       out.append(Candidate(real, st.st_size))
       total += st.st_size
   return out

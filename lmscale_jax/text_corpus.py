@@ -44,7 +44,7 @@ def check_inputs(paths: list[str], max_input_bytes: int = 0) -> list[str]:
     if not p.endswith(TEXT_SUFFIXES):
       raise InputError(f"input file {p!r}: expected a .txt or .jsonl file")
     if max_input_bytes and total + st.st_size > max_input_bytes and out:
-      break
+      continue  # as elf_corpus.list_inputs: the files that fit, every path checked
     out.append(p)
     total += st.st_size
   return out

@@ -246,6 +246,39 @@ def test_kill_and_rerun_completes_identically(built, tmp_path, wait_for):
   assert kept  # the killed run had finished work that the rerun kept
 
 
+def test_max_input_bytes_skips_a_file_that_would_cross_it_and_takes_later_ones(tmp_path):
+  """A large file early in the order is skipped, not the end of the listing (the demo's
+  24 MB cap used to stop at 3 MB, before libLLVM); the first file is taken whatever its size."""
+  small, big = (os.path.join("/usr/lib/x86_64-linux-gnu", n) for n in ("libz.so.1",
+                                                                      "libssl.so.3"))
+  d = tmp_path / "in"
+  d.mkdir()
+  for name, src in (("1-small", small), ("2-big", big), ("3-small", small)):
+    shutil.copy(src, d / name)
+  cap = 2 * os.path.getsize(small)
+  skipped, notes = {}, []
+  taken = elf_corpus.list_inputs([str(d)], cap, skipped, notes)
+  assert [os.path.basename(c.path) for c in taken] == ["1-small", "3-small"]
+  assert skipped == {"over_max_input_bytes": 1} and not notes  # found in a directory: counted
+  taken = elf_corpus.list_inputs([str(d / "1-small"), str(d / "2-big")], cap, skipped, notes)
+  assert [os.path.basename(c.path) for c in taken] == ["1-small"]
+  assert len(notes) == 1 and "2-big" in notes[0] and "--max-input-bytes" in notes[0]
+  assert [os.path.basename(c.path) for c in elf_corpus.list_inputs([str(d / "2-big")], 1)] \
+      == ["2-big"]
+
+
+def test_text_max_input_bytes_takes_the_later_files_that_fit(tmp_path):
+  from lmscale_jax import text_corpus
+
+  paths = []
+  for name, size in (("a.txt", 10), ("b.txt", 100), ("c.txt", 10)):
+    (tmp_path / name).write_text("x" * (size - 1) + "\n")
+    paths.append(str(tmp_path / name))
+  assert text_corpus.check_inputs(paths, 25) == [paths[0], paths[2]]
+  with pytest.raises(text_corpus.InputError, match="missing.txt"):  # every path still checked
+    text_corpus.check_inputs([*paths, str(tmp_path / "missing.txt")], 25)
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_skips_are_counted(tmp_path):
   src = small_elves(1)[0]

@@ -73,7 +73,8 @@ def parser(kind: str) -> argparse.ArgumentParser:
   p.add_argument("--workers", type=number(int, 0, prepare.MAX_WORKERS), default=0,
                  help="processes (0 = all cores)")
   p.add_argument("--max-input-bytes", type=number(int, 0, 1 << 62), default=0,
-                 help="stop taking input files after this many bytes (0 = no limit)")
+                 help="take input files, in order, while they fit in this many bytes; "
+                 "one that would not is skipped (0 = no limit)")
   p.add_argument("--packing", choices=["greedy", "none"], default="greedy")
   p.add_argument("--shard-size-mb", type=number(float, *prepare.SIZE_MB), default=64)
   p.add_argument("--chunk-mb", type=number(float, *prepare.SIZE_MB), default=32,
