@@ -325,8 +325,8 @@ def _commit_metadata(src: str, dest: str, source_metadata: bytes) -> None:
 
 def _same_metadata(src: str, dest: str) -> bool:
   dst_meta = os.path.join(dest, dataset.METADATA)
-  return (os.path.exists(dst_meta)
-          and file_copy.hash_file(dst_meta) == file_copy.hash_file(os.path.join(src, dataset.METADATA)))
+  src_meta = os.path.join(src, dataset.METADATA)
+  return os.path.exists(dst_meta) and file_copy.hash_file(dst_meta) == file_copy.hash_file(src_meta)
 
 
 def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,

@@ -27,7 +27,8 @@ class TokenizerError(ValueError):
 def check_vocab_size(vocab_size: int) -> None:
   if not len(dataset.SPECIAL_TOKENS) < vocab_size <= dataset.MAX_VOCAB:
     raise TokenizerError(
-        f"--vocab-size {vocab_size}: must be in {len(dataset.SPECIAL_TOKENS) + 1}..{dataset.MAX_VOCAB} "
+        f"--vocab-size {vocab_size}: must be in "
+        f"{len(dataset.SPECIAL_TOKENS) + 1}..{dataset.MAX_VOCAB} "
         "(token ids are stored as uint16)")
 
 

@@ -96,7 +96,8 @@ def check_config_change(workdir: str, config, model_cfg, *, resume_step: int | N
         "original config")
   if resume_step is None:  # no checkpoint yet: nothing saved would be reinterpreted
     return []
-  before, now = config_checks.flat_keys(old.get("config", {})), config_checks.flat_keys(new["config"])
+  before = config_checks.flat_keys(old.get("config", {}))
+  now = config_checks.flat_keys(new["config"])
   before = {**{k: v for k, v in LEGACY_VALUES.items() if k in now}, **before}
   changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
   by_rule = {k: resume_rule(k) for k in changed}
@@ -136,8 +137,9 @@ def save_config(workdir: str, config, model_cfg, changes: list[dict] | None,
   if changes is not None:
     with open(path) as f:
       old = json.load(f)
-    if (config_checks.flat_keys(old.get("config", {})) == config_checks.flat_keys(resolved["config"])
-        and not changes):
+    same = config_checks.flat_keys(old.get("config", {})) == \
+        config_checks.flat_keys(resolved["config"])
+    if same and not changes:
       return
     resolved["changes"] = old.get("changes", []) + changes
   os.makedirs(workdir, exist_ok=True)

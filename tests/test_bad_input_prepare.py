@@ -400,3 +400,18 @@ def test_bench_gpu_refuses_an_outdir_it_cannot_create(tmp_path):
                      capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
   assert "cannot create OUTDIR" in one_line(r, code=1)
   assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("tool, args", [
+    ("build_similarity_bench.py", ["--sources", "src"]),
+    ("embed.py", ["--workdir", "run"]),
+    ("import_hf.py", ["--hf", "hf", "--data", "data"]),
+    ("sweep.py", [])])
+def test_a_file_output_in_a_missing_directory_is_refused_before_any_work(tmp_path, tool, args):
+  # build_similarity_bench compiled for 34 s, then died in a traceback on the missing directory.
+  out = tmp_path / "missing" / "out.file"
+  err = one_line(cli(tool, *args, "--output", out, timeout=60, cwd=tmp_path))
+  assert f"directory {str(out.parent)!r} does not exist" in err
+  err = one_line(cli(tool, *args, "--output", tmp_path, timeout=60, cwd=tmp_path))
+  assert "is a directory" in err
+  assert sorted(os.listdir(tmp_path)) == []

@@ -47,6 +47,21 @@ def number(kind, lo, hi):
   return parse
 
 
+def output_file(text: str) -> str:
+  """An argparse type: a file to write, checked before any work (a build that ran 34 s then
+  failed on a missing directory did): its directory exists and is writable, it is no
+  directory."""
+  where = os.path.dirname(os.path.abspath(text))
+  if os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text!r} is a directory: expected a file name")
+  if not os.path.isdir(where):
+    raise argparse.ArgumentTypeError(f"{text!r}: directory {where!r} does not exist "
+                                     "(create it first)")
+  if not os.access(where, os.W_OK | os.X_OK):
+    raise argparse.ArgumentTypeError(f"{text!r}: directory {where!r} is not writable")
+  return text
+
+
 def add_model_source(p: argparse.ArgumentParser) -> None:
   """The trained model a tool reads (lmscale_jax.trained_model): a run's workdir (latest or
   --step checkpoint, the dataset's tokenizer) or a directory tools/export_hf.py wrote."""

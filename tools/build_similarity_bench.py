@@ -27,7 +27,8 @@ def parser():
   p = _cli.Parser(description=__doc__.splitlines()[0])
   p.add_argument("--sources", nargs="+", required=True, metavar="DIR",
                  help="directories (or .c files) of C sources")
-  p.add_argument("--output", required=True, metavar="BENCH", help="the benchmark file to write")
+  p.add_argument("--output", required=True, type=_cli.output_file, metavar="BENCH",
+                 help="the benchmark file to write")
   p.add_argument("--compilers", default="gcc,clang", help="comma-separated (default gcc,clang)")
   p.add_argument("--opt", default="O0,O1,O2,O3", help="comma-separated optimisation levels")
   p.add_argument("--cflags", default="", help="extra compiler flags, one shell-quoted string")

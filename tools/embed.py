@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--data", default=None, metavar="DATASET_DIR", help="a prepared dataset")
   p.add_argument("--split", choices=list(dataset.SPLITS), default="validation")
   p.add_argument("--pool", choices=["mean", "cls"], default="mean")
-  p.add_argument("--output", required=True, metavar="E.npz")
+  p.add_argument("--output", required=True, type=_cli.output_file, metavar="E.npz")
   return p
 
 

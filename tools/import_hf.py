@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--hf", required=True, metavar="HF_DIR", help="a BertForMaskedLM directory")
   p.add_argument("--data", required=True, metavar="DATASET_DIR",
                  help="the dataset to pretrain on (prepared with the HF model's tokenizer)")
-  p.add_argument("--output", required=True, metavar="CONFIG.py", help="config file to write")
+  p.add_argument("--output", required=True, type=_cli.output_file, metavar="CONFIG.py",
+                 help="config file to write")
   return p
 
 

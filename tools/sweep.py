@@ -53,7 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from _cli import Parser, guarded  # noqa: E402
+from _cli import Parser, guarded, output_file  # noqa: E402
 from lmscale_jax import sweep_grid as sg  # noqa: E402
 from lmscale_jax.sweep_grid import Plan, Point, SweepError  # noqa: E402
 
@@ -303,7 +303,8 @@ def parse_args(argv=None):
              formatter_class=argparse.RawDescriptionHelpFormatter,
              epilog="Axes, measurements and launchers: see tools/sweep.py's docstring.")
   p.add_argument("--data", required=True, metavar="DIR", help="a prepared dataset directory")
-  p.add_argument("--output", required=True, metavar="JSONL", help="results file (resumed)")
+  p.add_argument("--output", required=True, type=output_file, metavar="JSONL",
+                 help="results file (resumed)")
   p.add_argument("--config", type=lambda s: s.split(","), default=["configs/tiny.py"],
                  help="config file(s), comma-separated (default configs/tiny.py)")
   p.add_argument("--model", action="append", metavar="LABEL:KEY=V[,KEY=V]",
@@ -334,7 +335,8 @@ def parse_args(argv=None):
   p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                  help="environment of the launched runs (repeatable; part of the point)")
   p.add_argument("--tag", default="", help="a label stored in each row (tells variants apart)")
-  p.add_argument("--runs", metavar="DIR", help="run directories (default: runs/sweep-<OUTPUT stem>)")
+  p.add_argument("--runs", metavar="DIR",
+                 help="run directories (default: runs/sweep-<OUTPUT stem>)")
   p.add_argument("--retry-failed", action="store_true", help="rerun points recorded as failed")
   p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
   a = p.parse_args(argv)
