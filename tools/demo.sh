@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Sets everything up, builds a small dataset from this machine's own ELF binaries and pretrains
 # configs/tiny.py on the CPU, then prints the loss curve next to the unigram baseline.
-#   bash tools/demo.sh            (DEMO_DIR=demo, DEMO_MB=24 of ELF input, DEMO_STEPS=800)
+#   bash tools/demo.sh            (DEMO_DIR=demo, DEMO_MB=24 of ELF input, DEMO_STEPS=1500)
 set -euo pipefail
 source "$(dirname "$0")/_no_arguments.sh" "$0" "$@"  # --help, or no arguments at all
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 dir=${DEMO_DIR:-demo}
-steps=${DEMO_STEPS:-800}
+steps=${DEMO_STEPS:-1500}
 export JAX_PLATFORMS=cpu
 if [ ! -f "$dir/data/metadata.json" ]; then
   .venv/bin/python tools/prepare_binary.py --input /usr/lib/x86_64-linux-gnu /usr/bin \
