@@ -9,16 +9,18 @@ Slurm > single); this module owns what they do together once that is known:
   store, so that a check failing in one process fails in all of them, naming it;
 * preflight (:func:`preflight`): before any data is read, that the processes will run the
   same steps together (batch, config, shared workdir, checkpoint's process count);
-* exits (:func:`exit_now`, :func:`coordinator_gone`, :func:`explain_collective_failure`): how a
-  failed process leaves and names the peer that was lost.
+* exits (:func:`exit_now`, :func:`await_runtime`): how a failed process leaves.
 
-Failure behaviour. The runtime's heartbeat (``distributed.heartbeat_timeout``) makes every
-process abort when one dies. A Python exception in one process must not wait for the others:
-JAX's exit hook waits in a shutdown barrier (``shutdown_timeout``) while its peers wait in a
-collective, so ``main.py`` ends a failed multi-process run with ``os._exit`` (:func:`exit_now`),
-and the peers then stop within the heartbeat timeout. Start-up that does not complete within
-``distributed.initialization_timeout`` ends with one line naming the coordinator (a watchdog:
-the runtime itself would abort with a bare ``DEADLINE_EXCEEDED``).
+Failure behaviour. The runtime's heartbeat (``distributed.heartbeat_timeout``) ends every
+process when one is lost; :mod:`lmscale_jax.supervisor` (a parent process, forked before the
+runtime starts) turns that abort into one line naming the lost process and its host, and exit
+75. A Python exception in one process must not wait for the others: JAX's exit hook waits in a
+shutdown barrier (``shutdown_timeout``) while its peers wait in a collective, so ``main.py``
+ends a failed multi-process run with ``os._exit`` (:func:`exit_now`), and the peers then stop
+within the heartbeat timeout. A collective that fails because a peer is gone waits for the
+runtime's verdict (:func:`await_runtime`) instead of reporting a bare transport error. Start-up
+that does not complete within ``distributed.initialization_timeout`` ends with one line naming
+the coordinator (a watchdog: the runtime itself would abort with a bare ``DEADLINE_EXCEEDED``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -37,7 +40,7 @@ from typing import Any, Callable
 import jax
 from absl import logging
 
-from lmscale_jax import checkpoint, config_checks, rendezvous
+from lmscale_jax import checkpoint, config_checks, rendezvous, supervisor
 from lmscale_jax.topology import DistributedError, Topology, resolve
 
 # Extra seconds the runtime gets beyond our own start-up watchdog, so that ours (with a message
@@ -56,37 +59,22 @@ _COORDINATOR_LINGER_S = 2.0
 
 @dataclasses.dataclass
 class _Job:
-  """What start-up learnt about the other processes, for the messages of a failed run."""
+  """What start-up learnt about the other processes."""
 
   coordinator: str | None = None
   hosts: list[str] = dataclasses.field(default_factory=list)  # by process id
-
-  def where(self, process_id: int) -> str:
-    """``"process 3 on gpu007"`` (or just ``"process 3"`` before the hosts are known)."""
-    host = f" on {self.hosts[process_id]}" if process_id < len(self.hosts) else ""
-    return f"process {process_id}{host}"
 
 
 _job = _Job()
 
 
 # --------------------------------------------------------------------------- start-up
-def _probe(address: str, timeout: float = 2.0) -> str | None:
-  """None when a TCP connection to host:port succeeds, else the reason."""
-  host, port = address.rsplit(":", 1)
-  try:
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-      return None
-  except OSError as e:
-    return e.strerror or str(e)
-
-
 def _startup_failure(topo: Topology, timeout: int) -> str:
   head = (f"distributed start-up did not complete within {timeout} s "
           f"(distributed.initialization_timeout): process {topo.process_id} of "
           f"{topo.num_processes}, coordinator {topo.coordinator}")
   if topo.process_id != 0:
-    why = _probe(topo.coordinator)
+    why = rendezvous.probe(topo.coordinator)
     if why is not None:
       return (f"{head}: cannot reach the coordinator {topo.coordinator} ({why}). Is process 0 "
               "running there, is the host name/port right, and is the port open from this "
@@ -131,6 +119,7 @@ def initialize(config) -> Topology:
   if timeout <= 0 or int(dcfg.heartbeat_timeout) <= 0:
     raise DistributedError("distributed.initialization_timeout and heartbeat_timeout must be "
                            "positive (seconds)")
+  supervisor.start(topo)  # forks: from here on this is the child (before any thread starts)
   # Collectives between CPU devices of different processes (tests, local.sh on CPU) need an
   # implementation: named explicitly rather than relying on this JAX version's default.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -165,6 +154,7 @@ def _check_job(topo: Topology) -> None:
       {"n": topo.num_processes, "id": topo.process_id, "host": socket.gethostname(),
        "sources": topo.describe_sources()}), timeout_s=_JOB_CHECK_TIMEOUT_S)]
   _job.hosts = [d["host"] for d in declared]
+  supervisor.report_hosts(_job.hosts)
   disagree = any(d["n"] != declared[0]["n"] or d["id"] != p for p, d in enumerate(declared))
   if disagree or jax.process_count() != topo.num_processes:
     lines = "; ".join(f"process {p} on {d['host']} says {d['n']} processes, id {d['id']} "
@@ -326,49 +316,23 @@ def preflight(config, workdir: str) -> None:
 
 
 # --------------------------------------------------------------------------- exits
-def lost_processes(timeout_s: float) -> list[int] | None:
-  """The processes the runtime no longer counts as alive, or None if it cannot tell within
-  ``timeout_s``.
-
-  ``get_live_nodes`` answers once every live process has asked (the others are on the same
-  failure path) and a dead one has missed its heartbeat, so this takes up to
-  ``heartbeat_timeout``; it runs in a thread because it may also never answer (a peer still
-  blocked in a collective, or the coordinator itself gone).
-  """
-  everyone = list(range(jax.process_count()))
-  answer: list[list[int]] = []
-
-  def ask():
-    try:
-      answer.append(sorted(set(everyone) - set(_client().get_live_nodes(everyone))))
-    except Exception:  # the coordinator is gone (process 0 lost), or the runtime is closing
-      pass
-
-  asking = threading.Thread(target=ask, name="lmscale-live-nodes", daemon=True)
-  asking.start()
-  asking.join(timeout_s)
-  return answer[0] if answer else None
+# A failed collective that says this: a peer's connection broke (gloo, NCCL) or the service is
+# unreachable; the runtime then ends this process within the heartbeat timeout.
+_PEER_FAILURE = re.compile(r"(?i)gloo|nccl|connection|socket|peer|unavailable|deadline|"
+                           r"coordination|heartbeat")
+# Beyond the heartbeat timeout: the service's check runs periodically, then it tells every task.
+_VERDICT_GRACE_S = 10
 
 
-def coordinator_gone() -> str | None:
-  """A line naming process 0 if its coordination service no longer accepts connections."""
-  if (_job.coordinator is None or jax.process_index() == 0
-      or _probe(_job.coordinator, 0.5) is None):
-    return None
-  return (f"lost {_job.where(0)} (the coordinator, {_job.coordinator}): it stopped (crashed, "
-          "killed, or its node failed); every process stops. Rerun the job: it resumes from "
-          "the last checkpoint")
-
-
-def explain_collective_failure(heartbeat_timeout_s: float) -> str:
-  """One line for a process whose collective failed: which peer was lost, if known."""
-  lost = lost_processes(heartbeat_timeout_s + 5)
-  if lost:
-    return (f"lost {', '.join(_job.where(p) for p in lost)}: it stopped (crashed, killed, or "
-            "its node failed); this process stops too. Rerun the job: it resumes from the last "
-            "checkpoint")
-  return ("a collective failed and the runtime could not say which process was lost; see "
-          "the other processes' logs")
+def await_runtime(error: BaseException, heartbeat_timeout_s: float) -> None:
+  """For a collective that failed because a peer may be gone: waits for the runtime to end
+  this process (the supervisor then names the lost process) and returns only if it has not
+  within ``heartbeat_timeout_s`` + grace. Any other error returns at once."""
+  if _job.coordinator is None or not _PEER_FAILURE.search(str(error)):
+    return
+  logging.info("a collective failed (%s); waiting for the runtime to name the lost process",
+               str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+  time.sleep(heartbeat_timeout_s + _VERDICT_GRACE_S)
 
 
 def exit_now(code: int = 1) -> None:

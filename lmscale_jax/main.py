@@ -10,8 +10,10 @@ variables); ``--config.data.stage_from=SHARED`` first copies the dataset to ``da
 every node (``lmscale_jax.staging``).
 
 Exits: 0 finished or preempted (checkpoint saved); 1 with one ``error:`` line for a user error
-(bad flag or value, bad data, incompatible or busy workdir, disk full); 130 on Ctrl-C (the last
-complete checkpoint is kept: rerun to resume); a traceback only for a bug.
+(bad flag or value, bad data, incompatible or busy workdir, disk full); 75 with one ``error:``
+line naming the process and host that was lost from a multi-process job (killed, crashed, node
+failed: rerun to resume; lmscale_jax/supervisor.py); 130 on Ctrl-C (the last complete
+checkpoint is kept: rerun to resume); a traceback only for a bug.
 """
 
 import errno
@@ -165,28 +167,20 @@ def _leave(line: str, code: int, at_once: bool = False) -> None:
 
 def _multi_process_failure(e: Exception, config) -> None:
   """A failure in a multi-process job: report and leave now (see distributed.exit_now); the
-  other processes stop within distributed.heartbeat_timeout."""
+  other processes stop within distributed.heartbeat_timeout. A collective that failed because
+  a peer is gone is the runtime's to report (lmscale_jax.supervisor: one line, exit 75)."""
   import jax
 
   from lmscale_jax import distributed
 
+  if isinstance(e, jax.errors.JaxRuntimeError):
+    distributed.await_runtime(e, config.distributed.heartbeat_timeout)
   me = f"error: process {jax.process_index()}:"
-  collective = isinstance(e, jax.errors.JaxRuntimeError)  # a collective failed: peer died?
-  gone = None
-  if collective:
-    # First and fast: when the coordinator's process is the one lost, the runtime aborts this
-    # process within milliseconds of the failed collective.
-    gone = distributed.coordinator_gone()
-    if gone:
-      print(f"{me} {gone}", file=sys.stderr, flush=True)
   if _one_line(e) is None:
     logging.exception("process %d failed", jax.process_index())
   full = _disk_full(e)
   text = _one_line(e).removeprefix("error: ") if full else f"{type(e).__name__}: {e}"
-  print(f"{me} {text}", file=sys.stderr)
-  if collective and not gone:
-    print(f"{me} " + distributed.explain_collective_failure(config.distributed.heartbeat_timeout),
-          file=sys.stderr, flush=True)
+  print(f"{me} {text}", file=sys.stderr, flush=True)
   distributed.exit_now(1)
 
 

@@ -42,6 +42,15 @@ def _split(address: str) -> tuple[str, int]:
   return host.strip("[]"), int(port)
 
 
+def probe(address: str, timeout: float = 2.0) -> str | None:
+  """None when a TCP connection to ``host:port`` succeeds, else the reason."""
+  try:
+    with socket.create_connection(_split(address), timeout=timeout):
+      return None
+  except OSError as e:
+    return e.strerror or str(e)
+
+
 def _listen(port: int) -> socket.socket:
   """A listening socket on every address at ``port``; EADDRINUSE if something listens there.
 
