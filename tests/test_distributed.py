@@ -138,6 +138,46 @@ def test_checkpoint_process_count(tmp_path):
   assert not (tmp_path / "fresh").exists()
 
 
+# What the runtime printed (jaxlib 0.10.2) when it ended a survivor, one per kind of loss
+# (cut to the part that matters).
+PEER_LOST_REPORT = (
+    "E1202 06:06:23.469022    3501 coordination_service.cc:1549] [5082623266677572600] Use error "
+    "polling to propagate the following error to all tasks: UNAVAILABLE: The following tasks "
+    "are unhealthy (stopped sending heartbeats):\n2\nThe tasks have crashed.\n"
+    "F1202 06:06:23.470280    3516 client.h:80] Terminating process because the JAX "
+    "distributed service detected fatal errors. This most likely indicates that another task "
+    "died\n")
+BARRIER_REPORT = (
+    "F1202 06:00:41.429388    2545 client.h:80] Terminating process because the JAX "
+    "distributed service detected fatal errors. absl::Status: INTERNAL: Shutdown barrier has "
+    "failed.\nBarrier result: 'INTERNAL: Barrier failed because: task is set to ERROR: "
+    "UNAVAILABLE: Task 1 heartbeat timeout. This indicates that the remote task has failed\n")
+SERVICE_LOST_REPORT = (
+    "F1202 06:02:25.443575    2652 client.h:80] Terminating process because the JAX "
+    "distributed service detected fatal errors.\nAdditional GRPC error information from remote "
+    "target coordination_service while calling /xla.coordination.CoordinationService/"
+    "PollForError:\n:UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:\"Socket "
+    "closed\"}\n*** Check failure stack trace: ***\n")
+
+
+def test_the_lost_process_is_read_from_the_runtimes_report():
+  """The service names the task whose heartbeats stopped (directly, or in a failed barrier);
+  when the service itself is gone, the coordinator is named if it refuses connections."""
+  from lmscale_jax.topology import Topology
+
+  closed = f"localhost:{free_port()}"  # nothing listens there
+  assert supervisor.lost_processes(PEER_LOST_REPORT, 0, closed) == [2]
+  assert supervisor.lost_processes(BARRIER_REPORT, 0, closed) == [1]
+  assert supervisor.lost_processes(SERVICE_LOST_REPORT, 1, closed) == [0]
+  with socket.create_server(("localhost", 0)) as alive:
+    listening = f"localhost:{alive.getsockname()[1]}"
+    assert supervisor.lost_processes(SERVICE_LOST_REPORT, 1, listening) == []
+    line = supervisor.lost_line(SERVICE_LOST_REPORT, Topology(2, 1, listening), ["a", "b"])
+  assert line.startswith("the runtime ended this process (exit 75) without naming"), line
+  line = supervisor.lost_line(SERVICE_LOST_REPORT, Topology(2, 1, closed), ["n0", "n1"])
+  assert line.startswith(f"lost process 0 on n0 (the coordinator, {closed}): it stopped"), line
+
+
 def test_job_errors_are_user_errors():
   """main prints one line for these (a UserError), and callers catching the builtin base they
   always had still catch them."""

@@ -19,7 +19,7 @@ source "$(dirname "$0")/_no_arguments.sh" "$0" "$@"  # --help, or no other argum
 cd "$(dirname "$0")/.."
 py=""
 for c in python3.13 python3.12 python3.11 python3; do
-  if command -v "$c" >/dev/null && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  if command -v "$c" >/dev/null && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     py=$c; break
   fi
 done
