@@ -11,7 +11,10 @@
 # output in runs/repeat-<date>/load-<j>.log) and stops it at the end.
 set -euo pipefail
 usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
-case "${1:-}" in -h|--help|"") usage; exit 0 ;; esac
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  "") echo "error: give N and the tests (see --help)" >&2; exit 2 ;;
+esac
 n=$1
 shift
 [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "error: N must be a positive count, got '$n'" >&2; exit 2; }
