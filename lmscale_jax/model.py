@@ -299,6 +299,8 @@ class BertForMLM(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids, mlm_positions, deterministic: bool = True):
+    """→ MLM logits [B,P,V] at ``mlm_positions``; with ``mlm_positions=None`` the encoder's
+    last hidden layer [B,S,H] instead (the MLM head is not run: lmscale_jax/contrastive.py)."""
     cfg = self.cfg
     key_mask = input_ids != cfg.pad_id
     segments = positions = None
@@ -315,6 +317,8 @@ class BertForMLM(nn.Module):
       x = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, segments, deterministic)
     if cfg.pre_ln:
       x = _layer_norm(cfg, "final_LayerNorm")(x)
+    if mlm_positions is None:
+      return x
 
     h = jnp.take_along_axis(x, mlm_positions[..., None], axis=1)  # [B,P,H]
     h = jax.nn.gelu(_dense(cfg, cfg.hidden, "mlm_transform")(h), approximate=False)

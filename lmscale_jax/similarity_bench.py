@@ -7,6 +7,12 @@ The benchmark file (``BENCH``, JSON lines, written atomically):
 * line 1, the header: ``{"format": "lmscale_jax.similarity/1", "variants": ["gcc-O0", …],
   "sources": [the source files], "compilers": {"gcc": "gcc (Debian 12.2.0…) 12.2.0"},
   "cflags": [...], "min_instructions": 8, "stats": {...}, "problems": [one line each]}``;
+  ``stats`` counts what was built and dropped, and what the file holds: ``groups``,
+  ``functions``, ``per_variant``, ``pairs`` (two variants of one group: the positives of
+  contrastive training) and ``groups_at_O0_and_O3`` per compiler (pool N needs N). A build of
+  a named set (:func:`build_set`) adds ``"set"`` and ``"libraries"`` (each package with its
+  directories and flags); tools/build_similarity_bench.py adds ``"leakage"`` and
+  ``"duplicates_dropped"`` where it removed groups (:mod:`lmscale_jax.similarity_leakage`);
 * then one line per group (a source-level function: source file + function name, present in
   at least two variants): ``{"source": "lz4-4.3.3/lz4libs/lz4.c", "name": "LZ4_compress_fast",
   "variants": {"gcc-O0": {"text": "push rbp [NEXT] …", "instructions": 57, "digest": HEX},
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import fnmatch
 import json
 import os
 import re
@@ -52,28 +59,35 @@ class BenchError(UserError, ValueError):
 @dataclasses.dataclass
 class Source:
   path: str       # on disk
-  ident: str      # the source-level identity's file part: relative to the given root
+  ident: str      # the source-level file: from the root's parent, or from a set's folder
+  flags: tuple = ()  # its library's own: include directories, defines
 
 
-def find_sources(roots: list[str]) -> list[Source]:
-  """Every ``*.c`` under ``roots`` (a root may be a file), sorted; named relative to the root's
-  parent, so ``lz4-4.3.3/lz4libs/lz4.c`` stays distinct from another root's ``lz4.c``."""
+def find_sources(roots: list[str], base: str = "", exclude=()) -> list[Source]:
+  """Every ``*.c`` under ``roots`` (a root may be a file), sorted; named relative to ``base``
+  or else the root's parent, so ``lz4libs/lz4.c`` stays distinct from another root's
+  ``lz4.c``. A file whose name relative to ``base`` matches an ``exclude`` pattern is left
+  out."""
   out = []
   for root in roots:
     if not os.path.exists(root):
       raise BenchError(f"--sources {root}: no such file or directory")
     root = os.path.abspath(root)
-    base = os.path.dirname(root)
-    if os.path.isfile(root):
-      out.append(Source(root, os.path.relpath(root, base)))
-      continue
-    for d, dirs, files in os.walk(root):
-      dirs.sort()
-      out += [Source(os.path.join(d, f), os.path.relpath(os.path.join(d, f), base))
-              for f in sorted(files) if f.endswith(".c")]
+    rel_to = os.path.abspath(base) if base else os.path.dirname(root)
+    paths = [root] if os.path.isfile(root) else [
+        os.path.join(d, f) for d, dirs, files in _sorted_walk(root)
+        for f in sorted(files) if f.endswith(".c")]
+    out += [Source(p, os.path.relpath(p, rel_to)) for p in paths
+            if not any(fnmatch.fnmatch(os.path.relpath(p, rel_to), x) for x in exclude)]
   if not out:
     raise BenchError(f"no .c files under {', '.join(roots)}")
   return out
+
+
+def _sorted_walk(root: str):
+  for d, dirs, files in os.walk(root):
+    dirs.sort()
+    yield d, dirs, files
 
 
 def include_dirs(roots: list[str]) -> list[str]:
@@ -151,12 +165,66 @@ def new_stats() -> dict:
 def build(roots: list[str], compilers: list[str], levels: list[str], *, cflags=(),
           workers: int = 0, min_instructions: int = MIN_INSTRUCTIONS, say=print) -> tuple:
   """→ (header, groups): see the module docstring. ``say`` gets one line per problem."""
+  check_levels(levels)
+  sources = find_sources(roots)
+  flags = (*cflags, *(f"-I{d}" for d in include_dirs(roots)))
+  for s in sources:
+    s.flags = flags
+  header, kept = build_sources(sources, compilers, levels, workers=workers,
+                               min_instructions=min_instructions, say=say,
+                               what=", ".join(roots))
+  header["cflags"] = list(BASE_FLAGS) + list(cflags)
+  return header, kept
+
+
+def build_set(name: str, where: str, compilers: list[str], levels: list[str], *,
+              workers: int = 0, min_instructions: int = MIN_INSTRUCTIONS, say=print) -> tuple:
+  """A named set of :mod:`lmscale_jax.similarity_sources`, unpacked under ``where`` → (header,
+  groups); each library builds with its own flags, each source is named from ``where`` down
+  (``zstandard-0.25.0/zstd/zstd.c``)."""
+  from lmscale_jax import similarity_sources  # the pinned list; only set builds need it
+  if name not in similarity_sources.SETS:
+    raise BenchError(f"--set {name}: expected one of {', '.join(similarity_sources.SETS)}")
+  check_levels(levels)
+  libs = similarity_sources.SETS[name]
+  sources = [s for lib in libs for s in library_sources(lib, where, name)]
+  header, kept = build_sources(sources, compilers, levels, workers=workers,
+                               min_instructions=min_instructions, say=say,
+                               what=f"set {name} under {where}")
+  header["set"] = name
+  header["libraries"] = [{"package": lib.package, "sources": [f"{lib.top}/{x}" for x in
+                                                              lib.sources],
+                          "cflags": list(lib.cflags), "exclude": list(lib.exclude),
+                          "about": lib.about} for lib in libs]
+  return header, kept
+
+
+def library_sources(lib, where: str, set_name: str) -> list[Source]:
+  """One library's ``.c`` files, with its include directories and defines as flags."""
+  top = os.path.join(where, lib.top)
+  if not os.path.isdir(top):
+    raise BenchError(f"{top}: no such directory (fetch the set first: python "
+                     f"tools/fetch_bench_sources.py --set {set_name} --output {where})")
+  roots = [os.path.join(top, x) for x in lib.sources]
+  sources = find_sources(roots, base=where, exclude=[f"{lib.top}/{x}" for x in lib.exclude])
+  flags = (*lib.cflags, *(f"-I{d}" for d in include_dirs(roots)),
+           *(f"-I{os.path.abspath(os.path.join(top, d))}" for d in lib.include))
+  for s in sources:
+    s.flags = flags
+  return sources
+
+
+def check_levels(levels: list[str]) -> None:
   for lv in levels:
     if lv not in LEVELS:
       raise BenchError(f"--opt {lv}: expected some of {','.join(LEVELS)}")
-  sources = find_sources(roots)
+
+
+def build_sources(sources: list[Source], compilers: list[str], levels: list[str], *,
+                  workers: int, min_instructions: int, say, what: str) -> tuple:
+  """Compiles every source per compiler and level (each with its own flags) → (header, groups);
+  the header's ``cflags`` are the ones every source shares."""
   found = compiler_versions(compilers, say)
-  flags = [*cflags, *(f"-I{d}" for d in include_dirs(roots))]
   variants = [f"{cc}-{lv}" for cc in found for lv in levels]
   stats, problems = new_stats(), []
   stats["sources"] = len(sources)
@@ -165,7 +233,7 @@ def build(roots: list[str], compilers: list[str], levels: list[str], *, cflags=(
     jobs = [(cc, lv, i, s) for cc in found for lv in levels for i, s in enumerate(sources)]
     with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
       futures = [pool.submit(_compile, cc, lv, s, os.path.join(tmp, f"{cc}-{lv}-{i}.so"),
-                             flags) for cc, lv, i, s in jobs]
+                             list(s.flags)) for cc, lv, i, s in jobs]
       for (cc, lv, i, s), fut in zip(jobs, futures):
         problem = fut.result()
         if problem:
@@ -174,8 +242,9 @@ def build(roots: list[str], compilers: list[str], levels: list[str], *, cflags=(
           say(problem)
           continue
         stats["objects_built"] += 1
-        _add_object(groups, os.path.join(tmp, f"{cc}-{lv}-{i}.so"), s, f"{cc}-{lv}",
-                    min_instructions, stats)
+        obj = os.path.join(tmp, f"{cc}-{lv}-{i}.so")
+        _add_object(groups, obj, s, f"{cc}-{lv}", min_instructions, stats)
+        os.remove(obj)  # a set's objects add up to gigabytes of /tmp
   kept = []
   for key in sorted(groups):
     if len(groups[key]) < 2:
@@ -183,15 +252,29 @@ def build(roots: list[str], compilers: list[str], levels: list[str], *, cflags=(
       continue
     kept.append({"source": key[0], "name": key[1],
                  "variants": {v: groups[key][v] for v in variants if v in groups[key]}})
-  stats["groups"] = len(kept)
-  stats["functions"] = sum(len(g["variants"]) for g in kept)
   if not kept:
-    raise BenchError(f"no function of {', '.join(roots)} was built in two variants with "
+    raise BenchError(f"no function of {what} was built in two variants with "
                      f">= {min_instructions} instructions ({stats})")
   header = {"format": FORMAT, "variants": variants, "compilers": found,
-            "cflags": list(BASE_FLAGS) + list(cflags), "min_instructions": min_instructions,
+            "cflags": list(BASE_FLAGS), "min_instructions": min_instructions,
             "sources": [s.ident for s in sources], "stats": stats, "problems": problems}
+  restat(header, kept)
   return header, kept
+
+
+def restat(header: dict, groups: list[dict]) -> None:
+  """The header's counts of what the file holds (again, after groups were removed): groups,
+  functions, functions per variant, positive pairs (two variants of one group), and per
+  compiler the groups at both -O0 and -O3 (the hardest pair; pool N needs N of them)."""
+  stats = header["stats"]
+  stats["groups"] = len(groups)
+  stats["functions"] = sum(len(g["variants"]) for g in groups)
+  stats["per_variant"] = {v: sum(v in g["variants"] for g in groups) for v in header["variants"]}
+  stats["pairs"] = sum(len(g["variants"]) * (len(g["variants"]) - 1) // 2 for g in groups)
+  stats["groups_at_O0_and_O3"] = {
+      cc: sum(f"{cc}-O0" in g["variants"] and f"{cc}-O3" in g["variants"] for g in groups)
+      for cc in header["compilers"]
+      if {f"{cc}-O0", f"{cc}-O3"} <= set(header["variants"])}
 
 
 def _add_object(groups: dict, path: str, src: Source, variant: str, min_instructions: int,

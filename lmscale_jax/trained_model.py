@@ -1,11 +1,14 @@
 """A trained model, for the tools that use one (export, evaluate, fill-mask, embed): from a
 training workdir's checkpoint or from a Hugging Face directory, with its tokenizer, and the
-two things done with it: MLM logits at given positions and the last hidden layer.
+three things done with it: MLM logits at given positions, the last hidden layer, and (a
+fine-tuned model: lmscale_jax/finetune.py) its embeddings, pooled, projected and normalised.
 
 A workdir needs no dataset: the model's shape is in the run's ``config.json`` (its ``model``
 block holds the resolved vocab_size/seq_len), the parameters come from
 ``checkpoint.restore_params``; only the tokenizer is read from the run's ``data.path``
-(or ``--tokenizer``). Inference runs in float32, as transformers does.
+(or ``--tokenizer``). Inference runs in float32, as transformers does. A fine-tuning workdir
+(its config.json has a ``finetune`` section) keeps its tokenizer in the workdir and its
+projection head beside the encoder (``head``); an exported one has ``projection.*`` files.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class TrainedModel:
   source: str                      # the workdir or HF directory
   step: int | None = None          # the checkpoint's step (workdir)
   run_config: ml_collections.ConfigDict | None = None
+  head: dict | None = None         # fine-tuned: {"pool", "projection": {"kernel", "bias"}}
 
   @property
   def special_ids(self) -> dict:
@@ -52,6 +56,11 @@ def read_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict]:
                     "--workdir a run of python -m lmscale_jax.main wrote)")
   with open(path) as f:
     saved = json.load(f)
+  if not isinstance(saved, dict) or not {"config", "model"} <= set(saved):
+    hint = " (a Hugging Face model directory: give it as --hf DIR)" if isinstance(
+        saved, dict) and "model_type" in saved else ""
+    raise UserError(f"{path} is not a training run's config (no 'config' and 'model' "
+                    f"entries){hint}")
   return ml_collections.ConfigDict(saved["config"]), saved["model"]
 
 
@@ -92,16 +101,38 @@ def abstract_state(run_config, cfg):
   return steps_lib.build_steps(run_config, cfg, 1).abstract_state
 
 
-def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = "",
-                 dtype: str | None = "float32") -> TrainedModel:
+def is_finetuned(run_config) -> bool:
+  return "finetune" in run_config
+
+
+def workdir_shape(workdir: str, tokenizer_path: str, dtype: str | None):
+  """(run config, resolved model config, tokenizer) of a run, checked against each other."""
   run_config, shape = read_run(workdir)
+  if is_finetuned(run_config):  # its own copy (lmscale_jax/finetune.py)
+    tokenizer_path = tokenizer_path or os.path.join(workdir, dataset.TOKENIZER)
   tok = run_tokenizer(run_config, tokenizer_path)
   cfg = resolve(run_config.model, shape, toklib.validate(tok, "tokenizer"), dtype=dtype,
                 where=workdir)
   _check_vocab(tok, cfg, workdir)
-  step, params = ckpt_lib.restore_params(workdir, step, abstract_state(run_config, cfg))
+  return run_config, cfg, tok
+
+
+def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = "",
+                 dtype: str | None = "float32") -> TrainedModel:
+  run_config, cfg, tok = workdir_shape(workdir, tokenizer_path, dtype)
+  head = None
+  if is_finetuned(run_config):
+    from lmscale_jax import finetune
+
+    step, params = ckpt_lib.restore_params(workdir, step, finetune.build_steps(
+        run_config, cfg).abstract_state)
+    params = jax.device_get(params)
+    params, head = params["bert"], {"pool": run_config.finetune.pool,
+                                    "projection": params["projection"]}
+  else:
+    step, params = ckpt_lib.restore_params(workdir, step, abstract_state(run_config, cfg))
   return TrainedModel(cfg=cfg, params=jax.device_get(params), tokenizer=tok, source=workdir,
-                      step=step, run_config=run_config)
+                      step=step, run_config=run_config, head=head)
 
 
 def hf_model_config(hf_dir: str) -> ml_collections.ConfigDict:
@@ -116,17 +147,54 @@ def hf_model_config(hf_dir: str) -> ml_collections.ConfigDict:
   return model_config
 
 
-def from_hf(hf_dir: str) -> TrainedModel:
+def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
+  """(resolved model config, tokenizer) of an HF directory, checked against each other."""
   model_config = hf_model_config(hf_dir)
-  path = os.path.join(hf_dir, dataset.TOKENIZER)
+  path = tokenizer_path or os.path.join(hf_dir, dataset.TOKENIZER)
   if not os.path.exists(path):
     raise UserError(f"{hf_dir} has no {dataset.TOKENIZER} (export with tools/export_hf.py, "
                     "or save the tokenizer with save_pretrained)")
   tok = toklib.with_hf_roles(toklib.load(path))
   cfg = resolve(model_config, model_config, toklib.validate(tok, path), where=hf_dir)
   _check_vocab(tok, cfg, hf_dir)
+  return cfg, tok
+
+
+def from_hf(hf_dir: str) -> TrainedModel:
+  from lmscale_jax import contrastive
+
+  cfg, tok = _hf_shape(hf_dir)
   return TrainedModel(cfg=cfg, params=hf_convert.load_params(hf_dir, cfg), tokenizer=tok,
-                      source=hf_dir)
+                      source=hf_dir, head=contrastive.load_head(hf_dir, cfg.hidden))
+
+
+def architecture(path: str, tokenizer_path: str = "") -> TrainedModel:
+  """A run's or an HF directory's model config and tokenizer, no weights (``params`` empty):
+  what a model of the same architecture starting from fresh weights needs."""
+  try:
+    with open(os.path.join(path, hf_convert.CONFIG)) as f:
+      is_hf = "model_type" in json.load(f)
+  except (OSError, ValueError):
+    is_hf = False
+  if is_hf:
+    cfg, tok = _hf_shape(path, tokenizer_path)
+  else:
+    _, cfg, tok = workdir_shape(path, tokenizer_path, "float32")
+  return TrainedModel(cfg=cfg, params={}, tokenizer=tok, source=path)
+
+
+@functools.lru_cache(maxsize=8)
+def _init_fn(cfg_json: str):
+  cfg = ml_collections.ConfigDict(json.loads(cfg_json))
+  return jax.jit(lambda rng: model_lib.init_params(cfg, rng))
+
+
+def random_init(model: TrainedModel, seed: int) -> TrainedModel:
+  """The same architecture and tokenizer with the initial weights pretraining starts from
+  (seed ``seed``): eval_similarity.py's random-init row, finetune's ``init.source=random``."""
+  params = _init_fn(model.cfg.to_json())(jax.random.key(seed))
+  return dataclasses.replace(model, params=jax.device_get(params), source="random-init",
+                             step=None, head=None)
 
 
 def load(workdir: str = "", hf: str = "", step: int | None = None,
@@ -192,3 +260,14 @@ def _hidden_fn(cfg_json: str):
 def last_hidden(model: TrainedModel, ids: np.ndarray) -> np.ndarray:
   """ids [B,S] → the encoder's last hidden layer, float32 [B,S,H]."""
   return np.asarray(_hidden_fn(model.cfg.to_json())(model.params, jnp.asarray(ids)))
+
+
+def embeddings(model: TrainedModel, ids: np.ndarray) -> np.ndarray:
+  """ids [B,S] → a fine-tuned model's embeddings (its pooling, projection head and L2
+  normalisation: lmscale_jax/contrastive.py), float32 [B,D]."""
+  from lmscale_jax import contrastive
+
+  if model.head is None:
+    raise UserError(f"{model.source} has no projection head: not a fine-tuned model "
+                    "(tools/finetune_similarity.py makes one)")
+  return contrastive.embed(model.cfg, model.params, model.head, ids)

@@ -69,8 +69,29 @@ def op_save_random(job):
   return {"keys": sorted(model.state_dict())}
 
 
+def op_embed(job):
+  """A fine-tuned export's embeddings, computed as docs/finetune.md shows: AutoTokenizer,
+  AutoModel, the pooling of projection.json, projection.safetensors, L2 normalisation."""
+  from safetensors.torch import load_file
+
+  d = job["dir"]
+  tok = transformers.AutoTokenizer.from_pretrained(d)
+  bert = transformers.AutoModel.from_pretrained(d, add_pooling_layer=False,
+                                                attn_implementation="eager").eval()
+  head = load_file(f"{d}/projection.safetensors")
+  with open(f"{d}/projection.json") as f:
+    pool = json.load(f)["pool"]
+  x = tok(job["texts"], return_tensors="pt", padding=True, truncation=True)
+  with torch.no_grad():
+    h = bert(**x).last_hidden_state
+  m = x["attention_mask"].unsqueeze(-1).float()
+  v = h[:, 0] if pool == "cls" else (h * m).sum(1) / m.sum(1)
+  e = torch.nn.functional.normalize(v @ head["weight"].T + head["bias"], dim=-1)
+  return {"ids": x["input_ids"].tolist(), "embeddings": e.tolist()}
+
+
 OPS = {"logits": op_logits, "strict": op_strict, "tokenize": op_tokenize,
-       "fill_mask": op_fill_mask, "save_random": op_save_random}
+       "fill_mask": op_fill_mask, "save_random": op_save_random, "embed": op_embed}
 
 if __name__ == "__main__":
   with open(sys.argv[1]) as f:

@@ -2,13 +2,18 @@
 
   python tools/build_similarity_bench.py --sources DIR… --output BENCH.jsonl
       [--compilers gcc,clang] [--opt O0,O1,O2,O3] [--cflags "-DNDEBUG"] [--workers N]
+  python tools/build_similarity_bench.py --set eval|train [--from bench_sources] --output F
+      [--disjoint-from BENCH.jsonl …]
 
 Every .c file under the sources is built on its own as a shared object per compiler and level
 (-fPIC -shared -nostartfiles, symbols kept, real optimisation), its named functions are taken
 as preparation takes them, and functions are grouped by source file + name. Functions under
 --min-instructions (8) are dropped and counted. A compiler that is not installed or a file
 that does not build is one line on stderr; the rest goes on. The format: the docstring of
-lmscale_jax/similarity_bench.py. Sources from the package index: tools/fetch_bench_sources.py.
+lmscale_jax/similarity_bench.py. Sources from the package index: tools/fetch_bench_sources.py;
+--set builds one of its pinned sets (lmscale_jax/similarity_sources.py), each library with its
+own flags. --disjoint-from drops every group that shares a function text or a source file +
+function name with that benchmark (lmscale_jax/similarity_leakage.py) and records how many.
 """
 
 from __future__ import annotations
@@ -20,13 +25,24 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
-from lmscale_jax import similarity_bench  # noqa: E402
+from lmscale_jax import similarity_bench, similarity_leakage, similarity_sources  # noqa: E402
 
 
 def parser():
   p = _cli.Parser(description=__doc__.splitlines()[0])
-  p.add_argument("--sources", nargs="+", required=True, metavar="DIR",
-                 help="directories (or .c files) of C sources")
+  what = p.add_mutually_exclusive_group(required=True)
+  what.add_argument("--sources", nargs="+", metavar="DIR",
+                    help="directories (or .c files) of C sources")
+  what.add_argument("--set", choices=list(similarity_sources.SETS),
+                    help="a pinned set of tools/fetch_bench_sources.py, unpacked under --from")
+  p.add_argument("--from", dest="from_dir", default="bench_sources", metavar="DIR",
+                 help="(--set) where tools/fetch_bench_sources.py unpacked it")
+  p.add_argument("--disjoint-from", nargs="+", default=[], metavar="BENCH",
+                 help="drop the groups this benchmark shares (by function text or by source "
+                 "file + function name): for a training file")
+  p.add_argument("--drop-duplicates", action="store_true",
+                 help="keep one of the groups that share a function text (a function "
+                 "#included into several files): for a training file")
   p.add_argument("--output", required=True, type=_cli.output_file, metavar="BENCH",
                  help="the benchmark file to write")
   p.add_argument("--compilers", default="gcc,clang", help="comma-separated (default gcc,clang)")
@@ -43,20 +59,67 @@ def main(argv=None) -> int:
   a = parser().parse_args(argv)
 
   def go() -> int:
-    header, groups = similarity_bench.build(
-        a.sources, [c for c in a.compilers.split(",") if c], [o for o in a.opt.split(",") if o],
-        cflags=shlex.split(a.cflags), workers=a.workers, min_instructions=a.min_instructions,
-        say=lambda line: print(line, file=sys.stderr))
+    against = [(path, disjoint_from(path)) for path in a.disjoint_from]  # before the build
+    header, groups = build(a)
+    groups = refine(a, header, groups, against)
     similarity_bench.write(a.output, header, groups)
-    s = header["stats"]
-    print(f"wrote {a.output}: {s['groups']} functions in {s['functions']} compiled variants "
-          f"({', '.join(header['variants'])}) from {s['sources']} sources; dropped "
-          f"{s['too_small_dropped']} under {a.min_instructions} instructions, "
-          f"{s['fragments_dropped']} fragments, {s['single_variant_groups_dropped']} found "
-          f"in one variant only; {s['objects_failed']} objects failed to build")
+    report(a, header)
     return 0
 
   return _cli.guarded(go, f"nothing was written to {a.output}")
+
+
+def refine(a, header: dict, groups: list[dict], against: list) -> list[dict]:
+  """--drop-duplicates, then --disjoint-from; the header records what each dropped."""
+  if a.drop_duplicates:
+    dup = set(similarity_leakage.duplicates(groups))
+    header["stats"]["duplicate_groups_dropped"] = len(dup)
+    header["duplicates_dropped"] = [f"{groups[i]['source']}:{groups[i]['name']}"
+                                    for i in sorted(dup)]
+    groups = [g for i, g in enumerate(groups) if i not in dup]
+  for path, bench in against:
+    groups, rep = similarity_leakage.without(groups, bench)
+    print(f"{path}: {similarity_leakage.summary_line(rep)}; dropped from {a.output}")
+    header.setdefault("leakage", []).append({"against": path, "dropped": rep})
+  if against:
+    header["stats"]["leakage_groups_dropped"] = sum(
+        x["dropped"]["shared_either"] for x in header["leakage"])
+  if not groups:
+    raise similarity_bench.BenchError(f"no group is left to write to {a.output} (all shared "
+                                      "with --disjoint-from or duplicates)")
+  similarity_bench.restat(header, groups)
+  return groups
+
+
+def disjoint_from(path: str) -> list[dict]:
+  if not os.path.isfile(path):
+    raise similarity_bench.BenchError(f"--disjoint-from {path}: no such file (build the "
+                                      "benchmark first)")
+  return similarity_bench.load(path)[1]
+
+
+def build(a) -> tuple:
+  kw = dict(workers=a.workers, min_instructions=a.min_instructions,
+            say=lambda line: print(line, file=sys.stderr))
+  compilers, levels = [c for c in a.compilers.split(",") if c], [o for o in a.opt.split(",") if o]
+  if a.set:
+    if a.cflags:
+      raise similarity_bench.BenchError("--cflags with --set: a set's libraries have their "
+                                        "own (lmscale_jax/similarity_sources.py)")
+    return similarity_bench.build_set(a.set, a.from_dir, compilers, levels, **kw)
+  return similarity_bench.build(a.sources, compilers, levels, cflags=shlex.split(a.cflags), **kw)
+
+
+def report(a, header: dict) -> None:
+  s = header["stats"]
+  print(f"wrote {a.output}: {s['groups']} functions in {s['functions']} compiled variants "
+        f"({', '.join(header['variants'])}) from {s['sources']} sources; dropped "
+        f"{s['too_small_dropped']} under {a.min_instructions} instructions, "
+        f"{s['fragments_dropped']} fragments, {s['single_variant_groups_dropped']} found "
+        f"in one variant only; {s['objects_failed']} objects failed to build")
+  print(f"per variant: {', '.join(f'{v} {n}' for v, n in s['per_variant'].items())}; "
+        f"{s['pairs']} positive pairs; groups at O0 and O3: "
+        f"{', '.join(f'{cc} {n}' for cc, n in s['groups_at_O0_and_O3'].items()) or 'n/a'}")
 
 
 if __name__ == "__main__":

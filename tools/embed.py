@@ -5,11 +5,14 @@
 
 Each function is encoded on its own as [CLS] function [SEP] (cut at the model's sequence
 length); its vector is the mean of the last hidden layer over its tokens (--pool mean, the
-default: [CLS], [SEP] and padding left out) or the [CLS] position's (--pool cls). --elf takes
+default: [CLS], [SEP] and padding left out) or the [CLS] position's (--pool cls). A fine-tuned
+model (a tools/finetune_similarity.py workdir, or its export) gives its own embedding instead:
+its pooling, projection head and L2 normalisation (lmscale_jax/contrastive.py). --elf takes
 every named function of the binaries, as preparation does; --data takes every function of a
 prepared split (the [SEP]-separated pieces of its packed sequences; no names are stored in a
 dataset, so a function is named split:record:piece). E.npz holds `embeddings` float32 [N, H],
-`names`, `files` (the ELF or shard file), `tokens` (tokens used), `truncated` and `pool`.
+`names`, `files` (the ELF or shard file), `tokens` (tokens used), `truncated`, `pool` and
+`projection` (whether the vectors are a fine-tuned head's).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--elf", nargs="+", default=None, metavar="FILE", help="x86-64 ELF files")
   p.add_argument("--data", default=None, metavar="DATASET_DIR", help="a prepared dataset")
   p.add_argument("--split", choices=list(dataset.SPLITS), default="validation")
-  p.add_argument("--pool", choices=["mean", "cls"], default="mean")
+  p.add_argument("--pool", choices=["mean", "cls"], default=None,
+                 help="default mean; a fine-tuned model: the pooling it was trained with")
   p.add_argument("--output", required=True, type=_cli.output_file, metavar="E.npz")
   return p
 
@@ -69,13 +73,31 @@ def dataset_inputs(model, path: str, split: str):
         yield f"{split}:{r}:{k}", shard, ids, len(piece) > model.cfg.seq_len - 2
 
 
-def embed(model, inputs, pool: str) -> dict:
+def resolve_pool(model, pool: str | None) -> str:
+  """``--pool`` (None: not given) for this model: a fine-tuned one has its head's."""
+  if model.head is None:
+    return pool or "mean"
+  if pool and pool != model.head["pool"]:
+    raise UserError(f"--pool {pool}: {model.source} is fine-tuned with {model.head['pool']} "
+                    "pooling and a projection head, which give its embeddings; leave --pool out")
+  return model.head["pool"]
+
+
+def embed(model, inputs, pool: str | None = None) -> dict:
+  pool = resolve_pool(model, pool)
   pad = model.special_ids["[PAD]"]
   names, files, lengths, cuts, vectors = [], [], [], [], []
   batch: list = []
 
   def flush():
-    ids = trained_model.pad_batch([b[2] for b in batch], model.cfg.seq_len, pad)
+    # Always BATCH rows (the last batch padded with empty ones): one compiled program per model.
+    rows = [b[2] for b in batch]
+    ids = trained_model.pad_batch(rows + [rows[0][:0]] * (BATCH - len(rows)), model.cfg.seq_len,
+                                  pad)
+    if model.head is not None:  # the fine-tuned embedding: pooled, projected, normalised
+      vectors.extend(trained_model.embeddings(model, ids)[:len(rows)])
+      batch.clear()
+      return
     h = trained_model.last_hidden(model, ids)
     for row, (_, _, x, _) in zip(h, batch):
       # Mean over the function's own tokens: positions 1..len-2 (not [CLS], [SEP], padding).
@@ -94,7 +116,8 @@ def embed(model, inputs, pool: str) -> dict:
     raise UserError("no functions to embed in the given input")
   return {"embeddings": np.stack(vectors).astype(np.float32), "names": np.array(names),
           "files": np.array(files), "tokens": np.array(lengths, np.int32),
-          "truncated": np.array(cuts, bool), "pool": np.array(pool)}
+          "truncated": np.array(cuts, bool), "pool": np.array(pool),
+          "projection": np.array(model.head is not None)}
 
 
 def main(argv=None) -> int:
@@ -112,7 +135,8 @@ def main(argv=None) -> int:
     np.savez(buf, **out)
     dataset.atomic_write_bytes(a.output, buf.getvalue())
     n, h = out["embeddings"].shape
-    print(f"wrote {n} function embeddings of {h} dimensions ({a.pool} pooling) to {a.output}")
+    how = f"{out['pool']} pooling" + (", fine-tuned projection head" if out["projection"] else "")
+    print(f"wrote {n} function embeddings of {h} dimensions ({how}) to {a.output}")
     return 0
 
   return _cli.guarded(go, f"nothing was written to {a.output}")

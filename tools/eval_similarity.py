@@ -9,8 +9,11 @@ source function at another variant (the positive) and N−1 other functions of t
 the methods rank the pool by cosine similarity. Recall@1 and MRR per pool size and variant pair
 (both directions; O0↔O3 is the hard one) and over all pairs. Methods, on the same pools:
 bag-of-pretokens TF-IDF, each given model (embeddings as tools/embed.py computes them: mean of
-the last hidden layer over the function's tokens), and the same architecture with random
-initial weights. --workdir and --hf may be given several times (one row each).
+the last hidden layer over the function's tokens; a fine-tuned model's own pooling, projection
+head and normalisation), and the same architecture with random initial weights (no head).
+--workdir and --hf may be given several times (one row each): e.g. a pretraining run and a
+tools/finetune_similarity.py run started from it, side by side. Rows are named after the
+directory (and @step); a repeated name gets #2, #3.
 
 --train-elf (with the demo's cap, --train-max-bytes 24000000) lists the pretraining inputs as
 prepare does and reports how many benchmark functions its corpus holds verbatim (the same
@@ -52,7 +55,8 @@ def parser():
                  help="at most this many queries per pair and direction (0 = all)")
   p.add_argument("--seed", type=_cli.number(int, 0, 1 << 31), default=0,
                  help="the pools' and the random-init weights' seed")
-  p.add_argument("--embed-pool", choices=["mean", "cls"], default="mean")
+  p.add_argument("--embed-pool", choices=["mean", "cls"], default="mean",
+                 help="the pretrained models' pooling (a fine-tuned one uses its own)")
   p.add_argument("--no-random-init", action="store_true", help="leave the random-init row out")
   p.add_argument("--train-elf", nargs="+", default=[], metavar="PATH",
                  help="the pretraining inputs, for the leakage check")
@@ -79,19 +83,15 @@ def model_vectors(model, texts: list[str], pool: str) -> np.ndarray:
   from lmscale_jax import trained_model
 
   inputs = ((str(i), "", *trained_model.encode(model, t)) for i, t in enumerate(texts))
+  pool = None if model.head is not None else pool  # a fine-tuned model pools as it trained
   return similarity.normalise(embed_tool.embed(model, inputs, pool)["embeddings"])
 
 
 def random_init(model, seed: int):
   """The same architecture and tokenizer with the initial weights training starts from."""
-  import jax
-
-  from lmscale_jax import model as model_lib
   from lmscale_jax import trained_model
 
-  params = jax.jit(lambda r: model_lib.init_params(model.cfg, r))(jax.random.key(seed))
-  return trained_model.TrainedModel(cfg=model.cfg, params=jax.device_get(params),
-                                    tokenizer=model.tokenizer, source="random-init")
+  return trained_model.random_init(model, seed)
 
 
 def workdir_step(text: str) -> tuple[str, int | None]:
@@ -102,9 +102,28 @@ def workdir_step(text: str) -> tuple[str, int | None]:
   return text, None
 
 
-def label(model) -> str:
+def label(model, taken=()) -> str:
   name = os.path.basename(os.path.normpath(model.source))
-  return f"{name}@{model.step}" if model.step is not None else name
+  name = f"{name}@{model.step}" if model.step is not None else name
+  unique, n = name, 1
+  while unique in taken:
+    n += 1
+    unique = f"{name}#{n}"
+  return unique
+
+
+def describe(model) -> dict:
+  """A model row's method_info: what it is and where it came from."""
+  info = {"kind": "pretrained", "source": model.source, "step": model.step,
+          "packed_attention": model.cfg.get("packed_attention", "cross"),
+          "layers": model.cfg.layers, "hidden": model.cfg.hidden}
+  if model.head is not None:
+    run = model.run_config
+    info.update(kind="fine-tuned", pool=model.head["pool"],
+                proj_dim=int(model.head["projection"]["kernel"].shape[1]))
+    if run is not None:
+      info.update(init=f"{run.init.source}:{run.init.path}", pairs=run.data.pairs)
+  return info
 
 
 def methods(a, items) -> tuple[dict, dict]:
@@ -118,14 +137,13 @@ def methods(a, items) -> tuple[dict, dict]:
   models += [trained_model.load("", h) for h in a.hf]
   seen_arch = set()
   for m in models:
-    vecs[label(m)] = model_vectors(m, items.text, a.embed_pool)
-    info[label(m)] = {"kind": "pretrained", "source": m.source, "step": m.step,
-                      "packed_attention": m.cfg.get("packed_attention", "cross"),
-                      "layers": m.cfg.layers, "hidden": m.cfg.hidden}
+    name = label(m, vecs)
+    vecs[name] = model_vectors(m, items.text, a.embed_pool)
+    info[name] = describe(m)
     arch = (m.cfg.layers, m.cfg.hidden, m.cfg.heads, m.cfg.ffn, m.cfg.vocab_size)
     if not a.no_random_init and arch not in seen_arch:
       seen_arch.add(arch)
-      name = "random-init" if len(models) == 1 else f"random-init({label(m)})"
+      name = "random-init" if len(models) == 1 else f"random-init({name})"
       vecs[name] = model_vectors(random_init(m, a.seed), items.text, a.embed_pool)
       info[name] = {"kind": "random initial weights", "seed": a.seed, "architecture_of": m.source}
   return vecs, info

@@ -10,6 +10,11 @@ AutoTokenizer.from_pretrained(OUT) load it as it is. The tokenizer is the run's
 data.path/tokenizer.json unless --tokenizer is given. OUT is written under a temporary name
 and renamed when complete; it must not exist or be empty. model.pre_ln=True runs are refused
 (no transformers architecture has that model; see lmscale_jax/hf_convert.py).
+
+A fine-tuning workdir (tools/finetune_similarity.py) exports its encoder the same way (its MLM
+head is the one it started from) plus its embedding head: projection.safetensors (weight
+[D, H], bias [D]) and projection.json (pooling, normalisation); docs/finetune.md shows the few
+lines that embed a function with them in transformers.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
-from lmscale_jax import dataset, flops, hf_convert  # noqa: E402
+from lmscale_jax import contrastive, dataset, flops, hf_convert  # noqa: E402
 from lmscale_jax import tokenizer as toklib  # noqa: E402
 from lmscale_jax import trained_model  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
@@ -99,13 +104,73 @@ fill("push rbp [NEXT] mov rbp rsp [NEXT] [MASK] rsp 0x10")
 """
 
 
+def last_row(workdir: str, step: int) -> dict | None:
+  """The last training row of metrics.jsonl at or before ``step``."""
+  best = None
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except ValueError:  # a line cut by a crash
+          continue
+        if "loss" in row and row.get("step", 0) <= step:
+          best = row
+  except FileNotFoundError:
+    return None
+  return best
+
+
+def finetuned_card(model: trained_model.TrainedModel) -> str:
+  c, cfg, run, head = model.run_config, model.cfg, model.source, model.head
+  row = last_row(run, model.step)
+  loss = (f"{row['loss']:.4f} (in-batch accuracy {row.get('accuracy', float('nan')):.3f}, "
+          f"step {row['step']})" if row else "not logged")
+  dim = head["projection"]["kernel"].shape[1]
+  return f"""---
+library_name: transformers
+pipeline_tag: feature-extraction
+tags: [bert, binary-code-similarity, lmscale_jax]
+---
+# BERT binary-code embedding model (lmscale_jax, contrastively fine-tuned)
+
+Fine-tuned with lmscale_jax (symmetric InfoNCE over in-batch negatives, temperature
+{c.finetune.temperature}) from `{c.init.source}:{c.init.path}` on `{c.data.pairs}`, exported
+by `tools/export_hf.py` from `{os.path.abspath(run)}` at step {model.step}.
+
+| | |
+|---|---|
+| steps | {model.step} of {c.train.steps}, {c.train.batch_size} pairs per step, peak LR {c.train.learning_rate} |
+| last training loss | {loss} |
+| encoder | {cfg.layers} layers × {cfg.hidden}, {cfg.heads} heads, vocabulary {cfg.vocab_size}, {cfg.seq_len} tokens |
+| embedding | {head['pool']} pooling → Linear {cfg.hidden}→{dim} (projection.safetensors) → L2 normalisation |
+
+Mean pooling averages the last hidden layer over `attention_mask` ([CLS] and [SEP] included).
+Inputs are pretokenised instruction text; the tokenizer adds [CLS] … [SEP].
+
+```python
+import json, torch
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("OUT")
+bert = AutoModel.from_pretrained("OUT", add_pooling_layer=False).eval()
+head, pool = load_file("OUT/projection.safetensors"), json.load(open("OUT/projection.json"))["pool"]
+x = tok(["push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret"], return_tensors="pt",
+        padding=True, truncation=True)
+with torch.no_grad():
+  h = bert(**x).last_hidden_state
+m = x["attention_mask"].unsqueeze(-1).float()
+v = h[:, 0] if pool == "cls" else (h * m).sum(1) / m.sum(1)
+e = torch.nn.functional.normalize(v @ head["weight"].T + head["bias"], dim=-1)  # cosine = e @ e.T
+```
+"""
+
+
 def export(a) -> str:
   check_output(a.output)
-  run_config, shape = trained_model.read_run(a.workdir)
-  tok = trained_model.run_tokenizer(run_config, a.tokenizer)
   # Refuse what cannot be represented before restoring anything.
-  hf_convert.check_exportable(trained_model.resolve(run_config.model, shape,
-                                                    toklib.validate(tok, "tokenizer")))
+  _, cfg, _ = trained_model.workdir_shape(a.workdir, a.tokenizer, "float32")
+  hf_convert.check_exportable(cfg)
   model = trained_model.from_workdir(a.workdir, a.step, a.tokenizer)
   out = os.path.abspath(a.output)
   parent = os.path.dirname(out)
@@ -114,7 +179,10 @@ def export(a) -> str:
   try:
     hf_convert.save_model(model.params, model.cfg, tmp)
     toklib.write_hf_files(model.tokenizer, tmp, model_max_length=model.cfg.seq_len)
-    dataset.atomic_write_bytes(os.path.join(tmp, "README.md"), model_card(model).encode())
+    card = model_card(model) if model.head is None else finetuned_card(model)
+    if model.head is not None:
+      contrastive.save_head(model.head, tmp)
+    dataset.atomic_write_bytes(os.path.join(tmp, "README.md"), card.encode())
     os.chmod(tmp, 0o755)
     check_output(a.output)  # still free: then the complete directory takes the name
     if os.path.isdir(out):
@@ -123,9 +191,12 @@ def export(a) -> str:
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  head = "" if model.head is None else (
+      f" + projection head {model.cfg.hidden}→{model.head['projection']['kernel'].shape[1]} "
+      f"({model.head['pool']} pooling)")
   return (f"exported {a.workdir} step {model.step} to {a.output} "
           f"(BertForMaskedLM, {model.cfg.layers} layers × {model.cfg.hidden}, "
-          f"vocab {model.cfg.vocab_size})")
+          f"vocab {model.cfg.vocab_size}{head})")
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,15 @@
-"""Fetch the C libraries of the similarity benchmark from the package index (PyPI sdists).
+"""Fetch the C libraries of the similarity corpora from the package index (PyPI sdists).
 
-  python tools/fetch_bench_sources.py --output bench_sources [--package lz4==4.3.3 …]
+  python tools/fetch_bench_sources.py --output bench_sources [--set eval|train]
+      [--package lz4==4.3.3 …]
 
 Each package is `pip download --no-binary :all: --no-deps NAME==VERSION` (the source
-distribution, nothing else) and unpacked under --output; the bundled C library's directory is
-printed, one per line, for tools/build_similarity_bench.py --sources. Pinned by default:
-lz4 4.3.3 (bundles LZ4 1.9.x: lz4libs/) and Brotli 1.1.0 (bundles the Brotli C library: c/).
+distribution, nothing else) and unpacked under --output; the bundled C library's directories
+are printed, one per line, for tools/build_similarity_bench.py (--set builds a whole set with
+each library's own flags). The sets, pinned in lmscale_jax/similarity_sources.py: eval (the
+default; the benchmark: lz4 4.3.3's LZ4 and Brotli 1.1.0's Brotli as on 2026-12-01, then
+zstandard 0.25.0's zstd and quickjs 1.19.4's QuickJS) and train (fine-tuning pairs from nine
+other packages' libraries: libsodium, Lua 5.4, pycryptodome, cmark-gfm, tree-sitter, …).
 A package already unpacked there is not fetched again.
 """
 
@@ -21,29 +25,34 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
+from lmscale_jax import similarity_sources  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
 
 # name==version → the bundled C library inside the unpacked sdist (the Python bindings next to
 # it need Python.h and are no part of the library).
-LIBRARIES = {"lz4==4.3.3": "lz4-4.3.3/lz4libs", "brotli==1.1.0": "Brotli-1.1.0/c"}
+LIBRARIES = similarity_sources.by_package()
 
 
 def parser():
   p = _cli.Parser(description=__doc__.splitlines()[0])
   p.add_argument("--output", required=True, metavar="DIR", help="where to unpack (git-ignored: "
                  "bench_sources)")
+  p.add_argument("--set", choices=list(similarity_sources.SETS), default="eval",
+                 help="the pinned packages of the benchmark (eval, the default) or of the "
+                 "fine-tuning pairs (train)")
   p.add_argument("--package", action="append", default=[], metavar="NAME==VERSION",
-                 help=f"repeatable; default {' '.join(LIBRARIES)}")
+                 help="repeatable; instead of --set's packages")
   return p
 
 
-def fetch(spec: str, out: str) -> str:
-  """Downloads and unpacks one sdist; returns its C library directory."""
+def fetch(spec: str, out: str) -> list[str]:
+  """Downloads and unpacks one sdist; returns its C library directories (a package of no set:
+  its top directory)."""
   if "==" not in spec:
     raise UserError(f"--package {spec!r}: expected NAME==VERSION (a pinned release)")
-  where = LIBRARIES.get(spec.lower())
-  if where and os.path.isdir(os.path.join(out, where)):
-    return os.path.join(out, where)
+  lib = LIBRARIES.get(spec.lower())
+  if lib and os.path.isdir(os.path.join(out, lib.top)):
+    return library_dirs(lib, out)
   with tempfile.TemporaryDirectory(dir=out, prefix=".download-") as tmp:
     r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:",
                         "--no-deps", "--quiet", "-d", tmp, spec],
@@ -55,9 +64,16 @@ def fetch(spec: str, out: str) -> str:
     with tarfile.open(archives[0]) as tar:
       top = tar.getnames()[0].split("/")[0]
       tar.extractall(tmp, filter="data")  # no absolute paths, links out or devices
+    if lib and top != lib.top:
+      raise UserError(f"{spec}: the sdist unpacks to {top}/, not {lib.top}/ as "
+                      "lmscale_jax/similarity_sources.py expects (fix its top)")
     if not os.path.isdir(os.path.join(out, top)):
       os.replace(os.path.join(tmp, top), os.path.join(out, top))
-  return os.path.join(out, where or top)
+  return library_dirs(lib, out) if lib else [os.path.join(out, top)]
+
+
+def library_dirs(lib, out: str) -> list[str]:
+  return [os.path.join(out, lib.top, x) for x in lib.sources]
 
 
 def main(argv=None) -> int:
@@ -65,8 +81,9 @@ def main(argv=None) -> int:
 
   def go() -> int:
     os.makedirs(a.output, exist_ok=True)
-    for spec in a.package or list(LIBRARIES):
-      print(fetch(spec, a.output))
+    specs = a.package or [lib.package for lib in similarity_sources.SETS[a.set]]
+    for spec in specs:
+      print("\n".join(fetch(spec, a.output)))
     return 0
 
   return _cli.guarded(go, f"rerun to finish the download into {a.output}")

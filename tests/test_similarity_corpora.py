@@ -1,0 +1,150 @@
+"""The similarity corpora: the pinned source sets (eval and train disjoint), and the leakage
+report between a training pairs file and a benchmark, with an overlap planted on purpose: a
+library vendored under another path (same file and function names, same code), a function
+copied under another name (same code only), a same-named function with other code (name
+only), and a file that #includes another (a duplicate within the training file). Built from
+tests/data/similarity as tests/test_similarity.py builds its benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from lmscale_jax import similarity_leakage, similarity_sources
+from tests.test_similarity import SOURCES, tool
+
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+
+# Planted in the training sources next to copies of the benchmark's.
+RENAMED = """#include <stdint.h>
+uint64_t fib_iter(unsigned n) {
+  uint64_t a = 0, b = 1;
+  for (unsigned i = 0; i < n; i++) { uint64_t t = a + b; a = b; b = t; }
+  return a;
+}
+long triangle_sum(const long *v, int n) {
+  long s = 0;
+  for (int i = 0; i < n; i++) s += (long)i * v[i] - (v[i] >> 3);
+  return s;
+}
+"""
+SAME_NAME_OTHER_CODE = """long gcd(long a, long b) {
+  if (a < 0) a = -a;
+  if (b < 0) b = -b;
+  if (!a) return b;
+  if (!b) return a;
+  int k = __builtin_ctzl(a | b);
+  a >>= __builtin_ctzl(a);
+  do { b >>= __builtin_ctzl(b); if (a > b) { long t = a; a = b; b = t; } b -= a; } while (b);
+  return a << k;
+}
+"""
+
+
+def group(source, name, *digests):
+  return {"source": source, "name": name,
+          "variants": {f"gcc-O{i}": {"text": "x", "digest": d} for i, d in enumerate(digests)}}
+
+
+def test_a_group_is_shared_by_function_text_or_by_file_basename_and_name():
+  bench = [group("lz4libs/xxhash.c", "XXH32", "a1", "a2"), group("c/enc/hash.c", "h", "b1", "b2")]
+  train = [group("xxhash-4.1.0/deps/xxhash/xxhash.c", "XXH32", "c1", "c2"),  # vendored: name
+           group("other/util.c", "copy_of_h", "c3", "b2"),                   # text, at O1 only
+           group("other/util.c", "mine", "c4", "c5"),                         # nothing
+           group("other/hash.c", "XXH32", "c6", "c7")]                        # other file: no
+  rep = similarity_leakage.report(train, bench)
+  assert (rep["shared_by_digest"], rep["shared_by_name"], rep["shared_either"]) == (1, 1, 2)
+  assert rep["examples_by_digest"] == ["other/util.c:copy_of_h"]
+  assert rep["examples_by_name"] == ["xxhash-4.1.0/deps/xxhash/xxhash.c:XXH32"]
+  assert rep["train_functions_with_bench_digest"] == 1
+  kept, before = similarity_leakage.without(train, bench)
+  assert [g["name"] for g in kept] == ["mine", "XXH32"]
+  assert before == {**rep, "dropped": ["xxhash-4.1.0/deps/xxhash/xxhash.c:XXH32",
+                                       "other/util.c:copy_of_h"]}
+  after = similarity_leakage.report(kept, bench)
+  assert after["shared_by_digest"] == after["shared_by_name"] == 0
+  line = similarity_leakage.summary_line(rep)
+  assert line.startswith("1 training groups share a function text (digest) and 1 a source")
+
+
+def test_duplicates_are_later_groups_sharing_a_text_with_an_earlier_one():
+  groups = [group("a.c", "f", "d1", "d2"), group("b.c", "f", "d3", "d2"),
+            group("b.c", "g", "d4", "d5"), group("c.c", "f", "d1", "d9")]
+  assert similarity_leakage.duplicates(groups) == [1, 3]
+
+
+def test_the_pinned_sets_share_no_package_no_directory_and_no_library():
+  ev, tr = similarity_sources.SETS["eval"], similarity_sources.SETS["train"]
+  assert [lib.package for lib in ev[:2]] == ["lz4==4.3.3", "brotli==1.1.0"]  # 2026-12-01's
+  assert not {lib.package for lib in ev} & {lib.package for lib in tr}
+  assert not {lib.top for lib in ev} & {lib.top for lib in tr}
+  names = {lib.package.split("==")[0] for lib in tr}
+  assert not names & {"lz4", "brotli", "zstandard", "quickjs", "xxhash", "pyzstd", "brotlicffi"}
+  for lib in ev + tr:
+    assert lib.package == lib.package.lower() and lib.package.count("==") == 1
+    assert lib.sources and all(not os.path.isabs(x) for x in lib.sources + lib.include)
+
+
+@needs_gcc
+def test_build_drops_the_planted_overlap_by_both_keys_and_the_report_then_says_zero(tmp_path):
+  bench_src, train_src = tmp_path / "bench_src", tmp_path / "train_src"
+  (train_src / "pkg").mkdir(parents=True)
+  bench_src.mkdir()
+  for f in ("numeric.c", "strings.c"):
+    shutil.copy(os.path.join(SOURCES, f), bench_src / f)
+  shutil.copy(os.path.join(SOURCES, "codecs.c"), train_src / "codecs.c")
+  shutil.copy(os.path.join(SOURCES, "strings.c"), train_src / "pkg" / "strings.c")  # vendored
+  (train_src / "mymath.c").write_text(RENAMED)           # fibonacci renamed: text only
+  (train_src / "numeric.c").write_text(SAME_NAME_OTHER_CODE)  # gcd, other code: name only
+  (train_src / "wrap.c").write_text('#include "codecs.c"\n')  # a duplicate of codecs.c
+  bench, leaky, train = tmp_path / "bench.jsonl", tmp_path / "leaky.jsonl", tmp_path / "t.jsonl"
+  for src, out, *extra in ((bench_src, bench), (train_src, leaky),
+                           (train_src, train, "--drop-duplicates", "--disjoint-from", bench)):
+    r = tool("build_similarity_bench.py", "--sources", src, "--output", out, "--compilers",
+             "gcc", "--opt", "O0,O3", "--workers", "1", *extra)
+    assert r.returncode == 0, r.stderr
+  strings = sum(json.loads(x)["source"] == "bench_src/strings.c"
+                for x in open(bench).read().splitlines()[1:])
+
+  # The leaky file: the report finds the plant by each key, and --check refuses it.
+  r = tool("similarity_leakage.py", "--train", leaky, "--bench", bench, "--json",
+           tmp_path / "rep.json", "--check")
+  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert f"{strings + 1} training groups share a function text" in r.stderr
+  assert f"and {strings + 1} a source file + function name" in r.stderr
+  assert "--disjoint-from" in r.stderr
+  rep = json.load(open(tmp_path / "rep.json"))
+  assert "train_src/mymath.c:fib_iter" in rep["examples_by_digest"]
+  assert "train_src/numeric.c:gcd" in rep["examples_by_name"]
+  assert "train_src/numeric.c:gcd" not in rep["examples_by_digest"]
+  assert rep["shared_either"] == strings + 2
+
+  # The file built --disjoint-from the benchmark: without them, and says so; report 0 and 0.
+  header = json.loads(open(train).readline())
+  dropped = header["leakage"][0]["dropped"]
+  assert (dropped["shared_by_digest"], dropped["shared_by_name"]) == (strings + 1, strings + 1)
+  assert header["stats"]["leakage_groups_dropped"] == len(dropped["dropped"]) == strings + 2
+  assert {"train_src/mymath.c:fib_iter", "train_src/numeric.c:gcd"} < set(dropped["dropped"])
+  codecs = header["stats"]["duplicate_groups_dropped"]
+  assert codecs > 10 and all(x.startswith("train_src/wrap.c:") for x in
+                             header["duplicates_dropped"])
+  names = {json.loads(x)["name"] for x in open(train).read().splitlines()[1:]}
+  assert "triangle_sum" in names and not names & {"fib_iter", "gcd", "str_compare"}
+  assert header["stats"]["groups"] == len(names) == codecs + 1
+  r = tool("similarity_leakage.py", "--train", train, "--bench", bench, "--check")
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.startswith("0 training groups share a function text (digest) and 0 a source")
+
+
+def test_a_set_not_fetched_yet_is_one_line_naming_the_fetch(tmp_path):
+  r = tool("build_similarity_bench.py", "--set", "train", "--from", tmp_path, "--output",
+           tmp_path / "t.jsonl", "--compilers", "gcc")
+  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert "fetch_bench_sources.py --set train" in r.stderr
+  r = tool("build_similarity_bench.py", "--sources", tmp_path, "--output", tmp_path / "t.jsonl",
+           "--disjoint-from", tmp_path / "none.jsonl")
+  assert r.returncode == 2 and "--disjoint-from" in r.stderr and "no such file" in r.stderr
