@@ -52,8 +52,9 @@ def check_output(out: str) -> None:
                     "directory (nothing was written)")
 
 
-def final_eval(workdir: str, step: int) -> dict | None:
-  """The last evaluation row of metrics.jsonl at or before ``step``."""
+def last_row(workdir: str, step: int, key: str) -> dict | None:
+  """The last row of metrics.jsonl at or before ``step`` that has ``key`` (``eval_loss``: an
+  evaluation row, ``loss``: a training row)."""
   best = None
   try:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -62,7 +63,7 @@ def final_eval(workdir: str, step: int) -> dict | None:
           row = json.loads(line)
         except ValueError:  # a line cut by a crash
           continue
-        if "eval_loss" in row and row.get("step", 0) <= step:
+        if key in row and row.get("step", 0) <= step:
           best = row
   except FileNotFoundError:
     return None
@@ -71,7 +72,7 @@ def final_eval(workdir: str, step: int) -> dict | None:
 
 def model_card(model: trained_model.TrainedModel) -> str:
   c, cfg, run = model.run_config, model.cfg, model.source
-  ev = final_eval(run, model.step)
+  ev = last_row(run, model.step, "eval_loss")
   loss = (f"{ev['eval_loss']:.4f} (MLM accuracy {ev.get('eval_mlm_accuracy', float('nan')):.4f}"
           f", step {ev['step']}, {c.train.eval_batches} validation batches)" if ev else
           "not measured (no evaluation row in metrics.jsonl)")
@@ -104,26 +105,9 @@ fill("push rbp [NEXT] mov rbp rsp [NEXT] [MASK] rsp 0x10")
 """
 
 
-def last_row(workdir: str, step: int) -> dict | None:
-  """The last training row of metrics.jsonl at or before ``step``."""
-  best = None
-  try:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      for line in f:
-        try:
-          row = json.loads(line)
-        except ValueError:  # a line cut by a crash
-          continue
-        if "loss" in row and row.get("step", 0) <= step:
-          best = row
-  except FileNotFoundError:
-    return None
-  return best
-
-
 def finetuned_card(model: trained_model.TrainedModel) -> str:
   c, cfg, run, head = model.run_config, model.cfg, model.source, model.head
-  row = last_row(run, model.step)
+  row = last_row(run, model.step, "loss")
   loss = (f"{row['loss']:.4f} (in-batch accuracy {row.get('accuracy', float('nan')):.3f}, "
           f"step {row['step']})" if row else "not logged")
   dim = head["projection"]["kernel"].shape[1]
