@@ -28,7 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
-from lmscale_jax import finetune_config  # noqa: E402
+from lmscale_jax import finetune_config, sweep_grid  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
 
 # flag → config key; None defaults leave the config's value.
@@ -78,19 +78,6 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-def _parse_value(text: str, current, key: str):
-  """``text`` as the type of the key's default (ml_collections keeps a key's type)."""
-  try:
-    if isinstance(current, bool):
-      if text.lower() not in ("true", "false", "1", "0"):
-        raise ValueError
-      return text.lower() in ("true", "1")
-    return type(current)(text)
-  except ValueError:
-    raise UserError(f"--config.{key}={text}: expected {type(current).__name__} (like its "
-                    f"default {current!r})") from None
-
-
 def apply_overrides(config, items: list[str]) -> None:
   """``--config.SECTION.KEY=VALUE`` items into ``config``, each checked: a known key, a value
   of its type."""
@@ -103,7 +90,9 @@ def apply_overrides(config, items: list[str]) -> None:
     if section not in config or leaf not in config[section]:
       known = ", ".join(f"{s}.{k}" for s in config for k in config[s])
       raise UserError(f"--config.{key}: no such key; the config has {known}")
-    config[section][leaf] = _parse_value(text, config[section][leaf], key)
+    # the sweep's parser: a value as the type of the key's default (as ml_collections keeps it)
+    config[section][leaf] = sweep_grid.parse_value(config[section][leaf], text,
+                                                   f"--config.{key}")
 
 
 def build_config(a, rest: list[str]):
