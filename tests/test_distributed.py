@@ -199,7 +199,7 @@ def free_port() -> int:
 
 def base_env(**extra) -> dict:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("LMSCALE_", "SLURM_"))}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA, PYTHONUNBUFFERED="1", **extra)
+  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA, "PYTHONUNBUFFERED": "1", **extra})
   return env
 
 
@@ -211,10 +211,13 @@ def local_sh(n: int, args: list[str], timeout: float = 200, **env) -> subprocess
   return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def spawn(process_id: int, num_processes: int, port: int, args: list[str]) -> subprocess.Popen:
+def spawn(process_id: int, num_processes: int, port: int, args: list[str],
+          program: tuple[str, ...] = ("-m", "lmscale_jax.main"), **env) -> subprocess.Popen:
+  """Process ``process_id`` of a job on localhost:``port`` (1 CPU device), running ``program``
+  (main by default; a tool's script path for the tools that start the same way)."""
   env = base_env(LMSCALE_COORDINATOR=f"localhost:{port}", LMSCALE_NUM_PROCESSES=str(num_processes),
-                 LMSCALE_PROCESS_ID=str(process_id), JAX_NUM_CPU_DEVICES="1")
-  return subprocess.Popen([sys.executable, "-m", "lmscale_jax.main", *args], cwd=ROOT, env=env,
+                 LMSCALE_PROCESS_ID=str(process_id), JAX_NUM_CPU_DEVICES="1", **env)
+  return subprocess.Popen([sys.executable, *program, *args], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True)
 

@@ -4,7 +4,7 @@
       (--init-workdir RUN [--step N] [--tokenizer F] | --init-hf DIR | --init-random RUN_OR_DIR)
       [--steps 1000] [--batch-size 32] [--learning-rate 5e-5] [--warmup-steps 100]
       [--temperature 0.05] [--proj-dim 128] [--pool mean|cls] [--freeze-layers 0]
-      [--dropout 0.1] [--seed 0] [--checkpoint-every 500] [--log-every 10]
+      [--dropout 0.1] [--seed 0] [--checkpoint-every 500] [--log-every 10] [--max-groups 0]
       [--allow-config-change] [--config.SECTION.KEY=VALUE …]
 
 PAIRS is a file in the similarity benchmark's format (tools/build_similarity_bench.py): each
@@ -37,7 +37,8 @@ FLAGS = {"steps": "train.steps", "batch_size": "train.batch_size",
          "temperature": "finetune.temperature", "proj_dim": "finetune.proj_dim",
          "pool": "finetune.pool", "freeze_layers": "finetune.freeze_layers",
          "dropout": "finetune.dropout", "seed": "train.seed",
-         "checkpoint_every": "checkpoint.every", "log_every": "train.log_every"}
+         "checkpoint_every": "checkpoint.every", "log_every": "train.log_every",
+         "max_groups": "data.max_groups"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,7 +69,9 @@ def parser() -> argparse.ArgumentParser:
       ("dropout", float, 0.0, 0.99, "encoder dropout while fine-tuning"),
       ("seed", int, 0, (1 << 31) - 1, "batches, dropout, head (and --init-random) seed"),
       ("checkpoint_every", int, 1, 1 << 40, "steps between checkpoints"),
-      ("log_every", int, 1, 1 << 40, "steps per metrics row")):
+      ("log_every", int, 1, 1 << 40, "steps per metrics row"),
+      ("max_groups", int, 0, 1 << 40, "train on a seeded random subset of this many groups "
+       "(0: all; learning curves)")):
     names = dict.fromkeys([f"--{flag.replace('_', '-')}", f"--{flag}"])  # both spellings
     p.add_argument(*names, dest=flag, default=None, type=num(kind, lo, hi), help=what)
   p.add_argument("--pool", choices=["mean", "cls"], default=None,
@@ -155,21 +158,25 @@ def main(argv=None) -> int:
     try:
       return run(config, a.workdir, a.allow_config_change)
     except Exception as e:
-      _leave_if_multi_process(e)
+      _leave_if_multi_process(e, config.distributed.heartbeat_timeout)
       raise
 
   return _cli.guarded(go, f"the last complete checkpoint in {a.workdir}/checkpoints is kept: "
                       "rerun the same command to resume from it")
 
 
-def _leave_if_multi_process(e: Exception) -> None:
+def _leave_if_multi_process(e: Exception, heartbeat_timeout_s: float) -> None:
   """A failed process of a multi-process run leaves at once (lmscale_jax.distributed.exit_now):
-  its peers, blocked in a collective, stop within distributed.heartbeat_timeout."""
+  its peers, blocked in a collective, stop within distributed.heartbeat_timeout. A collective
+  that failed because a peer is gone is the runtime's to report, as in main (the supervisor's
+  one line, exit 75)."""
   jax = sys.modules.get("jax")
   if jax is None or not jax.distributed.is_initialized():
     return
   from lmscale_jax import distributed
 
+  if isinstance(e, jax.errors.JaxRuntimeError):
+    distributed.await_runtime(e, heartbeat_timeout_s)
   what = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
   print(f"error: process {jax.process_index()}: {what}", file=sys.stderr, flush=True)
   distributed.exit_now(_cli.EXIT_USAGE if isinstance(e, UserError) else 1)
