@@ -287,7 +287,7 @@ def check_inputs(config, workdir: str) -> finetune_pairs.Pairs:
   """The checks that need no runtime and write nothing: the config, the pairs file, and (a
   new run) the model to start from. → the pairs."""
   check_config(config)
-  pairs = finetune_pairs.load(config.data.pairs)
+  pairs = finetune_pairs.load(config.data.pairs, config.data.max_groups, config.train.seed)
   finetune_pairs.check_enough(pairs, config.train.batch_size)
   fresh = not os.path.isdir(workdir) or ckpt_lib.latest_complete_step(workdir) is None
   if fresh and not os.path.isdir(config.init.path):
@@ -356,7 +356,8 @@ def _finetune(config, workdir: str, pairs, allow_config_change: bool, say) -> di
       start = 0
       bert = place(start_model.params, steps.state_sharding.params["bert"])
       state = steps.init(bert, jax.random.fold_in(jax.random.key(t.seed), 1))
-      say(f"fine-tuning {start_model.source}: {len(pairs)} groups from {pairs.path} "
+      subset = " (a seeded subset: data.max_groups)" if config.data.max_groups else ""
+      say(f"fine-tuning {start_model.source}: {len(pairs)} groups{subset} from {pairs.path} "
           f"({pairs.dropped} with one variant left out), {model.cfg.layers} layers × "
           f"{model.cfg.hidden}, head {model.cfg.hidden}→{config.finetune.proj_dim} "
           f"({config.finetune.pool} pooling), {jax.device_count()} device(s)")

@@ -21,6 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.data = ml_collections.ConfigDict()
   c.data.pairs = ""              # a similarity-benchmark-format file (finetune_pairs)
+  c.data.max_groups = 0          # > 0: train on that many of its groups (seeded; learning curves)
 
   c.init = ml_collections.ConfigDict()
   c.init.source = "workdir"      # workdir | hf | random (see the module docstring)
@@ -59,7 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
 _INTS = (("train.batch_size", 2), ("train.steps", 1), ("train.warmup_steps", 0),
          ("train.log_every", 1), ("train.seed", 0), ("checkpoint.every", 1),
          ("checkpoint.keep", 1), ("finetune.proj_dim", 1), ("finetune.freeze_layers", 0),
-         ("init.step", -1))
+         ("init.step", -1), ("data.max_groups", 0))
 _FLOATS = (("finetune.temperature", 0.0, 100.0, True, False),
            ("finetune.dropout", 0.0, 1.0, False, True),
            ("train.learning_rate", 0.0, float("inf"), True, True),

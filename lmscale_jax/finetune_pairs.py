@@ -42,8 +42,10 @@ class Pairs:
     return len(self.texts)
 
 
-def load(path: str) -> Pairs:
-  """The groups of ``path`` that have at least two variants."""
+def load(path: str, max_groups: int = 0, seed: int = 0) -> Pairs:
+  """The groups of ``path`` that have at least two variants; with ``max_groups`` > 0, a
+  random ``max_groups`` of them (drawn by ``default_rng([seed, 0])``, a stream no step uses,
+  kept in file order): fewer labelled functions, for learning curves."""
   if not os.path.isfile(path):
     raise PairsError(f"--pairs {path}: no such file (a file tools/build_similarity_bench.py "
                      "wrote, e.g. from the training sources of tools/fetch_bench_sources.py)")
@@ -56,8 +58,12 @@ def load(path: str) -> Pairs:
   if not usable:
     raise PairsError(f"--pairs {path}: none of its {len(groups)} groups has two variants (a "
                      "pair needs the same function compiled two ways)")
-  return Pairs(path=path, sha256=dataset.sha256_file(path), texts=usable,
-               dropped=len(texts) - len(usable))
+  dropped = len(texts) - len(usable)
+  if 0 < max_groups < len(usable):
+    keep = np.sort(np.random.default_rng([seed, 0]).choice(len(usable), max_groups,
+                                                            replace=False))
+    usable = [usable[i] for i in keep.tolist()]
+  return Pairs(path=path, sha256=dataset.sha256_file(path), texts=usable, dropped=dropped)
 
 
 def check_enough(pairs: Pairs, batch_size: int) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,9 +23,11 @@ import numpy as np
 import pytest
 
 from lmscale_jax import checkpoint as ckpt_lib
-from lmscale_jax import prepare, similarity_bench, train, trained_model
+from lmscale_jax import checkpoint_manifest
+from lmscale_jax import finetune_pairs, prepare, similarity_bench, supervisor, train, trained_model
 from lmscale_jax import tokenizer as toklib
-from tests.helpers import ROOT
+from tests import test_distributed as dist
+from tests.helpers import ROOT, communicate
 from tests.test_hf_tools import run_tool, tool
 
 SOURCES = os.path.join(ROOT, "tests", "data", "similarity")
@@ -150,6 +153,20 @@ def test_random_init_with_frozen_layers_keeps_them_and_trains_the_rest(bench, pr
   assert ft.head["pool"] == "cls" and ft.run_config.init.source == "random"
 
 
+def test_max_groups_trains_on_a_seeded_subset_in_file_order(bench):
+  """--max-groups N: N of the file's groups, the same N for the same seed (a resumed run and
+  every process draw them alike), other ones for another seed; 0 or N >= all: every group."""
+  full = finetune_pairs.load(str(bench))
+  subset = finetune_pairs.load(str(bench), max_groups=10, seed=0)
+  assert len(subset) == 10 and subset.sha256 == full.sha256
+  where = [full.texts.index(t) for t in subset.texts]
+  assert where == sorted(where)
+  assert finetune_pairs.load(str(bench), 10, 0).texts == subset.texts
+  assert finetune_pairs.load(str(bench), 10, 1).texts != subset.texts
+  for everything in (0, len(full), len(full) + 1):
+    assert finetune_pairs.load(str(bench), everything, 0).texts == full.texts
+
+
 def test_freeze_layers_labels_the_embeddings_and_the_lowest_layers_frozen(pretrained):
   """Which leaves train, for every k."""
   import jax
@@ -201,6 +218,87 @@ def test_a_killed_finetune_resumes_with_the_uninterrupted_losses_bitwise(bench, 
     assert series(workdir, key) == series(tuned, key), key
 
 
+# --------------------------------------------------------------------------- processes
+FINETUNE = (os.path.join(ROOT, "tools", "finetune_similarity.py"),)
+
+
+def start_job(argv, processes: int = 2, **env) -> list[subprocess.Popen]:
+  """The tool in ``processes`` processes on localhost (LMSCALE_* variables, 1 CPU device
+  each), as launch/local.sh and Slurm start main."""
+  port = dist.free_port()
+  return [dist.spawn(i, processes, port, argv, program=FINETUNE, **env)
+          for i in range(processes)]
+
+
+def test_two_processes_log_the_one_process_losses(bench, pretrained, tuned, tmp_path):
+  """The golden run in 2 processes (gloo): its 16 pairs a step are split 8/8 and the 16 × 16
+  similarity matrix spans both. Every step's loss, in-batch accuracy and gradient norm are the
+  in-process run's (rtol 1e-5: the gradient all-reduce sums in another order). XLA_FLAGS are
+  this process's, so both compile alike."""
+  workdir = tmp_path / "two"
+  procs = start_job(args(bench, workdir, "--init-workdir", pretrained[1]),
+                    XLA_FLAGS=os.environ.get("XLA_FLAGS", ""))
+  try:
+    results = [communicate(p, 300) for p in procs]
+  finally:
+    dist.kill_all(procs)
+  for p, (_, err) in zip(procs, results):
+    assert p.returncode == 0, err[-3000:]
+  assert "done: step 16" in results[0][0] and "done:" not in results[1][0]
+  for key in ("loss", "accuracy", "grad_norm"):
+    two, one = series(workdir, key), series(tuned, key)
+    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1)), key
+    np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=1e-5,
+                               err_msg=key)
+  two, one = series(workdir), series(tuned)
+  rel = max(abs(two[s] - one[s]) / one[s] for s in one)
+  print(f"2 processes vs 1: max relative loss difference {rel:.1e} over {STEPS} steps")
+
+
+def test_a_lost_process_ends_the_other_with_one_line_and_the_job_resumes(bench, pretrained,
+                                                                         tmp_path):
+  """kill -9 of process 1 once a checkpoint verifies (both processes' manifests written):
+  process 0 exits 75 within the heartbeat timeout with one ``error:`` line naming it (as main
+  does: lmscale_jax.supervisor); the same job, rerun, resumes from a checkpoint and finishes."""
+  heartbeat, every = 5, 4
+  workdir = tmp_path / "lost"
+  argv = args(bench, workdir, "--init-workdir", pretrained[1], "--steps", 100000,
+              "--checkpoint-every", every, f"--config.distributed.heartbeat_timeout={heartbeat}")
+  procs = start_job(argv)
+  try:
+    deadline = time.monotonic() + 200
+    while not any(not checkpoint_manifest.verify(ckpt_lib.step_dir(str(workdir), step))
+                  for step in ckpt_lib.complete_steps(str(workdir))):
+      assert time.monotonic() < deadline, "no checkpoint verifies within 200 s"
+      assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    procs[0].wait(timeout=heartbeat + 30)
+    took = time.monotonic() - killed
+  finally:
+    dist.kill_all(procs)
+  err = dist._stderr[procs[0].pid]
+  print(f"process 1 killed: process 0 exited {procs[0].returncode} after {took:.1f} s")
+  assert procs[0].returncode == supervisor.LOST_PROCESS_EXIT, err[-3000:]
+  assert took < heartbeat + 10
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and errors[0].startswith(
+      f"error: process 0: lost process 1 on {socket.gethostname()}"), err[-3000:]
+  for trace in ("Check failure stack trace", "Fatal Python error", "Traceback", "@ 0x"):
+    assert trace not in err, err[-3000:]
+  saved = max(step for step in ckpt_lib.complete_steps(str(workdir))
+              if not checkpoint_manifest.verify(ckpt_lib.step_dir(str(workdir), step)))
+  procs = start_job([*argv, "--steps", str(saved + 2)])
+  try:
+    results = [communicate(p, 300) for p in procs]
+  finally:
+    dist.kill_all(procs)
+  assert [p.returncode for p in procs] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+  assert f"resumed from {ckpt_lib.step_dir(str(workdir), saved)}" in results[0][0]
+  assert max(series(workdir)) == saved + 2
+
+
 def test_embed_and_eval_use_the_head_and_show_it_beside_the_pretrained_run(
     bench, pretrained, tuned, tmp_path, capsys):
   elf = str(pretrained[0] / "libstrings.so")
@@ -222,6 +320,13 @@ def test_embed_and_eval_use_the_head_and_show_it_beside_the_pretrained_run(
   info = got["methods"]
   assert info[f"ft@{STEPS}"]["kind"] == "fine-tuned" and info["run@2"]["kind"] == "pretrained"
   assert info[f"ft@{STEPS}"]["init"] == f"workdir:{pretrained[1]}"
+  # How much of each function the models see: the share cut at their sequence length.
+  model = trained_model.load(workdir=str(pretrained[1]))
+  _, groups = similarity_bench.load(str(bench))
+  cut = np.mean([trained_model.encode(model, v["text"])[1] for g in groups
+                 for v in g["variants"].values()])
+  assert info["run@2"]["seq_len"] == 64 and info["run@2"]["cut_frac"] == pytest.approx(cut)
+  assert f"cut at sequence length 64: {cut:.1%} of the" in text and f"ft@{STEPS}" in text
   r1 = {r["method"]: r["recall_at_1"] for r in got["results"] if r["pair"] == "gcc-O0↔gcc-O3"}
   print(f"R@1, pool 10, O0↔O3 (the pairs it was tuned on): {r1}")
   assert set(r1) == {"tfidf", "run@2", f"ft@{STEPS}"}
@@ -260,13 +365,9 @@ def test_export_writes_the_encoder_and_the_head_that_give_the_same_embedding(
                                z / np.linalg.norm(z, axis=1, keepdims=True), atol=2e-5)
 
 
-HF_PYTHON = os.environ.get("LMSCALE_HF_PYTHON") or os.path.join(ROOT, ".venv-hf", "bin", "python")
-
-
-@pytest.mark.skipif(not os.path.exists(HF_PYTHON), reason="no .venv-hf (torch + transformers): "
-                    "bash tools/test.sh makes it")
 def test_the_export_in_transformers_gives_the_same_embedding(bench, tuned, exported, tmp_path):
-  """docs/finetune.md's recipe (AutoTokenizer, AutoModel, projection.*) against JAX."""
+  """docs/finetune.md's recipe (AutoTokenizer, AutoModel, projection.*) against JAX (in
+  .venv-hf, as every HF parity test: tools/test.sh makes it)."""
   from tests.hf_helpers import hf_side
 
   _, groups = similarity_bench.load(str(bench))
