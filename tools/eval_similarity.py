@@ -77,14 +77,16 @@ def pool_sizes(text: str) -> list[int]:
   return sizes
 
 
-def model_vectors(model, texts: list[str], pool: str) -> np.ndarray:
-  """tools/embed.py's embedding of each function text (alone, as [CLS] text [SEP])."""
+def model_vectors(model, texts: list[str], pool: str) -> tuple[np.ndarray, float]:
+  """tools/embed.py's embedding of each function text (alone, as [CLS] text [SEP]); and the
+  share of the texts cut at the model's sequence length (it sees only their beginning)."""
   import embed as embed_tool  # tools/embed.py (jax: imported once a model is needed)
   from lmscale_jax import trained_model
 
   inputs = ((str(i), "", *trained_model.encode(model, t)) for i, t in enumerate(texts))
   pool = None if model.head is not None else pool  # a fine-tuned model pools as it trained
-  return similarity.normalise(embed_tool.embed(model, inputs, pool)["embeddings"])
+  out = embed_tool.embed(model, inputs, pool)
+  return similarity.normalise(out["embeddings"]), float(out["truncated"].mean())
 
 
 def random_init(model, seed: int):
@@ -138,14 +140,15 @@ def methods(a, items) -> tuple[dict, dict]:
   seen_arch = set()
   for m in models:
     name = label(m, vecs)
-    vecs[name] = model_vectors(m, items.text, a.embed_pool)
-    info[name] = describe(m)
+    vecs[name], cut = model_vectors(m, items.text, a.embed_pool)
+    info[name] = {**describe(m), "seq_len": m.cfg.seq_len, "cut_frac": cut}
     arch = (m.cfg.layers, m.cfg.hidden, m.cfg.heads, m.cfg.ffn, m.cfg.vocab_size)
     if not a.no_random_init and arch not in seen_arch:
       seen_arch.add(arch)
       name = "random-init" if len(models) == 1 else f"random-init({name})"
-      vecs[name] = model_vectors(random_init(m, a.seed), items.text, a.embed_pool)
-      info[name] = {"kind": "random initial weights", "seed": a.seed, "architecture_of": m.source}
+      vecs[name], cut = model_vectors(random_init(m, a.seed), items.text, a.embed_pool)
+      info[name] = {"kind": "random initial weights", "seed": a.seed,
+                    "architecture_of": m.source, "seq_len": m.cfg.seq_len, "cut_frac": cut}
   return vecs, info
 
 
@@ -169,6 +172,7 @@ def main(argv=None) -> int:
     print(f"{a.bench}: {len(groups)} functions, {len(items)} compiled variants "
           f"({', '.join(header['variants'])})")
     print(similarity.table(results))
+    print(cut_lines(info, len(items)))
     if leak is not None:
       print(f"leakage: {leak['in_training_corpus']} of {leak['functions']} benchmark functions "
             f"are in the pretraining corpus verbatim ({leak['train_files']} files; "
@@ -183,6 +187,18 @@ def main(argv=None) -> int:
     return 0
 
   return _cli.guarded(go, "nothing was written")
+
+
+def cut_lines(info: dict, functions: int) -> str:
+  """How much of the benchmark each model sees: one line per sequence length."""
+  by_len: dict = {}
+  for name, m in info.items():
+    if "seq_len" in m:
+      by_len.setdefault((m["seq_len"], m["cut_frac"]), []).append(name)
+  return "\n".join(
+      f"cut at sequence length {n}: {cut:.1%} of the {functions:,} compiled functions (a model "
+      f"sees their first {n - 2} tokens): {', '.join(names)}"
+      for (n, cut), names in sorted(by_len.items()))
 
 
 def append_results(path: str, doc: dict) -> None:
