@@ -33,6 +33,9 @@ from lmscale_jax.errors import UserError  # noqa: E402
 LIBRARIES = similarity_sources.by_package()
 
 
+DOWNLOAD_TIMEOUT_S = 600
+
+
 def parser():
   p = _cli.Parser(description=__doc__.splitlines()[0])
   p.add_argument("--output", required=True, metavar="DIR", help="where to unpack (git-ignored: "
@@ -53,10 +56,18 @@ def fetch(spec: str, out: str) -> list[str]:
   lib = LIBRARIES.get(spec.lower())
   if lib and os.path.isdir(os.path.join(out, lib.top)):
     return library_dirs(lib, out)
+  name = spec.split("==")[0]
   with tempfile.TemporaryDirectory(dir=out, prefix=".download-") as tmp:
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:",
-                        "--no-deps", "--quiet", "-d", tmp, spec],
-                       capture_output=True, text=True, timeout=600)
+    # --no-binary for this package only: with :all:, pip also builds the build requirements
+    # from source to read the metadata (lupa's Cython: past 600 s on a busy 2-core machine).
+    try:
+      r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", name,
+                          "--no-deps", "--quiet", "-d", tmp, spec],
+                         capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+      raise UserError(f"pip download {spec}: no sdist within {DOWNLOAD_TIMEOUT_S} s (pip "
+                      "reads its metadata by building it: rerun on a less busy machine)"
+                      ) from None
     archives = glob.glob(os.path.join(tmp, "*.tar.gz"))
     if r.returncode != 0 or not archives:
       last = (r.stderr.strip().splitlines() or ["no source distribution"])[-1]
