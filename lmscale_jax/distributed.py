@@ -41,6 +41,7 @@ import jax
 from absl import logging
 
 from lmscale_jax import checkpoint, config_checks, rendezvous, supervisor
+from lmscale_jax.errors import UserError
 from lmscale_jax.topology import DistributedError, Topology, resolve
 
 # Extra seconds the runtime gets beyond our own start-up watchdog, so that ours (with a message
@@ -327,8 +328,12 @@ _VERDICT_GRACE_S = 10
 def await_runtime(error: BaseException, heartbeat_timeout_s: float) -> None:
   """For a collective that failed because a peer may be gone: waits for the runtime to end
   this process (the supervisor then names the lost process) and returns only if it has not
-  within ``heartbeat_timeout_s`` + grace. Any other error returns at once."""
-  if _job.coordinator is None or not _PEER_FAILURE.search(str(error)):
+  within ``heartbeat_timeout_s`` + grace. A user error, or one whose message does not say a
+  peer is gone, returns at once. The message decides, not the type: a device collective raises
+  JaxRuntimeError, a host-side one ValueError ("UNKNOWN: Gloo AllGather failed: … Connection
+  closed by peer", seen in tests/test_finetune.py)."""
+  if (isinstance(error, UserError) or _job.coordinator is None
+      or not _PEER_FAILURE.search(str(error))):
     return
   logging.info("a collective failed (%s); waiting for the runtime to name the lost process",
                str(error).splitlines()[0][:200] if str(error) else type(error).__name__)

@@ -173,13 +173,7 @@ def _multi_process_failure(e: Exception, config) -> None:
 
   from lmscale_jax import distributed
 
-  from lmscale_jax.errors import UserError
-
-  # Not only JaxRuntimeError: a host-side collective whose peer died raises ValueError
-  # ("UNKNOWN: Gloo AllGather failed: … Connection closed by peer", seen in the fine-tuning
-  # test); await_runtime reads the message.
-  if not isinstance(e, UserError):
-    distributed.await_runtime(e, config.distributed.heartbeat_timeout)
+  distributed.await_runtime(e, config.distributed.heartbeat_timeout)
   me = f"error: process {jax.process_index()}:"
   if _one_line(e) is None:
     logging.exception("process %d failed", jax.process_index())

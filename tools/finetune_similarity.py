@@ -175,8 +175,7 @@ def _leave_if_multi_process(e: Exception, heartbeat_timeout_s: float) -> None:
     return
   from lmscale_jax import distributed
 
-  if not isinstance(e, UserError):  # any error that says a peer is gone (main's rule)
-    distributed.await_runtime(e, heartbeat_timeout_s)
+  distributed.await_runtime(e, heartbeat_timeout_s)
   what = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
   print(f"error: process {jax.process_index()}: {what}", file=sys.stderr, flush=True)
   distributed.exit_now(_cli.EXIT_USAGE if isinstance(e, UserError) else 1)
