@@ -410,6 +410,8 @@ def test_bad_inputs_are_one_line_each(bench, pretrained, tmp_path,
       (["--pairs", bench, "--init-hf", hf], str(hf), "not the tokenizer this model was trained"),
       (["--pairs", few, *start], "4 groups", "fewer than train.batch_size=8"),
       (["--pairs", bench, *start, "--config.finetune.pool=max"], "finetune.pool", "expected one"),
+      (["--pairs", bench, *start, "--max-groups", "-1"], "--max-groups", "expected an integer"),
+      (["--pairs", bench, *start, "--max-groups", "4"], "4 groups", "fewer than train.batch_size=8"),
   ]
   for argv, where, message in cases:
     workdir = tmp_path / "out"
