@@ -27,7 +27,7 @@ def train_runs(processes: int, dataset: str, workdirs: list[str],
                overrides: list[str]) -> list[dict]:
   """Real training runs through launch/local.sh, all started at once (one per workdir); each
   workdir's step time and parameters."""
-  from lmscale_jax import cluster_model
+  from lmscale_jax.study import cluster_model
 
   started = [(w, _start_train(processes, dataset, w, overrides)) for w in workdirs]
   for workdir, proc in started:
@@ -65,7 +65,7 @@ def train_check(a, device: str) -> list[dict]:
   """
   import tempfile
 
-  from lmscale_jax import cluster_model
+  from lmscale_jax.study import cluster_model
 
   fit = cluster_model.calibration_fit(a.calibration, "all")
   b = a.train_batch

@@ -4,17 +4,17 @@
   python benchmarks/bench_allreduce.py --processes 2 --sizes-mb 8,64 --repeats 5 --out F
 
 Each process count starts that many processes over localhost, exactly as training does
-(``lmscale_jax.distributed.initialize``: the gloo CPU collectives, ``JAX_PLATFORMS=cpu``,
+(``lmscale_jax.cluster.distributed.initialize``: the gloo CPU collectives, ``JAX_PLATFORMS=cpu``,
 ``JAX_NUM_CPU_DEVICES=1`` each). Every size is one float32 array sharded over the ``data``
 mesh axis, one slice per process, reduced by a jitted ``shard_map`` ``psum`` over that axis:
-the collective the manual gradient path of ``lmscale_jax/steps.py`` runs (the plain path's
+the collective the manual gradient path of ``lmscale_jax/train/steps.py`` runs (the plain path's
 XLA-inserted all-reduce is the same op). Each repeat is preceded by a 4-byte ``psum`` as a
 barrier, so the time of a repeat is the collective's, not the processes' skew; the time of a
 repeat is the slowest process's; a size's time is the median over repeats.
 
 Loopback has no wire: the "link" is the kernel copying bytes between the processes, CPU
 work. With more processes than cores they share the cores, so each one's copies run
-``p/cores`` times slower. The fits (``lmscale_jax.cluster_model.fit_alpha_beta``, least
+``p/cores`` times slower. The fits (``lmscale_jax.study.cluster_model.fit_alpha_beta``, least
 squares in relative error) of the ring model ``t = 2(p−1)·α + 2(p−1)/p · n·s/β``:
 
 * ``all``: one α and β for every process count, ``s = max(1, p/cores)`` (the shared cores);
@@ -68,7 +68,9 @@ def worker(process_id: int, processes: int, port: int, sizes_mb, repeats: int,
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
 
-  from lmscale_jax import config_defaults, distributed, sharding
+  from lmscale_jax.cluster import distributed
+  from lmscale_jax.config import defaults as config_defaults
+  from lmscale_jax.train import sharding
 
   config = config_defaults.get_base_config()
   config.distributed.update(coordinator=f"localhost:{port}", num_processes=processes,
@@ -191,7 +193,7 @@ def measure(processes_list, sizes_mb, repeats: int, device: str, heap: str,
 
 def fit_rows(points: list[dict], device: str) -> list[dict]:
   """The α–β fits (joint and per process count), each point's predicted time and error."""
-  from lmscale_jax import cluster_model
+  from lmscale_jax.study import cluster_model
 
   cores = os.cpu_count()
   points = [r for r in points if r.get("leaves", 1) == 1]

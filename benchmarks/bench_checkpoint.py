@@ -37,7 +37,10 @@ def bert120m_state(vocab_size: int):
 
   import jax
 
-  from lmscale_jax import dataset, masking, model as model_lib, steps as steps_lib
+  from lmscale_jax.input import masking
+  from lmscale_jax.model import bert as model_lib
+  from lmscale_jax.store import dataset
+  from lmscale_jax.train import steps as steps_lib
 
   spec = importlib.util.spec_from_file_location("bert120m", f"{ROOT}/configs/bert120m.py")
   module = importlib.util.module_from_spec(spec)
@@ -80,7 +83,7 @@ def one_round(state, data_iter, base: str, order: tuple[str, str]) -> dict:
   import orbax.checkpoint as ocp
   import grain
 
-  from lmscale_jax import checkpoint, checkpoint_manifest
+  from lmscale_jax.train import checkpoint, checkpoint_manifest
 
   out = {}
   for system in order:

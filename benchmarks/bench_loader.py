@@ -47,7 +47,7 @@ def cpu_description() -> str:
 
 def synthetic_dataset(directory: str, records: int, seq_len: int, vocab: int) -> str:
   """A real dataset directory via the production writer (tests/helpers.py); reused if present."""
-  from lmscale_jax import dataset
+  from lmscale_jax.store import dataset
   from tests.helpers import make_synthetic_dataset
 
   try:
@@ -67,7 +67,7 @@ def export_tokens(path: str, out: str) -> np.ndarray:
   """The train split as an (N, seq_len) uint16 array, for the peer (same data, same order)."""
   from array_record.python import array_record_module
 
-  from lmscale_jax import dataset
+  from lmscale_jax.store import dataset
 
   meta = dataset.DatasetMeta.load(path)
   rows = []
@@ -82,7 +82,7 @@ def export_tokens(path: str, out: str) -> np.ndarray:
 
 def config(path: str, batch: int, workers: int, read_threads: int, prefetch: int):
   """The default config (what users get) with the loader settings under test."""
-  from lmscale_jax import config_defaults
+  from lmscale_jax.config import defaults as config_defaults
 
   c = config_defaults.get_base_config()
   c.data.update(dict(path=path, workers=workers, prefetch_buffer=prefetch,
@@ -93,7 +93,7 @@ def config(path: str, batch: int, workers: int, read_threads: int, prefetch: int
 
 def measure_ours(cfg, meta, warmup: float, seconds: float) -> dict:
   """samples/s of the host iterator, after ``warmup`` seconds (worker start, buffers full)."""
-  from lmscale_jax import data as data_lib
+  from lmscale_jax.input import loader as data_lib
 
   it = iter(data_lib.make_dataset(cfg, meta, "train", train=True))
   t0 = time.perf_counter()
@@ -135,7 +135,7 @@ def index_shuffle_loader(loader):
 def compare_shuffle(cfg, meta, rounds: int, seconds: float) -> dict:
   """samples/s of the batch function with each permutation, in alternating rounds (so load
   changes on a shared machine hit both), and the permutation alone in us per batch."""
-  from lmscale_jax import data as data_lib
+  from lmscale_jax.input import loader as data_lib
 
   loaders = {"feistel_permute": data_lib.make_batch_loader(cfg, meta, "train", train=True)}
   loaders["index_shuffle"] = index_shuffle_loader(loaders["feistel_permute"])
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
 
   from absl import flags  # Grain workers read absl flags; nothing here parses them
   flags.FLAGS.mark_as_parsed()
-  from lmscale_jax import dataset
+  from lmscale_jax.store import dataset
 
   path = a.data or synthetic_dataset(a.synthetic_dir, a.records, a.seq_len, a.vocab)
   meta = dataset.DatasetMeta.load(path)

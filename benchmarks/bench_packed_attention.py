@@ -70,7 +70,7 @@ def _env() -> dict:
 
 
 def check_datasets(a) -> None:
-  from lmscale_jax import dataset
+  from lmscale_jax.store import dataset
 
   packed, single = dataset.DatasetMeta.load(a.packed), dataset.DatasetMeta.load(a.single)
   for meta, flag, packing in ((packed, "--packed", "greedy"), (single, "--single", "none")):
@@ -124,8 +124,10 @@ def time_steps(a) -> dict:
   """Median seconds per train step of each mode, alternating modes round by round."""
   import jax
 
-  from lmscale_jax import data, dataset, train
-  from lmscale_jax import steps as steps_lib
+  from lmscale_jax.input import loader
+  from lmscale_jax.store import dataset
+  from lmscale_jax.train import steps as steps_lib
+  from lmscale_jax.train import trainer as train
 
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   import tiny  # configs/tiny.py
@@ -139,7 +141,7 @@ def time_steps(a) -> dict:
     steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
     state = steps.init(jax.random.key(int(config.train.seed)))
     batches = [jax.device_put(b, steps.batch_sharding) for _, b in
-               zip(range(a.time_steps), data.make_dataset(config, meta, "train", train=True))]
+               zip(range(a.time_steps), loader.make_dataset(config, meta, "train", train=True))]
     state, _ = steps.train_step(state, batches[0])  # compile
     jax.block_until_ready(state)
     built[mode] = [steps, state, batches]

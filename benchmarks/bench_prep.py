@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _host  # noqa: E402
 
-from lmscale_jax import elf_corpus, prepare, pretokenize  # noqa: E402
+from lmscale_jax.prep import elf_corpus, prepare
+from lmscale_jax.prep import pretokenize  # noqa: E402
 
 GOAL_MB_S_CORE, GOAL_SCALING = 3.0, 0.9
 

@@ -29,7 +29,8 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
 
-from lmscale_jax import dataset, elf_corpus  # noqa: E402
+from lmscale_jax.prep import elf_corpus  # noqa: E402
+from lmscale_jax.store import dataset
 
 
 def _rss(pid: int) -> int:

@@ -1,4 +1,5 @@
-"""Staging throughput: ``lmscale_jax.staging.stage`` vs ``cp -r`` of the same dataset, same run.
+"""Staging throughput: ``lmscale_jax.input.staging.stage`` vs ``cp -r`` of the same dataset, same
+run.
 
   python benchmarks/bench_stage.py                       # ~1 GB synthetic dataset, 3 rounds
   python benchmarks/bench_stage.py --src DATASET --dest-root /local/ssd --workers 1,8
@@ -34,7 +35,7 @@ from benchmarks import _host  # noqa: E402
 
 def synthetic_dataset(directory: str, size_mb: int) -> str:
   """~size_mb MB of seq-4096 records in ~64 MB shards (tests/helpers.py writer); reused."""
-  from lmscale_jax import dataset
+  from lmscale_jax.store import dataset
   from tests.helpers import make_synthetic_dataset
 
   seq_len = 4096
@@ -62,18 +63,6 @@ def drop_cache(directory: str) -> None:
         os.close(fd)
 
 
-def device_description(directory: str) -> str:
-  """``cpu: <model> (<n> cores); disk: <device> <fstype>`` of the CPU and of ``directory``."""
-  disk = "unknown disk"
-  try:
-    out = subprocess.run(["df", "--output=source,fstype", directory], capture_output=True,
-                         text=True, check=True).stdout.split()
-    disk = " ".join(out[-2:])
-  except (OSError, subprocess.CalledProcessError):
-    pass
-  return f"{_host.cpu_name()}; disk: {disk}"
-
-
 def dir_bytes(directory: str) -> int:
   return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
 
@@ -98,7 +87,7 @@ def time_cp_sha(src: str, dest: str) -> float:
 
 
 def time_stage(src: str, dest: str, workers: int) -> float:
-  from lmscale_jax import staging
+  from lmscale_jax.input import staging
 
   shutil.rmtree(dest, ignore_errors=True)
   drop_cache(src)
@@ -108,7 +97,7 @@ def time_stage(src: str, dest: str, workers: int) -> float:
 
 
 def time_verify(src: str, dest: str, workers: int, verify_all: bool) -> float:
-  from lmscale_jax import staging
+  from lmscale_jax.input import staging
 
   drop_cache(dest)
   t0 = time.perf_counter()
@@ -156,7 +145,7 @@ def main(argv=None) -> int:
   cp_median = statistics.median(results["cp -r + sync"])
   stamp = datetime.datetime.now().isoformat(timespec="seconds")
   cpu = os.cpu_count()
-  device = device_description(a.dest_root)
+  device = _host.host_description(a.dest_root)
   print(f"dataset {src}: {nbytes / 1e6:,.0f} MB in {len(os.listdir(src))} files; "
         f"{a.rounds} rounds; {device}; median seconds")
   print(f"{'method':<28}{'s':>8}{'MB/s':>9}{'vs cp -r':>10}")

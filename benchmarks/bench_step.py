@@ -12,7 +12,7 @@ predicted positions per row. The loop dispatches ``--steps`` steps without fetch
 (as the training loop does) and blocks once at the end.
 
 Prints one JSON object (and appends it to ``--jsonl``): ``system``, ``model``, ``batch``,
-``seq``, ``samples_per_sec``, ``mfu`` (useful FLOPs, lmscale_jax/flops.py, over
+``seq``, ``samples_per_sec``, ``mfu`` (useful FLOPs, lmscale_jax/model/flops.py, over
 ``--peak-tflops``, else the device table), ``peak_mem_gb`` (the allocator's peak,
 ``device.memory_stats()``; null where the backend has none, e.g. CPU), ``compiled_peak_gb``
 (``memory_analysis()``), ``device``, ``step_s``, ``variant``, the levers, XLA_FLAGS.
@@ -158,11 +158,11 @@ def step_benchmark(args) -> dict:
   import jax
   import numpy as np
 
-  from lmscale_jax import dataset
-  from lmscale_jax import flops as flops_lib
-  from lmscale_jax import model as model_lib
-  from lmscale_jax import steps as steps_lib
-  from lmscale_jax import train
+  from lmscale_jax.model import bert as model_lib
+  from lmscale_jax.model import flops as flops_lib
+  from lmscale_jax.store import dataset
+  from lmscale_jax.train import steps as steps_lib
+  from lmscale_jax.train import trainer
   from tools.max_batch import load_config
 
   config = load_config(args.config, args.set)
@@ -170,7 +170,7 @@ def step_benchmark(args) -> dict:
   if args.batch:
     config.train.batch_size = args.batch
   meta = dataset.DatasetMeta.synthetic(args.seq, args.vocab)
-  s = train.build_setup(config, meta)
+  s = trainer.build_setup(config, meta)
   s.model_cfg.cudnn_mask = args.cudnn_mask
   st = steps_lib.build_steps(config, s.model_cfg, s.predictions)
   t = config.train

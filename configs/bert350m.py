@@ -2,7 +2,7 @@
 sequence length 512, bfloat16 compute, BERT's original optimizer settings (batch 256,
 peak LR 1e-4, 10k warmup steps, linear decay, 1M steps)."""
 
-from lmscale_jax import config_defaults
+from lmscale_jax.config import defaults as config_defaults
 
 
 def get_config():

@@ -3,7 +3,7 @@
   python -m lmscale_jax.main --config=configs/tiny.py --config.data.path=DATASET --workdir=W
 """
 
-from lmscale_jax import config_defaults
+from lmscale_jax.config import defaults as config_defaults
 
 
 def get_config():

@@ -1,5 +1,5 @@
 # Shared by launch/local.sh and launch/node.sh (sourced, not run): start this machine's
-# training processes with the LMSCALE_* variables lmscale_jax.topology reads, prefix their
+# training processes with the LMSCALE_* variables lmscale_jax.cluster.topology reads, prefix their
 # output with the process id, and supervise them.
 
 # lmscale_python: the interpreter (PYTHON, else the checkout's .venv, else python3).
@@ -48,7 +48,7 @@ lmscale_run() {
     pids+=($!)
   done
   # SIGTERM makes the processes agree on a step, checkpoint it and exit 0
-  # (lmscale_jax/preemption.py); whatever is still running STOP_S seconds later is killed.
+  # (lmscale_jax/cluster/preemption.py); whatever is still running STOP_S seconds later is killed.
   trap 'echo "launch: stopping all processes (checkpoint, then exit)" >&2
         kill -TERM "${pids[@]}" 2>/dev/null
         ( sleep "${STOP_S:-60}"; kill -KILL "${pids[@]}" ) >/dev/null 2>&1 &' INT TERM

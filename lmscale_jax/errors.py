@@ -14,5 +14,10 @@ class ConfigError(UserError, ValueError):
   """A config value (``--config.a.b=…`` or a configs/*.py) is invalid or inconsistent."""
 
 
+class IncompatibleCheckpoint(UserError, ValueError):
+  """The workdir's checkpoint cannot be resumed by this run (model shape, process count, the
+  loader state of another version)."""
+
+
 class PrepareError(UserError, ValueError):
   """Bad arguments, inputs or output directory of a data preparation (tools/prepare_*.py)."""

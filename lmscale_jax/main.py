@@ -1,18 +1,19 @@
-"""lmscale_jax entry point: parse flags, start the runtime, call ``train.train_and_evaluate``.
+"""lmscale_jax entry point: parse flags, start the runtime, call
+``train.trainer.train_and_evaluate``.
 
   python -m lmscale_jax.main --config=configs/bert350m.py --workdir=DIR
       --config.data.path=DATASET [--config.train.batch_size=256 …] [--dry_run]
       [--verify_data] [--allow_config_change]
 
 Several processes (launch/local.sh, launch/node.sh, launch/slurm.sbatch) find each other
-through ``lmscale_jax.distributed`` (config ``distributed.*``, ``LMSCALE_*`` or Slurm
+through ``lmscale_jax.cluster.distributed`` (config ``distributed.*``, ``LMSCALE_*`` or Slurm
 variables); ``--config.data.stage_from=SHARED`` first copies the dataset to ``data.path`` on
-every node (``lmscale_jax.staging``).
+every node (``lmscale_jax.input.staging``).
 
 Exits: 0 finished or preempted (checkpoint saved); 1 with one ``error:`` line for a user error
 (bad flag or value, bad data, incompatible or busy workdir, disk full); 75 with one ``error:``
 line naming the process and host that was lost from a multi-process job (killed, crashed, node
-failed: rerun to resume; lmscale_jax/supervisor.py); 130 on Ctrl-C (the last complete
+failed: rerun to resume; lmscale_jax/cluster/supervisor.py); 130 on Ctrl-C (the last complete
 checkpoint is kept: rerun to resume); a traceback only for a bug.
 """
 
@@ -83,27 +84,29 @@ def _multi_process() -> bool:
 
 
 def _run(config, workdir: str) -> None:
-  from lmscale_jax import config_checks, data_checks, distributed, preemption, staging, train
-  from lmscale_jax import workdir as workdir_lib
+  from lmscale_jax.cluster import distributed, preemption
+  from lmscale_jax.input import dataset_checks, staging
+  from lmscale_jax.train import preflight, trainer
+  from lmscale_jax.train import workdir as workdir_lib
 
   # Imported here, not at module level: Grain's worker processes re-import __main__.
   import jax
 
   if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage or lock
-    setup = train.build_setup(config)
+    setup = trainer.build_setup(config)
     print(config)
-    print(train.describe(setup))
+    print(trainer.describe(setup))
     return
 
-  # The checks before any data is read, in order: lmscale_jax/config_checks.py.
-  config_checks.check_config(config)
+  # The checks before any data is read, in order: lmscale_jax/config/checks.py.
+  preflight.check_before_runtime(config)
   distributed.initialize(config)  # before anything touches a JAX backend
   preemption.install()  # after: the runtime installs its own SIGTERM handler
   # Before anything in the workdir is touched (preflight's token file, Orbax's clean-up of
   # tmp directories): process 0 holds the lock for the job, the others learn its outcome.
   distributed.agree("workdir lock", lambda: workdir_lib.lock_workdir(workdir)
                     if jax.process_index() == 0 else None)
-  distributed.preflight(config, workdir)
+  preflight.preflight(config, workdir)
   if config.data.stage_from:
     staging.stage_per_node(config.data.stage_from, config.data.path,
                            workers=int(config.data.stage_workers),
@@ -112,12 +115,12 @@ def _run(config, workdir: str) -> None:
   reads = dict(num_processes=jax.process_count(), process_id=jax.process_index(),
                plan="by_shard" if config.data.shard_by_process else "interleaved")
   meta = distributed.agree("dataset check",
-                           lambda: data_checks.check_dataset_dir(config.data.path, **reads))
+                           lambda: dataset_checks.check_dataset_dir(config.data.path, **reads))
   if FLAGS.verify_data:
-    distributed.agree("data verification", lambda: data_checks.verify_shards(
+    distributed.agree("data verification", lambda: dataset_checks.verify_shards(
         meta, log=logging.info, **reads))
   logging.info("workdir %s", workdir)
-  train.train_and_evaluate(config, workdir, meta=meta,
+  trainer.train_and_evaluate(config, workdir, meta=meta,
                            allow_config_change=FLAGS.allow_config_change)
 
 
@@ -148,7 +151,7 @@ def _one_line(e: Exception) -> str | None:
 
 
 def _leave(line: str, code: int, at_once: bool = False) -> None:
-  from lmscale_jax import distributed
+  from lmscale_jax.cluster import distributed
 
   if _multi_process():
     import jax
@@ -168,10 +171,10 @@ def _leave(line: str, code: int, at_once: bool = False) -> None:
 def _multi_process_failure(e: Exception, config) -> None:
   """A failure in a multi-process job: report and leave now (see distributed.exit_now); the
   other processes stop within distributed.heartbeat_timeout. A collective that failed because
-  a peer is gone is the runtime's to report (lmscale_jax.supervisor: one line, exit 75)."""
+  a peer is gone is the runtime's to report (lmscale_jax.cluster.supervisor: one line, exit 75)."""
   import jax
 
-  from lmscale_jax import distributed
+  from lmscale_jax.cluster import distributed
 
   distributed.await_runtime(e, config.distributed.heartbeat_timeout)
   me = f"error: process {jax.process_index()}:"
@@ -186,7 +189,7 @@ def _multi_process_failure(e: Exception, config) -> None:
 def parse_flags(argv):
   """absl parsing, but every mistake on the command line is one ``error:`` line (exit 1), not
   a traceback, and ``--help`` prints the usage and exits 0."""
-  from lmscale_jax import config_checks
+  from lmscale_jax.config import checks as config_checks
 
   if any(a in ("--help", "-h", "--helpshort", "-?") for a in argv[1:]):
     print(f"{(__doc__ or '').strip()}\n\n{FLAGS.module_help(sys.modules[__name__])}")

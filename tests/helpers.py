@@ -10,7 +10,8 @@ import numpy as np
 
 import ml_collections
 
-from lmscale_jax import config_defaults, dataset
+from lmscale_jax.config import defaults as config_defaults
+from lmscale_jax.store import dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECIAL_IDS = {t: i for i, t in enumerate(dataset.SPECIAL_TOKENS)}

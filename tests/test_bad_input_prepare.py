@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from lmscale_jax import dataset, prepare, text_corpus
+from lmscale_jax.prep import prepare, text_corpus
+from lmscale_jax.store import dataset
 from tests.test_prepare import ROOT, SEQ, opts, small_elves
 
 

@@ -116,7 +116,7 @@ def test_lock_holder_refuses_a_whole_multi_process_job(data, tmp_path):
   """A 2-process job on a workdir another process holds: process 0 fails to take the lock
   and process 1 learns it through distributed.agree; both stop with one line, nothing in the
   workdir is touched (no token file, no checkpoints)."""
-  from lmscale_jax import workdir as workdir_lib
+  from lmscale_jax.train import workdir as workdir_lib
 
   workdir = tmp_path / "w"
   assert workdir_lib.lock_workdir(str(workdir))
@@ -141,8 +141,8 @@ def test_lock_holder_refuses_a_whole_multi_process_job(data, tmp_path):
 
 
 def test_lock_is_released_when_a_library_run_returns(data, tmp_path):
-  from lmscale_jax import train
-  from lmscale_jax import workdir as workdir_lib
+  from lmscale_jax.train import trainer as train
+  from lmscale_jax.train import workdir as workdir_lib
 
   workdir = tmp_path / "w"
   train.train_and_evaluate(small_train_config(data, steps=1), str(workdir))
@@ -154,7 +154,7 @@ def test_lock_is_released_when_a_library_run_returns(data, tmp_path):
 @pytest.fixture(scope="module")
 def step3(data, tmp_path_factory):
   """A workdir trained to step 3 (real Orbax checkpoint), copied for each test."""
-  from lmscale_jax import train
+  from lmscale_jax.train import trainer as train
 
   w = tmp_path_factory.mktemp("step3") / "w"
   train.train_and_evaluate(small_train_config(data, steps=3), str(w))
@@ -173,7 +173,8 @@ def resumable(step3, tmp_path):
     ("train", "learning_rate", 1e-3, 2e-3), ("data", "mask_prob", 0.2, 0.15),
     ("train", "grad_accum_steps", 2, 1)])
 def test_resume_refuses_a_changed_result_key(data, resumable, section, key, value, old):
-  from lmscale_jax import checkpoint, train
+  from lmscale_jax.train import checkpoint
+  from lmscale_jax.train import trainer as train
 
   c = small_train_config(data)
   c[section][key] = value
@@ -190,7 +191,7 @@ def test_resume_refuses_a_changed_result_key(data, resumable, section, key, valu
 
 
 def test_allow_config_change_records_the_change(data, resumable, caplog):
-  from lmscale_jax import train
+  from lmscale_jax.train import trainer as train
 
   c = small_train_config(data)
   c.train.batch_size, c.data.seed = 16, 7
@@ -222,7 +223,7 @@ def test_allow_config_change_flag_of_main(data, resumable):
 
 
 def test_neutral_changes_resume_silently(data, resumable):
-  from lmscale_jax import train
+  from lmscale_jax.train import trainer as train
 
   c = small_train_config(data, steps=3, log_every=2, eval_every=5)
   c.checkpoint.every, c.data.workers, c.train.eval_batches = 2, 1, 1
@@ -235,8 +236,9 @@ def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, re
   """config.json written before model.packed_attention, init_from and train.grad_allreduce
   existed: the run it holds was "cross" with no init, so that resumes as unchanged and
   "segment" is a result change; the reduction's layout ("auto") is not recorded as a change."""
-  from lmscale_jax import checkpoint, train
-  from lmscale_jax import workdir as workdir_lib
+  from lmscale_jax.train import checkpoint
+  from lmscale_jax.train import trainer as train
+  from lmscale_jax.train import workdir as workdir_lib
 
   path = resumable / "config.json"
   saved = json.load(open(path))
@@ -244,7 +246,8 @@ def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, re
   del saved["config"]["train"]["grad_allreduce"]
   path.write_text(json.dumps(saved))
   assert set(workdir_lib.LEGACY_VALUES) == {"model.packed_attention", "init_from",
-                                            "train.grad_allreduce"}
+                                            "train.grad_allreduce", "train.grad_accum_steps",
+                                            "train.grad_allreduce_dtype"}
   with pytest.raises(checkpoint.IncompatibleCheckpoint, match="model.packed_attention='cross', "
                      "this run has model.packed_attention='segment'"):
     train.train_and_evaluate(small_train_config(data, steps=4), str(resumable))
@@ -258,8 +261,9 @@ def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, re
 def test_every_config_key_has_a_resume_rule():
   """A key added to the defaults must be classified (else it defaults to refusing a resume,
   which is safe but may surprise): every key appears in exactly one list."""
-  from lmscale_jax import config_checks, config_defaults
-  from lmscale_jax import workdir as workdir_lib
+  from lmscale_jax.config import checks as config_checks
+  from lmscale_jax.config import defaults as config_defaults
+  from lmscale_jax.train import workdir as workdir_lib
 
   flat = config_checks.flat_keys(json.loads(config_defaults.get_base_config().to_json()))
   lists = {"state": workdir_lib.STATE_KEYS, "result": workdir_lib.RESULT_KEYS,
@@ -301,7 +305,7 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("section,key,value,match", BAD_VALUES)
 def test_every_numeric_key_is_validated(data, section, key, value, match):
-  from lmscale_jax import config_checks
+  from lmscale_jax.config import checks as config_checks
   from lmscale_jax.errors import ConfigError
 
   c = small_train_config(data)
@@ -312,7 +316,8 @@ def test_every_numeric_key_is_validated(data, section, key, value, match):
 
 def test_every_numeric_default_key_has_a_rule():
   """A numeric key added to the defaults without a range would reach the step unchecked."""
-  from lmscale_jax import config_checks, config_defaults
+  from lmscale_jax.config import checks as config_checks
+  from lmscale_jax.config import defaults as config_defaults
 
   checked = {k for k, _ in config_checks._INTS} | {k for k, *_ in config_checks._FLOATS}
   config = config_defaults.get_base_config()
@@ -331,19 +336,38 @@ def test_bad_learning_rate_on_the_command_line_is_one_line(data, tmp_path, value
   assert not (tmp_path / "w").exists()  # refused before anything was created
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model.dtype=bf16", "model.dtype='bf16': expected one of ['float32', 'bfloat16']"),
+    ("train.remat=some", "train.remat='some': expected one of ['none', 'dots', 'full']"),
+    ("model.attention_impl=flash", "model.attention_impl='flash': expected one of"),
+    ("model.heads=5", "model.hidden=128 is not divisible by model.heads=5"),
+])
+def test_a_model_rule_is_one_line_before_the_runtime_starts(data, tmp_path, override, message):
+  """These failed in the model, after the workdir was locked and staging had run (up to
+  data.stage_timeout): now before anything starts, so the staging source is never read."""
+  staged = tmp_path / "staged"
+  r = main([f"--config={ROOT}/configs/tiny.py", f"--workdir={tmp_path / 'w'}",
+            f"--config.data.path={staged}", f"--config.data.stage_from={data}",
+            f"--config.{override}"], timeout=120)
+  assert r.returncode == 1
+  assert one_line(r.stderr).startswith(f"error: {message}")
+  assert not (tmp_path / "w").exists() and not staged.exists()  # nothing locked, nothing staged
+  assert "coordinator" not in r.stderr and "jax.distributed" not in r.stderr
+
+
 # ----------------------------------------------------------------------------- case 6: shards
 @pytest.fixture
 def damaged(data, tmp_path):
   d = tmp_path / "damaged"
   shutil.copytree(data, d)
-  from lmscale_jax import dataset
+  from lmscale_jax.store import dataset
 
   return d, dataset.DatasetMeta.load(str(d)).shard_paths("train")[0]
 
 
 def test_truncated_shard_at_start_up_names_the_shard(damaged, tmp_path):
-  from lmscale_jax import train
-  from lmscale_jax.dataset import DatasetError
+  from lmscale_jax.store.dataset import DatasetError
+  from lmscale_jax.train import trainer as train
 
   d, shard = damaged
   os.truncate(shard, os.path.getsize(shard) // 3)
@@ -355,23 +379,24 @@ def test_truncated_shard_at_start_up_names_the_shard(damaged, tmp_path):
 
 
 def test_renamed_shard_at_start_up_names_the_shard(damaged, tmp_path):
-  from lmscale_jax import dataset
+  from lmscale_jax.store import dataset, records
 
   d, shard = damaged
   os.rename(shard, shard + ".moved")
   meta = dataset.DatasetMeta.load(str(d))
   with pytest.raises(dataset.DatasetError, match=f"^{shard}: cannot open ArrayRecord shard"):
-    dataset.unigram_entropy(meta)
+    records.unigram_entropy(meta)
 
 
 def test_skip_mode_skips_a_truncated_shard_at_start_up(damaged, tmp_path):
-  from lmscale_jax import dataset, train
+  from lmscale_jax.store import dataset, records
+  from lmscale_jax.train import trainer as train
 
   d, shard = damaged
   meta = dataset.DatasetMeta.load(str(d))
-  whole = dataset.unigram_entropy(meta)
+  whole = records.unigram_entropy(meta)
   os.truncate(shard, os.path.getsize(shard) // 3)
-  skipped = dataset.unigram_entropy(meta, on_corrupt="skip")
+  skipped = records.unigram_entropy(meta, on_corrupt="skip")
   assert math.isfinite(skipped) and skipped != whole  # the other shard's records only
   c = small_train_config(d, steps=2)
   c.data.on_corrupt = "skip"
@@ -425,7 +450,7 @@ def test_async_save_can_be_set(data, tmp_path):
 
 
 def test_old_async_key_in_a_config_file_is_one_line(data):
-  from lmscale_jax import config_checks
+  from lmscale_jax.config import checks as config_checks
   from lmscale_jax.errors import ConfigError
 
   c = small_train_config(data)
@@ -472,7 +497,7 @@ def test_full_disk_is_one_line(data, tmp_path):
 
 # ----------------------------------------------------------------------------- case 11
 def test_eval_batches_beyond_the_split_warn_once(data, tmp_path, caplog):
-  from lmscale_jax import train
+  from lmscale_jax.train import trainer as train
 
   with caplog.at_level(logging.WARNING):
     train.train_and_evaluate(small_train_config(data, steps=1, eval_batches=10),
@@ -490,7 +515,8 @@ def test_eval_batches_beyond_the_split_warn_once(data, tmp_path, caplog):
 
 
 def test_workdir_past_train_steps_is_one_line(data, resumable):
-  from lmscale_jax import checkpoint, train
+  from lmscale_jax.train import checkpoint
+  from lmscale_jax.train import trainer as train
 
   state = (resumable / "run_state.json").read_bytes()
   with pytest.raises(checkpoint.IncompatibleCheckpoint) as e:

@@ -82,7 +82,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(data, cache, reference
   """8 bytes flipped in the latest checkpoint's largest array file (the issue's recipe): the
   rerun warns naming that file, resumes from the previous checkpoint, moves the bad one to
   6.corrupt, and ends with the uninterrupted run's losses bit for bit."""
-  from lmscale_jax import checkpoint_manifest
+  from lmscale_jax.train import checkpoint_manifest
 
   workdir = copy_of(reference, tmp_path)
   bad = largest(workdir / "checkpoints" / "6")
@@ -102,7 +102,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(data, cache, reference
 def test_missing_manifest_is_not_loaded(reference, tmp_path):
   """A checkpoint saved with manifests that has lost one is not resumed from (the choice every
   run makes before loading), and inspect_checkpoint --verify names the missing file."""
-  from lmscale_jax import checkpoint
+  from lmscale_jax.train import checkpoint
 
   workdir = copy_of(reference, tmp_path)
   manifest = workdir / "checkpoints" / "6" / "manifest.process_0-of-1.json"
@@ -185,7 +185,7 @@ def test_full_disk_stops_cleanly_and_resumes_bitwise(data, cache, reference, tmp
   save stops the run before Orbax writes anything, with one line (directory, bytes needed,
   bytes free) and checkpoint 4 complete; checkpoint.on_full=skip warns and finishes; a rerun
   with room resumes from 4 and reproduces the uninterrupted run bit for bit."""
-  from lmscale_jax import checkpoint, checkpoint_manifest
+  from lmscale_jax.train import checkpoint, checkpoint_manifest
 
   why = _small_fs_available(tmp_path)
   if why:
@@ -238,8 +238,10 @@ def test_skipped_steps_do_not_make_the_learning_rate_lag(data):
   import jax
   import optax
 
-  from lmscale_jax import data as data_lib
-  from lmscale_jax import dataset, steps as steps_lib, train
+  from lmscale_jax.input import loader as data_lib
+  from lmscale_jax.store import dataset
+  from lmscale_jax.train import steps as steps_lib
+  from lmscale_jax.train import trainer as train
 
   config = small_train_config(data, steps=6, nonfinite="skip", inject_nonfinite_steps="2,3",
                               weight_decay=0.0, warmup_steps=2)

@@ -10,9 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
-from lmscale_jax import config_checks, dataset, hashing, masking, prefetch
-from lmscale_jax import data as data_lib
+from lmscale_jax.config import checks as config_checks
 from lmscale_jax.errors import ConfigError
+from lmscale_jax.input import hashing, masking, prefetch
+from lmscale_jax.input import loader as data_lib
+from lmscale_jax.store import dataset
 from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset
 
 SEQ, VOCAB, N_TRAIN, N_VAL = 64, 128, 256, 32
@@ -405,7 +407,7 @@ def test_by_shard_needs_a_shard_per_process(dataset_dir):
 def _prefetcher(dataset_dir, split="train", opened=None, **data_overrides):
   """A DevicePrefetcher as training builds it: ``reopen(k)`` is the dataset from batch ``k``
   (the ``k`` of every call is appended to ``opened``)."""
-  from lmscale_jax import sharding
+  from lmscale_jax.train import sharding
 
   cfg = config(dataset_dir, **data_overrides)
 
@@ -443,7 +445,7 @@ def test_device_prefetcher_state_matches_consumed_batches(dataset_dir):
   pf.set_state({"next_batch": 1})  # a restore in the same process: reopened at batch 1
   assert_batches_equal(take(pf, 2), host[1:3])
   assert opened == [0, 1]
-  from lmscale_jax.checkpoint import IncompatibleCheckpoint
+  from lmscale_jax.train.checkpoint import IncompatibleCheckpoint
 
   with pytest.raises(IncompatibleCheckpoint, match=r"expected \{'next_batch': k\}"):
     pf.set_state({"iterator": 3})  # e.g. Grain's own per-worker state

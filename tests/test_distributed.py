@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lmscale_jax import run_state, supervisor
+from lmscale_jax.cluster import run_state, supervisor
 from tests.helpers import communicate, make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
 
 
 def test_resolution_order():
-  from lmscale_jax.topology import Topology, resolve
+  from lmscale_jax.cluster.topology import Topology, resolve
 
   assert resolve(dcfg(), {}) == Topology()  # nothing set: one process
   t = resolve(dcfg(), LM)
@@ -67,7 +67,7 @@ def test_resolution_order():
 
 
 def test_slurm_layouts():
-  from lmscale_jax.topology import expand_hostlist, resolve, slurm_port
+  from lmscale_jax.cluster.topology import expand_hostlist, resolve, slurm_port
 
   assert expand_hostlist("gpu[007-010]") == ["gpu007", "gpu008", "gpu009", "gpu010"]
   assert expand_hostlist("a-1,r[1-2]n[01,03],x") == ["a-1", "r1n01", "r1n03", "r2n01", "r2n03",
@@ -114,7 +114,7 @@ def test_slurm_layouts():
      r"Slurm tasks-per-node SLURM_STEP_TASKS_PER_NODE='2\(x' \(expected e.g. 2\(x3\),1\)"),
 ])
 def test_bad_settings(env, cfg, match):
-  from lmscale_jax.topology import DistributedError, resolve
+  from lmscale_jax.cluster.topology import DistributedError, resolve
 
   with pytest.raises(DistributedError, match=match):
     resolve(dcfg(**cfg), env)
@@ -123,7 +123,7 @@ def test_bad_settings(env, cfg, match):
 def test_checkpoint_process_count(tmp_path):
   """checkpoint.check_process_count reads the latest complete step only (Orbax's temporary
   step names are not checkpoints) and creates nothing when there is no checkpoint."""
-  from lmscale_jax import checkpoint
+  from lmscale_jax.train import checkpoint
 
   for name, writers in (("3", 2), ("6.orbax-checkpoint-tmp-1700000000", 4)):
     data_dir = tmp_path / "w" / "checkpoints" / name / "data"
@@ -163,7 +163,7 @@ SERVICE_LOST_REPORT = (
 def test_the_lost_process_is_read_from_the_runtimes_report():
   """The service names the task whose heartbeats stopped (directly, or in a failed barrier);
   when the service itself is gone, the coordinator is named if it refuses connections."""
-  from lmscale_jax.topology import Topology
+  from lmscale_jax.cluster.topology import Topology
 
   closed = f"localhost:{free_port()}"  # nothing listens there
   assert supervisor.lost_processes(PEER_LOST_REPORT, 0, closed) == [2]
@@ -181,8 +181,10 @@ def test_the_lost_process_is_read_from_the_runtimes_report():
 def test_job_errors_are_user_errors():
   """main prints one line for these (a UserError), and callers catching the builtin base they
   always had still catch them."""
-  from lmscale_jax import checkpoint, distributed, staging
+  from lmscale_jax.cluster import distributed
   from lmscale_jax.errors import UserError
+  from lmscale_jax.input import staging
+  from lmscale_jax.train import checkpoint
 
   for error, builtin in ((distributed.DistributedError, RuntimeError),
                          (staging.StagingError, RuntimeError),
@@ -309,8 +311,8 @@ def test_losses_match_one_process(runs):
 
 def test_staging_inside_the_job(runs, data):
   """data.stage_from: exactly one process of the host staged; the copy is complete."""
-  from lmscale_jax import dataset
-  from lmscale_jax import staging
+  from lmscale_jax.input import staging
+  from lmscale_jax.store import dataset
 
   err = runs[2][1].stderr
   staged = [line for line in err.splitlines() if "staged " in line]
@@ -381,7 +383,7 @@ def test_a_lost_process_ends_every_other_with_one_line(data, tmp_path, processes
   """kill -9 of one process mid-run (victim 0 is the coordinator: the survivors lose the
   runtime's service itself): every survivor exits 75 within the heartbeat timeout with one
   ``error:`` line naming the lost process and its host, and no C++ or Python trace
-  (lmscale_jax/supervisor.py turns the runtime's abort into that line)."""
+  (lmscale_jax/cluster/supervisor.py turns the runtime's abort into that line)."""
   heartbeat = 5
   procs, err, elapsed = start_and_kill(data, tmp_path / "w", processes, victim, heartbeat)
   host = socket.gethostname()
@@ -487,7 +489,7 @@ def test_by_shard_dataset_check(data, tmp_path):
   """data.shard_by_process: main.py checks the node-local copy against the by-shard plan. A
   copy staged for process 0 only (--only-needed --plan by_shard) stops the 2-process job
   before any step, and both processes name process 1's missing shards."""
-  from lmscale_jax import staging
+  from lmscale_jax.input import staging
 
   local = tmp_path / "local_ds"
   staging.stage(str(data), str(local), only_needed=True, num_processes=2, process_ids=[0],

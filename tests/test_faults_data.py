@@ -17,10 +17,11 @@ import sys
 import numpy as np
 import pytest
 
-from lmscale_jax import data as data_lib
-from lmscale_jax import dataset
-from lmscale_jax import data_checks, staging
 from lmscale_jax.errors import ConfigError
+from lmscale_jax.input import dataset_checks as data_checks
+from lmscale_jax.input import loader as data_lib
+from lmscale_jax.input import staging
+from lmscale_jax.store import dataset
 from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

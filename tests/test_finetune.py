@@ -1,4 +1,4 @@
-"""Contrastive fine-tuning end to end (tools/finetune_similarity.py, lmscale_jax/finetune.py):
+"""Contrastive fine-tuning end to end (tools/finetune_similarity.py, lmscale_jax/finetune/trainer.py):
 the similarity benchmark built from tests/data/similarity with the machine's gcc (-O0, -O3) as
 the pairs, a real pretraining run (2 steps of a 2 × 64 BERT on those sources compiled at -O2,
 prepared as tools/prepare_binary.py prepares) to start from; then the fine-tuned workdir used
@@ -22,10 +22,15 @@ import time
 import numpy as np
 import pytest
 
-from lmscale_jax import checkpoint as ckpt_lib
-from lmscale_jax import checkpoint_manifest
-from lmscale_jax import finetune_pairs, prepare, similarity_bench, supervisor, train, trained_model
-from lmscale_jax import tokenizer as toklib
+from lmscale_jax.cluster import supervisor
+from lmscale_jax.finetune import pairs as finetune_pairs
+from lmscale_jax.inference import trained_model
+from lmscale_jax.prep import prepare
+from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.store import tokenizer as toklib
+from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import checkpoint_manifest
+from lmscale_jax.train import trainer as train
 from tests import test_distributed as dist
 from tests.helpers import ROOT, communicate
 from tests.test_hf_tools import run_tool, tool
@@ -171,7 +176,7 @@ def test_freeze_layers_labels_the_embeddings_and_the_lowest_layers_frozen(pretra
   """Which leaves train, for every k."""
   import jax
 
-  from lmscale_jax import finetune
+  from lmscale_jax.finetune import trainer as finetune
 
   model = trained_model.architecture(str(pretrained[1]))
   config = finetune.get_config()
@@ -259,7 +264,7 @@ def test_a_lost_process_ends_the_other_with_one_line_and_the_job_resumes(bench, 
                                                                          tmp_path):
   """kill -9 of process 1 once a checkpoint verifies (both processes' manifests written):
   process 0 exits 75 within the heartbeat timeout with one ``error:`` line naming it (as main
-  does: lmscale_jax.supervisor); the same job, rerun, resumes from a checkpoint and finishes."""
+  does: lmscale_jax.cluster.supervisor); the same job, rerun, resumes from a checkpoint and finishes."""
   heartbeat, every = 5, 4
   workdir = tmp_path / "lost"
   argv = args(bench, workdir, "--init-workdir", pretrained[1], "--steps", 100000,

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lmscale_jax import dataset, gpu_check
-from lmscale_jax import model as model_lib
+from lmscale_jax.gpu import check as gpu_check
+from lmscale_jax.model import bert as model_lib
+from lmscale_jax.store import dataset
 from tests.helpers import ROOT, make_config
 
 TOOL = os.path.join(ROOT, "tools", "gpu_check.py")

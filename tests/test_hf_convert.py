@@ -1,4 +1,4 @@
-"""The BertForMaskedLM mapping (lmscale_jax/hf_convert.py) against transformers itself."""
+"""The BertForMaskedLM mapping (lmscale_jax/model/hf_convert.py) against transformers itself."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from lmscale_jax import hf_convert, trained_model
-from lmscale_jax import tokenizer as toklib
+from lmscale_jax.inference import trained_model
+from lmscale_jax.model import hf_convert
+from lmscale_jax.store import tokenizer as toklib
 from tests.hf_helpers import hf_side
 from tests.test_model import apply, init, random_batch, small_cfg
 

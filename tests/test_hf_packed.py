@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lmscale_jax import hf_convert
+from lmscale_jax.model import hf_convert
 from tests.hf_helpers import hf_side
 from tests.test_packed_attention import (SEQ, functions_alone, logits_all, model_cfg, pack,
                                          params, random_functions)

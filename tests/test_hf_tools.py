@@ -13,8 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from lmscale_jax import dataset, hf_convert, prepare, train, trained_model
-from lmscale_jax import steps as steps_lib
+from lmscale_jax.inference import trained_model
+from lmscale_jax.model import hf_convert
+from lmscale_jax.prep import prepare
+from lmscale_jax.store import dataset
+from lmscale_jax.train import steps as steps_lib
+from lmscale_jax.train import trainer as train
 from tests.hf_helpers import hf_side
 from tests.helpers import ROOT, small_train_config
 

@@ -34,8 +34,10 @@ _LEVERS = r"""
 import json, sys
 import jax, numpy as np
 from tests.helpers import small_train_config as small_config
-from lmscale_jax import checkpoint as ckpt_lib, data as data_lib, flops, prefetch
-from lmscale_jax import sharding, steps as steps_lib, train
+from lmscale_jax.input import loader as data_lib, prefetch
+from lmscale_jax.model import flops
+from lmscale_jax.train import checkpoint as ckpt_lib, sharding, steps as steps_lib
+from lmscale_jax.train import trainer as train
 
 data, workdir = sys.argv[1:3]
 assert jax.device_count() == 4
@@ -252,7 +254,7 @@ def test_compiled_memory_of_the_levers(runs):
 def test_fsdp_spec_rules():
   from jax.sharding import PartitionSpec as P
 
-  from lmscale_jax.sharding import fsdp_spec
+  from lmscale_jax.train.sharding import fsdp_spec
 
   assert fsdp_spec((768, 3072), 4) == P(None, "data")  # largest divisible dimension
   assert fsdp_spec((30522, 768), 4) == P(None, "data")  # 30522 % 4 != 0
@@ -264,8 +266,8 @@ def test_fsdp_spec_rules():
 
 
 def test_lever_config_validation(data):
-  from lmscale_jax import train
   from lmscale_jax.errors import ConfigError
+  from lmscale_jax.train import trainer as train
 
   with pytest.raises(ConfigError, match="not divisible by train.grad_accum_steps=3"):
     train.build_setup(small_config(data, grad_accum_steps=3))
@@ -304,7 +306,7 @@ def _slow_iterator(workers: int):
 def test_autotune_raises_workers_until_the_wait_is_small():
   """40 ms batches, 25 ms steps: 0 and 1 workers leave ~40% input wait; 2 workers (20 ms per
   batch) keep up."""
-  from lmscale_jax import autotune
+  from lmscale_jax.input import autotune
 
   workers, results = autotune.choose_workers(_slow_iterator, 0.025, target=0.1, max_workers=4,
                                              steps=20, drain=6)
@@ -316,7 +318,7 @@ def test_autotune_raises_workers_until_the_wait_is_small():
 
 
 def test_autotune_record_makes_resume_deterministic(tmp_path):
-  from lmscale_jax import autotune
+  from lmscale_jax.input import autotune
   from tests.helpers import make_config
 
   data = make_config(data=dict(workers=3, autotune_max_workers=2, autotune_target=0.5)).data
@@ -342,7 +344,8 @@ def test_autotune_record_makes_resume_deterministic(tmp_path):
 
 def test_train_with_loader_autotune(data, tmp_path):
   """train_and_evaluate measures its own step, records the choice, trains with it."""
-  from lmscale_jax import autotune, train
+  from lmscale_jax.input import autotune
+  from lmscale_jax.train import trainer as train
 
   c = small_config(data, steps=2, eval_every=2)
   c.data.autotune = True
@@ -393,7 +396,7 @@ def test_key_lengths_mask_equals_the_boolean_mask():
   tests/test_model.py::test_cudnn_attention_matches_xla)."""
   import jax.numpy as jnp
 
-  from lmscale_jax import model as M
+  from lmscale_jax.model import bert as M
 
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (3, 32, 2, 16), jnp.float32) for key in (k1, k2, k3))

@@ -12,9 +12,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lmscale_jax import dataset
-from lmscale_jax import flops
-from lmscale_jax import model as M
+from lmscale_jax.model import bert as M
+from lmscale_jax.model import flops
+from lmscale_jax.store import dataset
 from tests.helpers import ROOT, SPECIAL_IDS, make_config
 
 CONFIGS = ("tiny", "bert120m", "bert350m")

@@ -1,7 +1,7 @@
 """model.packed_attention="segment": every packed function is computed as it is alone.
 
 The datasets here are real packed ArrayRecord datasets written through the production packer
-(:class:`lmscale_jax.packing.Packer`) and ``dataset.finalize``; runs are real
+(:class:`lmscale_jax.prep.packing.Packer`) and ``dataset.finalize``; runs are real
 ``python -m lmscale_jax.main`` processes (1 and 2 of them, and one killed with SIGKILL).
 """
 
@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmscale_jax import config_checks, data, dataset
-from lmscale_jax import model as M
+from lmscale_jax.config import checks as config_checks
 from lmscale_jax.errors import ConfigError
-from lmscale_jax.packing import Packer
+from lmscale_jax.input import loader as data
+from lmscale_jax.model import bert as M
+from lmscale_jax.prep.packing import Packer
+from lmscale_jax.store import dataset
 from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset
 from tests.test_distributed import local_sh
 from tests.test_faults import args as run_args

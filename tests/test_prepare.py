@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from lmscale_jax import dataset
-from lmscale_jax import elf_corpus, prepare, shard_writer
-from lmscale_jax.pretokenize import Pretokenizer, normalize_number
+from lmscale_jax.prep import elf_corpus, prepare, shard_writer
+from lmscale_jax.prep.pretokenize import Pretokenizer, normalize_number
+from lmscale_jax.store import dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 128
@@ -268,7 +268,7 @@ def test_max_input_bytes_skips_a_file_that_would_cross_it_and_takes_later_ones(t
 
 
 def test_text_max_input_bytes_takes_the_later_files_that_fit(tmp_path):
-  from lmscale_jax import text_corpus
+  from lmscale_jax.prep import text_corpus
 
   paths = []
   for name, size in (("a.txt", 10), ("b.txt", 100), ("c.txt", 10)):
@@ -371,7 +371,7 @@ def test_binary_vocabulary_is_the_most_frequent_words():
   vocabulary as counting every word: after specials and characters, by count, then name."""
   import collections
 
-  from lmscale_jax import tokenizer as toklib
+  from lmscale_jax.store import tokenizer as toklib
 
   texts = [t for p in small_elves(2) for _, t in elf_corpus.extract_file(p)[1]]
   tok = toklib.train(texts, vocab_size=300, kind="binary")

@@ -1,6 +1,6 @@
-"""The cluster model (lmscale_jax/cluster_model.py, tools/scaling_model.py), its calibration
+"""The cluster model (lmscale_jax/study/cluster_model.py, tools/scaling_model.py), its calibration
 from a real 2-process all-reduce (benchmarks/bench_allreduce.py), and the storage model's
-measurement of the real loader (lmscale_jax/storage_model.py, tools/storage_model.py).
+measurement of the real loader (lmscale_jax/study/storage_model.py, tools/storage_model.py).
 
 No timings are asserted (speed lives in benchmarks/): the formulas against the issue's worked
 example and against each other, the fit against points it must reproduce, the tools' outputs
@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from lmscale_jax import cluster_model as cm
-from lmscale_jax import storage_model as sm
+from lmscale_jax.study import cluster_model as cm
+from lmscale_jax.study import storage_model as sm
 from tests.helpers import ROOT, make_config, make_synthetic_dataset
 
 TOOL = os.path.join(ROOT, "tools", "scaling_model.py")
@@ -107,7 +107,8 @@ def test_fit_recovers_the_link_from_ring_timings():
 
 # ----------------------------------------------------------------------------- the tool
 def test_config_gives_gradient_bytes_comm_and_efficiency_per_node_count():
-  from lmscale_jax import config_defaults, flops
+  from lmscale_jax.config import defaults as config_defaults
+  from lmscale_jax.model import flops
 
   result = tool("--config", "configs/bert120m.py", "--step-time", "0.129", "--json")
   assert result.returncode == 0, result.stderr
@@ -162,7 +163,7 @@ def dataset_dir(tmp_path_factory):
 
 
 def test_workdir_of_a_real_run_gives_step_time_and_parameters(dataset_dir, tmp_path):
-  from lmscale_jax import flops
+  from lmscale_jax.model import flops
   from tests.test_distributed import FAST_XLA
 
   workdir = str(tmp_path / "w")
@@ -218,7 +219,7 @@ def test_calibration_from_a_real_two_process_allreduce(tmp_path):
 
 # ----------------------------------------------------------------------------- storage
 def test_loader_opens_each_shard_once_and_reads_every_record(dataset_dir):
-  from lmscale_jax import dataset
+  from lmscale_jax.store import dataset
 
   meta = dataset.DatasetMeta.load(dataset_dir)
   config = make_config(dataset_dir, train=dict(batch_size=16))

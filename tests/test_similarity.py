@@ -41,9 +41,11 @@ def hf_model(directory, bench_path):
   tokenizer trained on the benchmark's functions (as prepare trains one)."""
   import jax
 
-  from lmscale_jax import hf_convert, similarity_bench, trained_model
-  from lmscale_jax import model as model_lib
-  from lmscale_jax import tokenizer as toklib
+  from lmscale_jax.inference import trained_model
+  from lmscale_jax.model import bert as model_lib
+  from lmscale_jax.model import hf_convert
+  from lmscale_jax.similarity import bench as similarity_bench
+  from lmscale_jax.store import tokenizer as toklib
 
   _, groups = similarity_bench.load(str(bench_path))
   texts = [v["text"] for g in groups for v in g["variants"].values()]
@@ -84,7 +86,7 @@ def test_tfidf_far_above_chance_and_identical_functions_rank_first(bench, tmp_pa
   # An ELF of the pretraining corpus: codecs.c built at -O0 as the benchmark builds it.
   leak_so = tmp_path / "corpus" / "libcodecs.so"
   leak_so.parent.mkdir()
-  from lmscale_jax import similarity_bench
+  from lmscale_jax.similarity import bench as similarity_bench
   assert similarity_bench._compile(
       "gcc", "O0", similarity_bench.Source(os.path.join(SOURCES, "codecs.c"), "codecs.c"),
       str(leak_so), [f"-I{SOURCES}"]) == ""

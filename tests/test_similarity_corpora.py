@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from lmscale_jax import similarity_leakage, similarity_sources
+from lmscale_jax.similarity import leakage as similarity_leakage
+from lmscale_jax.similarity import sources as similarity_sources
 from tests.test_similarity import SOURCES, tool
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

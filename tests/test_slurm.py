@@ -22,7 +22,8 @@ import uuid
 
 import pytest
 
-from lmscale_jax import dataset, run_state
+from lmscale_jax.cluster import run_state
+from lmscale_jax.store import dataset
 from tests.helpers import communicate, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -254,7 +255,7 @@ def test_second_job_on_a_taken_coordinator_port_refuses_and_the_first_finishes(
   second job's process 0 finds the port taken and says so; its process 1 never registers with
   the first job's coordinator (which would abort that job); the first job trains on and ends
   cleanly (SIGTERM: checkpoint, exit 0)."""
-  from lmscale_jax import topology
+  from lmscale_jax.cluster import topology
 
   first_id = next(j for j in range(1000, 1100) if free(topology.slurm_port(
       {"SLURM_JOB_ID": str(j)})))

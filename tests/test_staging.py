@@ -14,8 +14,9 @@ from collections import namedtuple
 
 import pytest
 
-from lmscale_jax import dataset
-from lmscale_jax import data_checks, staging
+from lmscale_jax.input import dataset_checks as data_checks
+from lmscale_jax.input import staging
+from lmscale_jax.store import dataset
 from tests.helpers import make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,7 +151,7 @@ def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
   """tools/stage.py --only-needed --plan by_shard copies exactly the shard files that by-shard
   loaders (data.shard_by_process) of the listed processes read; training accepts the copy
   for those processes, refuses it for the others, and the loaders run from it."""
-  from lmscale_jax import data as data_lib
+  from lmscale_jax.input import loader as data_lib
 
   num_processes, ids = 4, [0, 2]
   meta = dataset.DatasetMeta.load(src)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmscale_jax import topology
+from lmscale_jax.cluster import topology
 from tests.helpers import make_config
 
 

@@ -1,9 +1,9 @@
 """Shared argument parsing and error handling of the prepare_* tools (the tools stay thin).
 
 Every numeric option is checked where it is parsed (type, finite, range; the bounds are
-``prepare``'s), and every way a run ends badly is one line on stderr: a user error or a bad
-argument (exit 2), a full disk (exit 1), Ctrl-C (exit 130, the rerun resumes). A bug keeps its
-traceback.
+``lmscale_jax.prep.options``'), and every way a run ends badly is one line on stderr: a user
+error or a bad argument (exit 2), a full disk (exit 1), Ctrl-C (exit 130, the rerun resumes). A
+bug keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lmscale_jax import prepare  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
+from lmscale_jax.errors import UserError
+from lmscale_jax.prep import options as prep_options
+from lmscale_jax.prep import prepare
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 
@@ -41,7 +40,7 @@ def number(kind, lo, hi):
       value = None
     if value is None or not (math.isfinite(value) and lo <= value <= hi):
       raise argparse.ArgumentTypeError(
-          f"{text!r}: expected {what} in {prepare.show_range(lo, hi)}")
+          f"{text!r}: expected {what} in {prep_options.show_range(lo, hi)}")
     return value
 
   return parse
@@ -63,8 +62,9 @@ def output_file(text: str) -> str:
 
 
 def add_model_source(p: argparse.ArgumentParser) -> None:
-  """The trained model a tool reads (lmscale_jax.trained_model): a run's workdir (latest or
-  --step checkpoint, the dataset's tokenizer) or a directory tools/export_hf.py wrote."""
+  """The trained model a tool reads (lmscale_jax.inference.trained_model): a run's workdir
+  (latest or --step checkpoint, the dataset's tokenizer) or a directory tools/export_hf.py
+  wrote."""
   p.add_argument("--workdir", default="", help="a training run's --workdir")
   p.add_argument("--step", type=number(int, 0, 1 << 62), default=None)
   p.add_argument("--tokenizer", default="", help="(--workdir) the dataset's tokenizer.json")
@@ -76,7 +76,7 @@ def parser(kind: str) -> argparse.ArgumentParser:
   p = Parser(description=f"Prepare a packed uint16 ArrayRecord MLM dataset from {what}.")
   p.add_argument("--input", nargs="+", required=True, metavar="PATH", help=what)
   p.add_argument("--output", required=True, metavar="DIR", help="dataset directory to create")
-  p.add_argument("--seq-len", type=number(int, *prepare.SEQ_LEN), default=512)
+  p.add_argument("--seq-len", type=number(int, *prep_options.SEQ_LEN), default=512)
   p.add_argument("--vocab-size", type=number(int, 7, 65535),
                  default=8192 if kind == "binary" else 30522,
                  help="tokenizer vocabulary to train (<= 65535)")
@@ -85,16 +85,17 @@ def parser(kind: str) -> argparse.ArgumentParser:
   p.add_argument("--tokenizer-model", choices=["wordpiece", "bpe"], default="wordpiece")
   p.add_argument("--tokenizer-sample-mb", type=number(int, 1, 1 << 20), default=64,
                  help="train the tokenizer on the first N MB of the deduplicated corpus")
-  p.add_argument("--workers", type=number(int, 0, prepare.MAX_WORKERS), default=0,
+  p.add_argument("--workers", type=number(int, 0, prep_options.MAX_WORKERS), default=0,
                  help="processes (0 = all cores)")
   p.add_argument("--max-input-bytes", type=number(int, 0, 1 << 62), default=0,
                  help="take input files, in order, while they fit in this many bytes; "
                  "one that would not is skipped (0 = no limit)")
   p.add_argument("--packing", choices=["greedy", "none"], default="greedy")
-  p.add_argument("--shard-size-mb", type=number(float, *prepare.SIZE_MB), default=64)
-  p.add_argument("--chunk-mb", type=number(float, *prepare.SIZE_MB), default=32,
+  p.add_argument("--shard-size-mb", type=number(float, *prep_options.SIZE_MB), default=64)
+  p.add_argument("--chunk-mb", type=number(float, *prep_options.SIZE_MB), default=32,
                  help="corpus chunk size (what a resumed run keeps of the extraction)")
-  p.add_argument("--val-fraction", type=number(float, *prepare.VAL_FRACTION), default=0.01,
+  p.add_argument("--val-fraction", type=number(float, *prep_options.VAL_FRACTION),
+                 default=0.01,
                  help="share of functions/documents in the validation split")
   p.add_argument("--overwrite", action="store_true",
                  help="replace the dataset an earlier run wrote there (only its own files)")
@@ -107,8 +108,8 @@ def parser(kind: str) -> argparse.ArgumentParser:
   return p
 
 
-def options(kind: str, a: argparse.Namespace) -> prepare.Options:
-  return prepare.Options(
+def options(kind: str, a: argparse.Namespace) -> prep_options.Options:
+  return prep_options.Options(
       kind=kind, inputs=a.input, output=a.output, seq_len=a.seq_len, vocab_size=a.vocab_size,
       tokenizer=a.tokenizer, tokenizer_model=a.tokenizer_model,
       tokenizer_sample_mb=a.tokenizer_sample_mb, workers=a.workers,

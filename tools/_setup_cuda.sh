@@ -69,7 +69,7 @@ fi
 # the CPU fallback JAX takes on its own).
 if ! out=$("$venv/bin/python" -c '
 import sys
-from lmscale_jax import gpu_env
+from lmscale_jax.gpu import env as gpu_env
 devices, why = gpu_env.gpu_devices()
 print(f"{len(devices)} x {devices[0].device_kind}" if devices else why)
 sys.exit(0 if devices else 1)' 2>/dev/null); then

@@ -10,10 +10,10 @@ Every .c file under the sources is built on its own as a shared object per compi
 as preparation takes them, and functions are grouped by source file + name. Functions under
 --min-instructions (8) are dropped and counted. A compiler that is not installed or a file
 that does not build is one line on stderr; the rest goes on. The format: the docstring of
-lmscale_jax/similarity_bench.py. Sources from the package index: tools/fetch_bench_sources.py;
---set builds one of its pinned sets (lmscale_jax/similarity_sources.py), each library with its
+lmscale_jax/similarity/bench.py. Sources from the package index: tools/fetch_bench_sources.py;
+--set builds one of its pinned sets (lmscale_jax/similarity/sources.py), each library with its
 own flags. --disjoint-from drops every group that shares a function text or a source file +
-function name with that benchmark (lmscale_jax/similarity_leakage.py) and records how many.
+function name with that benchmark (lmscale_jax/similarity/leakage.py) and records how many.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import os
 import shlex
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import similarity_bench, similarity_leakage, similarity_sources  # noqa: E402
+import _cli
+from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.similarity import leakage as similarity_leakage
+from lmscale_jax.similarity import sources as similarity_sources
 
 
 def parser():
@@ -105,7 +105,7 @@ def build(a) -> tuple:
   if a.set:
     if a.cflags:
       raise similarity_bench.BenchError("--cflags with --set: a set's libraries have their "
-                                        "own (lmscale_jax/similarity_sources.py)")
+                                        "own (lmscale_jax/similarity/sources.py)")
     return similarity_bench.build_set(a.set, a.from_dir, compilers, levels, **kw)
   return similarity_bench.build(a.sources, compilers, levels, cflags=shlex.split(a.cflags), **kw)
 

@@ -7,7 +7,7 @@ Each function is encoded on its own as [CLS] function [SEP] (cut at the model's 
 length); its vector is the mean of the last hidden layer over its tokens (--pool mean, the
 default: [CLS], [SEP] and padding left out) or the [CLS] position's (--pool cls). A fine-tuned
 model (a tools/finetune_similarity.py workdir, or its export) gives its own embedding instead:
-its pooling, projection head and L2 normalisation (lmscale_jax/contrastive.py). --elf takes
+its pooling, projection head and L2 normalisation (lmscale_jax/model/contrastive.py). --elf takes
 every named function of the binaries, as preparation does; --data takes every function of a
 prepared split (the [SEP]-separated pieces of its packed sequences; no names are stored in a
 dataset, so a function is named split:record:piece). E.npz holds `embeddings` float32 [N, H],
@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import dataset, elf_functions, records, trained_model  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
+import _cli
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import trained_model
+from lmscale_jax.prep import elf_functions
+from lmscale_jax.store import dataset, records
 
 BATCH = 32
 

@@ -30,12 +30,12 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from benchmarks import _host  # noqa: E402
-from lmscale_jax import dataset, similarity, similarity_bench  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
+import _cli
+from lmscale_jax.errors import UserError
+from lmscale_jax.evals import retrieval
+from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.store import dataset
+from lmscale_jax.study.host import cpu_name  # the host, described as the benchmarks do
 
 
 def parser():
@@ -81,17 +81,17 @@ def model_vectors(model, texts: list[str], pool: str) -> tuple[np.ndarray, float
   """tools/embed.py's embedding of each function text (alone, as [CLS] text [SEP]); and the
   share of the texts cut at the model's sequence length (it sees only their beginning)."""
   import embed as embed_tool  # tools/embed.py (jax: imported once a model is needed)
-  from lmscale_jax import trained_model
+  from lmscale_jax.inference import trained_model
 
   inputs = ((str(i), "", *trained_model.encode(model, t)) for i, t in enumerate(texts))
   pool = None if model.head is not None else pool  # a fine-tuned model pools as it trained
   out = embed_tool.embed(model, inputs, pool)
-  return similarity.normalise(out["embeddings"]), float(out["truncated"].mean())
+  return retrieval.normalise(out["embeddings"]), float(out["truncated"].mean())
 
 
 def random_init(model, seed: int):
   """The same architecture and tokenizer with the initial weights training starts from."""
-  from lmscale_jax import trained_model
+  from lmscale_jax.inference import trained_model
 
   return trained_model.random_init(model, seed)
 
@@ -117,7 +117,7 @@ def label(model, taken=()) -> str:
 def describe(model) -> dict:
   """A model row's method_info: what it is and where it came from."""
   info = {"kind": "pretrained", "source": model.source, "step": model.step,
-          "packed_attention": model.cfg.get("packed_attention", "cross"),
+          "packed_attention": model.cfg.packed_attention,
           "layers": model.cfg.layers, "hidden": model.cfg.hidden}
   if model.head is not None:
     run = model.run_config
@@ -130,9 +130,9 @@ def describe(model) -> dict:
 
 def methods(a, items) -> tuple[dict, dict]:
   """→ ({label: vectors}, {label: what it is})."""
-  from lmscale_jax import trained_model
+  from lmscale_jax.inference import trained_model
 
-  vecs = {"tfidf": similarity.tfidf_vectors(items.text)}
+  vecs = {"tfidf": retrieval.tfidf_vectors(items.text)}
   info = {"tfidf": {"kind": "bag-of-pretokens TF-IDF, fitted on the benchmark"}}
   models = [trained_model.load(w, "", step if step is not None else a.step, a.tokenizer)
             for w, step in map(workdir_step, a.workdir)]
@@ -161,17 +161,17 @@ def main(argv=None) -> int:
   def go() -> int:
     sizes = pool_sizes(a.pool)
     header, groups = similarity_bench.load(a.bench)
-    items = similarity.Items.from_groups(groups)
-    pairs = similarity.parse_pairs(a.pairs, header["variants"])
+    items = retrieval.Items.from_groups(groups)
+    pairs = retrieval.parse_pairs(a.pairs, header["variants"])
     vecs, info = methods(a, items)
-    results = similarity.evaluate(items, vecs, pairs, sizes, seed=a.seed, max_queries=a.queries)
+    results = retrieval.evaluate(items, vecs, pairs, sizes, seed=a.seed, max_queries=a.queries)
     leak = None
     if a.train_elf:
-      digests, files = similarity.training_digests(a.train_elf, a.train_max_bytes)
-      leak = {"train_files": files, **similarity.overlap(items, digests)}
+      digests, files = retrieval.training_digests(a.train_elf, a.train_max_bytes)
+      leak = {"train_files": files, **retrieval.overlap(items, digests)}
     print(f"{a.bench}: {len(groups)} functions, {len(items)} compiled variants "
           f"({', '.join(header['variants'])})")
-    print(similarity.table(results))
+    print(retrieval.table(results))
     print(cut_lines(info, len(items)))
     if leak is not None:
       print(f"leakage: {leak['in_training_corpus']} of {leak['functions']} benchmark functions "
@@ -202,7 +202,7 @@ def cut_lines(info: dict, functions: int) -> str:
 
 
 def append_results(path: str, doc: dict) -> None:
-  base = {"date": datetime.date.today().isoformat(), "device": _host.cpu_name(),
+  base = {"date": datetime.date.today().isoformat(), "device": cpu_name(),
           "bench": doc["bench"], "groups": doc["bench_stats"]["groups"],
           "functions": doc["bench_stats"]["functions"],
           "leakage_fraction": doc["overlap"]["fraction"] if doc["overlap"] else None}

@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import checkpoint as ckpt_lib  # noqa: E402
-from lmscale_jax import data, dataset, train, trained_model  # noqa: E402
-from lmscale_jax import steps as steps_lib  # noqa: E402
+import _cli
+from lmscale_jax.inference import trained_model
+from lmscale_jax.input import loader
+from lmscale_jax.store import dataset
+from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import steps as steps_lib
+from lmscale_jax.train import trainer as train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def evaluate(a) -> dict:
   setup = train.build_setup(config, meta)
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
   step, params = ckpt_lib.restore_params(a.workdir, a.step, steps.abstract_state)
-  batches = data.make_dataset(config, meta, a.split, train=False)
+  batches = loader.make_dataset(config, meta, a.split, train=False)
   out = train.evaluate(steps, params, WholeSplit(batches, records, b) if whole else batches)
   return {"workdir": a.workdir, "step": step, "data": a.data, "split": a.split,
           "batches": int(config.train.eval_batches), "batch_size": b,

@@ -9,7 +9,7 @@ special_tokens_map.json (special-token roles, a [CLS] … [SEP] post-processor) 
 AutoTokenizer.from_pretrained(OUT) load it as it is. The tokenizer is the run's
 data.path/tokenizer.json unless --tokenizer is given. OUT is written under a temporary name
 and renamed when complete; it must not exist or be empty. model.pre_ln=True runs are refused
-(no transformers architecture has that model; see lmscale_jax/hf_convert.py).
+(no transformers architecture has that model; see lmscale_jax/model/hf_convert.py).
 
 A fine-tuning workdir (tools/finetune_similarity.py) exports its encoder the same way (its MLM
 head is the one it started from) plus its embedding head: projection.safetensors (weight
@@ -26,13 +26,12 @@ import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import contrastive, dataset, flops, hf_convert  # noqa: E402
-from lmscale_jax import tokenizer as toklib  # noqa: E402
-from lmscale_jax import trained_model  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
+import _cli
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import trained_model
+from lmscale_jax.model import contrastive, flops, hf_convert
+from lmscale_jax.store import dataset
+from lmscale_jax.store import tokenizer as toklib
 
 
 def parser() -> argparse.ArgumentParser:

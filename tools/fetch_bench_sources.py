@@ -6,7 +6,7 @@
 Each package is `pip download --no-binary :all: --no-deps NAME==VERSION` (the source
 distribution, nothing else) and unpacked under --output; the bundled C library's directories
 are printed, one per line, for tools/build_similarity_bench.py (--set builds a whole set with
-each library's own flags). The sets, pinned in lmscale_jax/similarity_sources.py: eval (the
+each library's own flags). The sets, pinned in lmscale_jax/similarity/sources.py: eval (the
 default; the benchmark: lz4 4.3.3's LZ4 and Brotli 1.1.0's Brotli as on 2026-12-01, then
 zstandard 0.25.0's zstd and quickjs 1.19.4's QuickJS) and train (fine-tuning pairs from nine
 other packages' libraries: libsodium, Lua 5.4, pycryptodome, cmark-gfm, tree-sitter, …).
@@ -22,11 +22,9 @@ import sys
 import tarfile
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import similarity_sources  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
+import _cli
+from lmscale_jax.errors import UserError
+from lmscale_jax.similarity import sources as similarity_sources
 
 # name==version → the bundled C library inside the unpacked sdist (the Python bindings next to
 # it need Python.h and are no part of the library).
@@ -77,7 +75,7 @@ def fetch(spec: str, out: str) -> list[str]:
       tar.extractall(tmp, filter="data")  # no absolute paths, links out or devices
     if lib and top != lib.top:
       raise UserError(f"{spec}: the sdist unpacks to {top}/, not {lib.top}/ as "
-                      "lmscale_jax/similarity_sources.py expects (fix its top)")
+                      "lmscale_jax/similarity/sources.py expects (fix its top)")
     if not os.path.isdir(os.path.join(out, top)):
       os.replace(os.path.join(tmp, top), os.path.join(out, top))
   return library_dirs(lib, out) if lib else [os.path.join(out, top)]

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import elf_functions, trained_model  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
-from lmscale_jax.pretokenize import NEXT  # noqa: E402
+import _cli
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import trained_model
+from lmscale_jax.prep import elf_functions
+from lmscale_jax.prep.pretokenize import NEXT
 
 BATCH = 32  # sequences per forward pass (--elf: one per instruction)
 

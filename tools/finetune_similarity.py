@@ -11,7 +11,7 @@ PAIRS is a file in the similarity benchmark's format (tools/build_similarity_ben
 step takes --batch-size distinct source functions and two of their compiled variants. Start
 from a pretraining run's checkpoint, an HF directory, or (--init-random, the baseline) fresh
 weights of a run's or HF directory's architecture. The hyper-parameters are
-lmscale_jax/finetune_config.py's config; the flags above set its common keys, --config.K=V
+lmscale_jax/config/finetune.py's config; the flags above set its common keys, --config.K=V
 any key (e.g. --config.finetune.dtype=bfloat16 on GPUs). OUT is a workdir like pretraining's:
 rerun the same command to resume a stopped run; the result is a model for tools/embed.py,
 tools/eval_similarity.py --workdir OUT and tools/export_hf.py --workdir OUT. Several
@@ -22,14 +22,12 @@ config's distributed section). See docs/finetune.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import finetune_config, sweep_grid  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
+import _cli
+from lmscale_jax.config import finetune as finetune_config
+from lmscale_jax.errors import UserError
+from lmscale_jax.study import sweep_grid
 
 # flag → config key; None defaults leave the config's value.
 FLAGS = {"steps": "train.steps", "batch_size": "train.batch_size",
@@ -44,7 +42,7 @@ FLAGS = {"steps": "train.steps", "batch_size": "train.batch_size",
 def parser() -> argparse.ArgumentParser:
   p = _cli.Parser(description=__doc__.splitlines()[0],
                   epilog="--config.SECTION.KEY=VALUE sets any key of "
-                  "lmscale_jax/finetune_config.py (after the flags above)")
+                  "lmscale_jax/config/finetune.py (after the flags above)")
   p.add_argument("--pairs", required=True, metavar="PAIRS.jsonl",
                  help="a similarity-benchmark-format file (tools/build_similarity_bench.py)")
   p.add_argument("--workdir", required=True, metavar="OUT", help="the run's directory")
@@ -119,8 +117,10 @@ def build_config(a, rest: list[str]):
 
 
 def run(config, workdir: str, allow_change: bool) -> int:
-  from lmscale_jax import distributed, finetune, preemption
-  from lmscale_jax import workdir as workdir_lib
+  from lmscale_jax.cluster import distributed, preemption
+  from lmscale_jax.finetune import trainer as finetune
+  from lmscale_jax.train import preflight
+  from lmscale_jax.train import workdir as workdir_lib
 
   import jax
 
@@ -130,7 +130,7 @@ def run(config, workdir: str, allow_change: bool) -> int:
   took = distributed.agree("workdir lock", lambda: workdir_lib.lock_workdir(workdir)
                            if jax.process_index() == 0 else None)
   try:
-    distributed.preflight(config, workdir)
+    preflight.preflight(config, workdir)
     row = finetune.finetune(config, workdir, allow_config_change=allow_change, pairs=pairs,
                             say=lambda line: print(line, flush=True))
   finally:
@@ -166,14 +166,14 @@ def main(argv=None) -> int:
 
 
 def _leave_if_multi_process(e: Exception, heartbeat_timeout_s: float) -> None:
-  """A failed process of a multi-process run leaves at once (lmscale_jax.distributed.exit_now):
+  """A failed process of a multi-process run leaves at once (lmscale_jax.cluster.distributed.exit_now):
   its peers, blocked in a collective, stop within distributed.heartbeat_timeout. A collective
   that failed because a peer is gone is the runtime's to report, as in main (the supervisor's
   one line, exit 75)."""
   jax = sys.modules.get("jax")
   if jax is None or not jax.distributed.is_initialized():
     return
-  from lmscale_jax import distributed
+  from lmscale_jax.cluster import distributed
 
   distributed.await_runtime(e, heartbeat_timeout_s)
   what = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"

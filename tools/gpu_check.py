@@ -10,7 +10,7 @@ training step of the config at a small and at the default per-device batch (samp
 against the device peak table); with more than one local GPU an all-reduce of the gradient's
 size and its bus bandwidth. The last line is PASS or FAIL with the reason; exit 0 on PASS,
 1 on FAIL, 2 for a bad argument. Without a GPU it says so and fails, unless --allow-cpu
-(tiny shapes, what the tests run). The logic is lmscale_jax/gpu_check.py.
+(tiny shapes, what the tests run). The logic is lmscale_jax/gpu/check.py.
 """
 
 from __future__ import annotations
@@ -21,11 +21,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools._cli import Parser, guarded, number  # noqa: E402
-
-from lmscale_jax.errors import ConfigError  # noqa: E402
+from _cli import Parser, guarded, number
+from lmscale_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +83,8 @@ def main(argv=None) -> int:
 
   def go() -> int:
     config = load_config(args.config, ["model.dtype=bfloat16"] + args.set)
-    from lmscale_jax import dataset, gpu_check
+    from lmscale_jax.gpu import check as gpu_check
+    from lmscale_jax.store import dataset
 
     out = sys.stderr if args.json == "-" else sys.stdout
     log = lambda line: print(line, file=out, flush=True)

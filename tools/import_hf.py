@@ -17,11 +17,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import dataset, hf_convert, trained_model  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
+import _cli
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import trained_model
+from lmscale_jax.model import hf_convert
+from lmscale_jax.store import dataset
 
 MODEL_KEYS = ("layers", "hidden", "heads", "ffn", "vocab_size", "seq_len", "type_vocab_size",
               "layer_norm_eps", "dropout", "attention_dropout", "initializer_range")
@@ -45,7 +45,7 @@ def config_text(hf_dir: str, data_dir: str) -> str:
   python -m lmscale_jax.main --config={{this file}} --workdir=DIR
 """
 
-from lmscale_jax import config_defaults
+from lmscale_jax.config import defaults as config_defaults
 
 
 def get_config():

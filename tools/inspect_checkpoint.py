@@ -17,13 +17,11 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _cli
 
-import _cli  # noqa: E402
-
-from lmscale_jax import checkpoint as ckpt_lib  # noqa: E402
-from lmscale_jax import checkpoint_manifest as manifest_lib  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
+from lmscale_jax.errors import UserError
+from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import checkpoint_manifest as manifest_lib
 
 _METRICS = ("loss", "mlm_accuracy", "learning_rate", "eval_loss", "eval_mlm_accuracy")
 

@@ -9,12 +9,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _cli
+import numpy as np
 
-import _cli  # noqa: E402
-import numpy as np  # noqa: E402
-
-from lmscale_jax import dataset  # noqa: E402
+from lmscale_jax.store import dataset
 
 
 def _show_sources(meta) -> tuple:

@@ -1,6 +1,6 @@
 """Will the network hold? Step time and weak-scaling efficiency of data-parallel training on
 1…1024 nodes, from one GPU's measured step time and the gradient size (α–β model:
-lmscale_jax/cluster_model.py, whose docstring states every formula and what is left out).
+lmscale_jax/study/cluster_model.py, whose docstring states every formula and what is left out).
 
   python tools/scaling_model.py --step-time 0.129 --params 102949632 --network 25gbe
   python tools/scaling_model.py --config configs/bert350m.py --step-time 0.140 --network hdr
@@ -21,10 +21,8 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools._cli import Parser, guarded  # noqa: E402
-from lmscale_jax import cluster_model as cm  # noqa: E402
+from _cli import Parser, guarded
+from lmscale_jax.study import cluster_model as cm
 
 
 def positive(what: str, kind=float):
@@ -158,7 +156,7 @@ def inputs(a) -> dict:
 def config_params(path: str, vocab_size: int, seq_len: int) -> int:
   import importlib.util
 
-  from lmscale_jax import flops
+  from lmscale_jax.model import flops
 
   if not os.path.isfile(path):
     raise cm.ModelError(f"--config {path}: no such file")

@@ -8,7 +8,7 @@ function text (normalised-text hash, "digest") that is in the benchmark, or with
 source file basename + function name (one library vendored in two packages). Prints one line
 and the report as JSON; --check makes any shared group an error (exit 2, one line naming how
 many and which). To write a training file without them: build_similarity_bench.py
---disjoint-from BENCH. The keys: lmscale_jax/similarity_leakage.py.
+--disjoint-from BENCH. The keys: lmscale_jax/similarity/leakage.py.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import dataset, similarity_bench, similarity_leakage  # noqa: E402
+import _cli
+from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.similarity import leakage as similarity_leakage
+from lmscale_jax.store import dataset
 
 
 def parser():

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _cli  # noqa: E402
-from lmscale_jax import config_defaults, staging  # noqa: E402
-from lmscale_jax.errors import UserError  # noqa: E402
+import _cli
+from lmscale_jax.config import defaults as config_defaults
+from lmscale_jax.errors import UserError
+from lmscale_jax.input import staging
 
 
 def _parser() -> argparse.ArgumentParser:

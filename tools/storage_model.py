@@ -1,11 +1,11 @@
 """Shared file system or node-local staging? What N training nodes ask of shared storage, from
 the real loader's measured reads, against staging the dataset to every node once (model and
-its assumptions: lmscale_jax/storage_model.py).
+its assumptions: lmscale_jax/study/storage_model.py).
 
   python tools/storage_model.py --measure data/bin       # measure the loader, then the model
   python tools/storage_model.py --step-time 0.129 --per-gpu-batch 184 --fs-gbyte 20
 
---measure DATASET reads --batches batches through lmscale_jax.data.make_batch_loader, counts
+--measure DATASET reads --batches batches through lmscale_jax.input.loader.make_batch_loader, counts
 bytes, read calls and opens with the kernel's counters (/proc/self/io, /proc/self/fd) and
 appends one line to benchmarks/results/<date>-cpu-loader-io.jsonl. Without it the model uses
 the last line of --io-file. Defaults: the H200 BERT-base anchor (0.129 s/step at 184
@@ -24,14 +24,12 @@ import math
 import os
 import sys
 
+from _cli import Parser, guarded
+from lmscale_jax.study import cluster_model as cm
+from lmscale_jax.study import storage_model as sm
+from scaling_model import csv, network, positive
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from tools._cli import Parser, guarded  # noqa: E402
-from tools.scaling_model import csv, network, positive  # noqa: E402
-from lmscale_jax import cluster_model as cm  # noqa: E402
-from lmscale_jax import storage_model as sm  # noqa: E402
-
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 IO_FILE = os.path.join(RESULTS, "2026-12-01-cpu-loader-io.jsonl")
 STAGE_FILE = os.path.join(RESULTS, "2026-11-30-cpu-stage.jsonl")
@@ -77,8 +75,9 @@ def parser() -> Parser:
 
 
 def measure(a) -> dict:
-  from benchmarks.bench_stage import device_description
-  from lmscale_jax import config_defaults, dataset
+  from lmscale_jax.config import defaults as config_defaults
+  from lmscale_jax.store import dataset
+  from lmscale_jax.study.host import host_description
 
   meta = dataset.DatasetMeta.load(a.measure)  # DatasetError (one line) for a bad directory
   config = config_defaults.get_base_config()
@@ -86,7 +85,7 @@ def measure(a) -> dict:
   config.train.batch_size = a.batch
   row = sm.measure_loader(config, meta, a.batches)
   now = datetime.datetime.now()
-  row = {"date": now.date().isoformat(), "device": device_description(a.measure),
+  row = {"date": now.date().isoformat(), "device": host_description(a.measure),
          "time": now.isoformat(timespec="seconds"), "bench": "loader-io",
          "dataset": os.path.abspath(a.measure), **row}
   out = os.path.join(RESULTS, f"{row['date']}-cpu-loader-io.jsonl")

@@ -38,26 +38,13 @@ every point's command and runs nothing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
-import json
 import os
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-from _cli import Parser, guarded, output_file  # noqa: E402
-from lmscale_jax import sweep_grid as sg  # noqa: E402
-from lmscale_jax.sweep_grid import Plan, Point, SweepError  # noqa: E402
-
-MARKER = "sweep_point.json"  # written in every run directory this tool makes (and may remove)
+from _cli import Parser, guarded, output_file
+from lmscale_jax.study import report
+from lmscale_jax.study import sweep as sw
+from lmscale_jax.study import sweep_grid as sg
 
 
 def int_list(flag: str, lo: int):
@@ -71,231 +58,6 @@ def int_list(flag: str, lo: int):
           f"{flag} {text!r}: expected comma-separated integers >= {lo}")
     return sorted(set(values))
   return parse
-
-
-def gpu_count() -> int:
-  """GPUs launch/local.sh would use (none with JAX_PLATFORMS=cpu)."""
-  if os.environ.get("JAX_PLATFORMS") == "cpu" or not shutil.which("nvidia-smi"):
-    return 0
-  out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-  return sum(line.startswith("GPU") for line in out.splitlines())
-
-
-# ----------------------------------------------------------------------------- commands
-def main_args(plan: Plan, pt: Point, workdir: str) -> list[str]:
-  # Under Slurm the job stages DATA_SRC and passes its node-local copy as data.path itself.
-  sets = [(k, v) for k, v in sg.point_sets(plan, pt)
-          if not (plan.launcher == "slurm" and k == "data.path")]
-  return [f"--config={pt.config}", f"--workdir={workdir}",
-          *(f"--config.{k}={v}" for k, v in sets)]
-
-
-def command(a, plan: Plan, pt: Point, workdir: str) -> tuple[list[str], dict]:
-  """The command that runs a point, and the environment it adds."""
-  env = dict(kv.split("=", 1) for kv in plan.env)
-  if plan.launcher == "local":
-    env.setdefault("DEVICES_PER_PROCESS", str(plan.devices_per_process))
-    return ["bash", os.path.join(ROOT, "launch/local.sh"), str(pt.processes), "--",
-            *main_args(plan, pt, workdir)], env
-  per_node = min(pt.processes, a.gpus_per_node)  # one task per GPU
-  exports = ",".join(["ALL", f"DATA_SRC={os.path.abspath(plan.data)}",
-                      *(f"{k}={v}" for k, v in env.items())])
-  return ["sbatch", "--wait", f"--nodes={pt.processes // per_node}",
-          f"--ntasks-per-node={per_node}", f"--gpus-per-node={per_node}",
-          f"--time={-(-a.timeout // 60)}", f"--job-name=sweep-{sg.point_key(plan, pt)[:8]}",
-          f"--output={workdir}/slurm-%j.out", f"--export={exports}", *a.slurm_arg,
-          os.path.join(ROOT, "launch/slurm.sbatch"), *main_args(plan, pt, workdir)], {}
-
-
-# ----------------------------------------------------------------------------- compiled peak
-# Runs in a fresh interpreter per device count (JAX fixes it at start-up). argv: specs, out.
-PROBE = r"""
-import json, sys
-from lmscale_jax import dataset, flops, steps as steps_lib, sweep_grid, train
-specs, out, meta = json.load(open(sys.argv[1])), {}, None
-for spec in specs:
-  try:
-    c = sweep_grid.load_config(spec["config"], spec["sets"])
-    meta = meta or dataset.DatasetMeta.load(c.data.path)
-    s = train.build_setup(c, meta)
-    st = steps_lib.build_steps(c, s.model_cfg, s.predictions)
-    batch = flops.abstract_batch(c.train.batch_size, meta.seq_len, s.predictions,
-                                 st.batch_sharding)
-    m = st.train_step.lower(st.abstract_state, batch).compile().memory_analysis()
-    out[spec["id"]] = {"peak_bytes": flops.peak_bytes(m), "param_count": s.param_count,
-                       "seq_len": meta.seq_len, "flops_per_step": s.flops_per_step}
-  except Exception as e:
-    out[spec["id"]] = {"probe_error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-json.dump(out, open(sys.argv[2], "w"))
-"""
-
-
-def probe(a, plan: Plan, points: list[Point], scratch: str) -> dict:
-  """Compiled peak bytes per device (and parameter count) of each point's training step:
-  one process per device count, one compilation per distinct step (the loader's worker count
-  does not change it). Nothing runs: the step is lowered with abstract state and batch."""
-  wanted, by_devices = {}, {}
-  for pt in points:
-    sets = [kv for kv in sg.point_sets(plan, pt) if kv[0] != "data.workers"]
-    ident, n = json.dumps([pt.config, sets]), sg.devices(plan, pt)
-    by_devices.setdefault(n, {})[ident] = {"config": pt.config, "sets": sets}
-    wanted[pt] = (n, ident)
-  found = {}
-  os.makedirs(scratch, exist_ok=True)
-  for n, specs in sorted(by_devices.items()):
-    spec_file, out_file = (os.path.join(scratch, f"probe-{n}.{x}") for x in ("in", "out"))
-    with open(spec_file, "w") as f:
-      json.dump([{"id": i, **s} for i, s in specs.items()], f)
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    if plan.gpus < n:
-      env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n))
-    print(f"sweep: compiling {len(specs)} training step(s) on {n} device(s) for their peak "
-          "memory", flush=True)
-    try:
-      r = subprocess.run([sys.executable, "-c", PROBE, spec_file, out_file], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=a.timeout)
-      got = json.load(open(out_file)) if r.returncode == 0 else {}
-      why = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
-    except subprocess.TimeoutExpired:
-      got, why = {}, f"compilation still running after --timeout {a.timeout} s"
-    for ident in specs:
-      found[(n, ident)] = got.get(ident, {"probe_error": why})
-  return {pt: found[wanted[pt]] for pt in points}
-
-
-# ----------------------------------------------------------------------------- one run
-def run_point(a, plan: Plan, pt: Point, workdir: str) -> dict:
-  if os.path.exists(workdir):  # an interrupted attempt: start afresh, not from its checkpoint
-    if not os.path.exists(os.path.join(workdir, MARKER)):
-      raise SweepError(f"{workdir} exists but was not made by tools/sweep.py: remove it or "
-                       "give another --runs")
-    shutil.rmtree(workdir)
-  os.makedirs(workdir)
-  cmd, env = command(a, plan, pt, workdir)
-  with open(os.path.join(workdir, MARKER), "w") as f:
-    json.dump({"point": dataclasses.asdict(pt), "command": cmd, "env": env}, f)
-  log_path = os.path.join(workdir, "sweep.log")
-  t0, timed_out = time.monotonic(), False
-  with open(log_path, "w") as log:
-    try:
-      # Its own process group, so a timeout stops the launcher and every process it started.
-      proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log,
-                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              start_new_session=True)
-    except OSError as e:
-      return {"status": "failed", "reason": f"launch failed: {e}", "wall_s": 0.0}
-    try:  # under Slurm the job's time limit bounds the run (the queue wait is unbounded)
-      rc = proc.wait(timeout=None if plan.launcher == "slurm" else a.timeout)
-    except subprocess.TimeoutExpired:
-      timed_out = True
-      rc = stop(proc)
-  wall = time.monotonic() - t0
-  text = open(log_path, errors="replace").read()
-  for name in sorted(f for f in os.listdir(workdir) if f.startswith("slurm-")):
-    text += open(os.path.join(workdir, name), errors="replace").read()
-  found = sg.summarize(workdir)
-  if rc == 0 and not timed_out and found["windows"] >= 1:
-    return {"status": "ok", "reason": None, "wall_s": wall, **found}
-  reason = (sg.failure_reason(rc, text, timed_out, a.timeout) if rc or timed_out else
-            "no logging window after the first: raise --steps or lower --log-every")
-  return {"status": "failed", "reason": reason, "wall_s": wall, **found}
-
-
-def stop(proc: subprocess.Popen) -> int:
-  """SIGTERM to the point's process group (they checkpoint and leave), SIGKILL 15 s later."""
-  for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-    try:
-      os.killpg(proc.pid, sig)
-      return proc.wait(timeout=wait)
-    except subprocess.TimeoutExpired:
-      continue
-    except ProcessLookupError:
-      break
-  return proc.wait()
-
-
-def device_name(a, plan: Plan, pt: Point) -> str:
-  if plan.launcher == "slurm":
-    return f"slurm: {a.gpus_per_node} gpu(s) per node"
-  if plan.gpus >= pt.processes:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.splitlines()
-    return f"gpu: {out[0] if out else 'unknown'}"
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  from _host import cpu_name
-
-  return cpu_name()
-
-
-# ----------------------------------------------------------------------------- the sweep
-def sweep(a) -> int:
-  plan = Plan(data=a.data, steps=a.steps, log_every=a.log_every, sets=tuple(a.sets),
-              env=tuple(a.env), launcher=a.launcher,
-              devices_per_process=a.devices_per_process,
-              gpus=gpu_count() if a.launcher == "local" else 0, tag=a.tag)
-  points = sg.grid(a.config, a.model, a.processes, a.workers, a.batch, a.accum)
-  for pt in points:  # every config and override loads before anything runs
-    sg.load_config(pt.config, sg.point_sets(plan, pt), root=ROOT)
-    if a.launcher == "slurm" and pt.processes > a.gpus_per_node and (
-        pt.processes % a.gpus_per_node):
-      raise SweepError(f"--processes {pt.processes}: not a whole number of nodes of "
-                       f"--gpus-per-node {a.gpus_per_node}")
-  runs = a.runs or os.path.join(ROOT, "runs", "sweep-" + os.path.splitext(
-      os.path.basename(a.output))[0])
-  if a.dry_run:
-    for pt in points:
-      cmd, env = command(a, plan, pt, os.path.join(runs, sg.point_key(plan, pt)))
-      print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()),
-                      *map(shlex.quote, cmd)]))
-    return 0
-  done = {r["key"]: r for r in sg.read_rows(a.output)}
-  todo = [pt for pt in points if sg.point_key(plan, pt) not in done or (
-      a.retry_failed and done[sg.point_key(plan, pt)]["status"] != "ok")]
-  print(f"sweep: {len(points)} point(s), {len(points) - len(todo)} already in {a.output}",
-        flush=True)
-  peaks = probe(a, plan, todo, os.path.join(runs, "probe")) if a.probe and todo else {}
-  for i, pt in enumerate(todo, 1):
-    row = run_and_record(a, plan, pt, runs, peaks.get(pt, {}))
-    print(f"sweep: [{i}/{len(todo)}] {pt.model} processes={pt.processes} "
-          f"workers={pt.workers} batch={pt.batch} accum={pt.accum}: {row['status']}"
-          + (f" ({row['reason']})" if row["reason"] else
-             f", {row['samples_per_sec']:.1f} samples/s, step {row['step_time']:.3f} s"),
-          flush=True)
-  keys = {sg.point_key(plan, pt) for pt in points}
-  rows = [r for r in sg.read_rows(a.output) if r["key"] in keys]
-  import report
-
-  print(report.runs_table(rows))
-  return 0
-
-
-def run_and_record(a, plan: Plan, pt: Point, runs: str, peak: dict) -> dict:
-  key = sg.point_key(plan, pt)
-  workdir = os.path.join(runs, key)
-  n = sg.devices(plan, pt)
-  row = {"key": key, "date": datetime.date.today().isoformat(),
-         "device": device_name(a, plan, pt), "launcher": plan.launcher, "tag": plan.tag,
-         **dataclasses.asdict(pt), "model_sets": dict(pt.model_sets), "devices": n,
-         "global_batch": pt.batch * pt.accum * n, "steps": plan.steps,
-         "log_every": plan.log_every, "sets": dict(plan.sets), "env": list(plan.env),
-         "data": os.path.abspath(plan.data), "peak_bytes": None, "param_count": None, **peak,
-         "workdir": os.path.abspath(workdir)}
-  if a.budget_gb and row["peak_bytes"] and row["peak_bytes"] > a.budget_gb * 2**30:
-    row.update(status="failed", reason=(
-        f"out-of-memory: compiled peak {row['peak_bytes'] / 2**30:.3g} GiB per device > "
-        f"--budget-gb {a.budget_gb:g} (not run)"))
-  else:
-    # The 1-minute load average around the run: on a shared machine, what the rates shared.
-    load = os.getloadavg()[0]
-    row.update(run_point(a, plan, pt, workdir))
-    row["load_avg"] = [round(load, 2), round(os.getloadavg()[0], 2)]
-  sg.save_row(a.output, row)
-  return row
-
-
-def root_relative(path: str) -> str:
-  full = os.path.abspath(path)
-  return os.path.relpath(full, ROOT) if full.startswith(ROOT + os.sep) else full
 
 
 def parse_args(argv=None):
@@ -341,7 +103,7 @@ def parse_args(argv=None):
   p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
   a = p.parse_args(argv)
   # Runs start in the checkout (launch/*.sh): configs relative to it, the dataset absolute.
-  a.config = [root_relative(c) for c in a.config]
+  a.config = [sw.root_relative(c) for c in a.config]
   a.data = os.path.abspath(a.data)
   for flag in ("steps", "log_every", "timeout", "devices_per_process", "gpus_per_node"):
     values = getattr(a, flag)
@@ -365,8 +127,17 @@ def parse_args(argv=None):
   return a
 
 
+def sweep(o: sw.Options) -> int:
+  if o.dry_run:
+    for line in sw.dry_run(o):
+      print(line)
+    return 0
+  print(report.runs_table(sw.sweep(o)))
+  return 0
+
+
 def main(argv=None) -> int:
-  return guarded(lambda: sweep(parse_args(argv)),
+  return guarded(lambda: sweep(sw.Options(**vars(parse_args(argv)))),
                  "rerun the same command: finished points are kept and skipped")
 
 

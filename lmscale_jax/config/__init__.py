@@ -1,0 +1,1 @@
+"""The configuration: defaults, the names of every mode, every rule, old configs' values."""

@@ -1,0 +1,93 @@
+"""The configuration of contrastive fine-tuning (lmscale_jax/finetune/trainer.py): an ml_collections
+config like ``configs/*.py``, so ``--config.section.key=value`` overrides it
+(tools/finetune_similarity.py), with the same ``train``, ``checkpoint`` and ``distributed``
+sections as pretraining (its optimizer, checkpointing and multi-process start-up read them).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from lmscale_jax.config import checks as config_checks
+from lmscale_jax.config import defaults as config_defaults
+from lmscale_jax.config import modes
+from lmscale_jax.errors import ConfigError
+
+INIT_SOURCES = ("workdir", "hf", "random")
+
+
+def get_config() -> ml_collections.ConfigDict:
+  base = config_defaults.get_base_config()
+  c = ml_collections.ConfigDict()
+  c.data = ml_collections.ConfigDict()
+  c.data.pairs = ""              # a similarity-benchmark-format file (finetune_pairs)
+  c.data.max_groups = 0          # > 0: train on that many of its groups (seeded; learning curves)
+
+  c.init = ml_collections.ConfigDict()
+  c.init.source = "workdir"      # workdir | hf | random (see the module docstring)
+  c.init.path = ""               # the run, HF directory, or (random) whose architecture
+  c.init.step = -1               # (workdir) the checkpoint; -1 = the latest
+  c.init.tokenizer = ""          # (workdir, random) the dataset's tokenizer.json if moved
+
+  c.finetune = ml_collections.ConfigDict()
+  c.finetune.temperature = 0.05  # InfoNCE logits = cosine / temperature
+  c.finetune.proj_dim = 128      # the projection head's output size
+  c.finetune.pool = "mean"       # mean (non-pad tokens) | cls
+  c.finetune.freeze_layers = 0   # k > 0: the embeddings and the k lowest layers stay fixed
+  c.finetune.dropout = 0.1       # the encoder's dropout while fine-tuning (model.dropout)
+  c.finetune.dtype = "float32"   # compute dtype (bfloat16 on GPUs); parameters stay float32
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 32        # pairs per step (global); each row's negatives: the others
+  c.train.steps = 1000
+  c.train.learning_rate = 5e-5
+  c.train.warmup_steps = 100
+  for key in ("schedule", "end_lr_frac", "weight_decay", "b1", "b2", "eps", "clip_norm",
+              "seed"):
+    c.train[key] = base.train[key]
+  c.train.log_every = 10
+  c.train.grad_accum_steps = 1   # fixed: the loss needs the whole batch at once
+  c.train.nonfinite = "error"    # fixed: a non-finite loss stops the run before any save
+
+  c.checkpoint = base.checkpoint
+  c.checkpoint.every = 500
+  c.checkpoint.keep = 2
+  c.distributed = base.distributed
+  return c
+
+
+# ----------------------------------------------------------------------------- config
+_INTS = (("train.batch_size", 2), ("train.steps", 1), ("train.warmup_steps", 0),
+         ("train.log_every", 1), ("train.seed", 0), ("checkpoint.every", 1),
+         ("checkpoint.keep", 1), ("finetune.proj_dim", 1), ("finetune.freeze_layers", 0),
+         ("init.step", -1), ("data.max_groups", 0))
+_FLOATS = (("finetune.temperature", 0.0, 100.0, True, False),
+           ("finetune.dropout", 0.0, 1.0, False, True),
+           ("train.learning_rate", 0.0, float("inf"), True, True),
+           ("train.end_lr_frac", 0.0, 1.0, False, False),
+           ("train.weight_decay", 0.0, float("inf"), False, True),
+           ("train.b1", 0.0, 1.0, False, True), ("train.b2", 0.0, 1.0, False, True),
+           ("train.eps", 0.0, float("inf"), True, True),
+           ("train.clip_norm", 0.0, float("inf"), True, True))
+
+
+def check_config(config) -> None:
+  """Types, ranges and choices of every key, one line naming the first bad one."""
+  for key, low in _INTS:
+    config_checks.check_int(config, key, low)
+  for key, *bounds in _FLOATS:
+    config_checks.check_float(config, key, *bounds)
+  for value, options, key in (
+      (config.init.source, INIT_SOURCES, "init.source"),
+      (config.finetune.pool, modes.POOLS, "finetune.pool"),
+      (config.finetune.dtype, modes.DTYPES, "finetune.dtype"),
+      (config.train.schedule, modes.SCHEDULES, "train.schedule"),
+      (config.train.grad_accum_steps, (1,), "train.grad_accum_steps"),
+      (config.train.nonfinite, ("error",), "train.nonfinite"),
+      (config.checkpoint.on_full, modes.ON_FULL, "checkpoint.on_full")):
+    config_checks.one_of(value, options, key)
+  if not config.data.pairs:
+    raise ConfigError("data.pairs is empty: give the pairs file (--pairs FILE)")
+  if not config.init.path:
+    raise ConfigError("init.path is empty: give the model to start from (--init-workdir RUN, "
+                      "--init-hf DIR or --init-random RUN)")

@@ -1,0 +1,1 @@
+"""Evaluations of a trained model: retrieval on the similarity benchmark."""

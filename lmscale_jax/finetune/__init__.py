@@ -1,0 +1,1 @@
+"""Contrastive fine-tuning of a pretrained encoder on pairs of functions."""

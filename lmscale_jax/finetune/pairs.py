@@ -1,0 +1,169 @@
+"""The training pairs of contrastive fine-tuning: a file in the similarity benchmark's format
+(:mod:`lmscale_jax.similarity.bench`: a header line, then one source function per line with
+its compiled ``variants``), and the batches drawn from it.
+
+Step ``k`` (1-based) of a run with seed ``s`` takes B distinct groups and two different
+variants of each, in a random order (anchor, positive), drawn by ``np.random.default_rng([s,
+k])``: a function of (seed, step) alone, so a resumed run, or another process, draws exactly
+the batch an uninterrupted run draws at that step. Every process draws the whole batch and
+tokenises only its own rows (process p of P: rows ``p*B/P … (p+1)*B/P - 1``). A group is one
+source function; two groups with byte-identical text (two copies of a helper) are still
+negatives of each other, as in the benchmark.
+
+:class:`PairBatches` is also the "data" item of a checkpoint (Grain's checkpoint handler takes
+any object with ``get_state() -> bytes`` / ``set_state(bytes)``): it records the next step,
+the seed, the batch size and the pairs file's sha256; a resume on other contents is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import trained_model
+from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.store import dataset
+
+
+class PairsError(UserError, ValueError):
+  """The pairs file cannot train: missing, not the format, or too few groups."""
+
+
+@dataclasses.dataclass
+class Pairs:
+  path: str
+  sha256: str
+  texts: list[list[str]]      # per usable group: its variants' texts (sorted variant names)
+  dropped: int                # groups with fewer than two variants
+
+  def __len__(self) -> int:
+    return len(self.texts)
+
+
+def load(path: str, max_groups: int = 0, seed: int = 0) -> Pairs:
+  """The groups of ``path`` that have at least two variants; with ``max_groups`` > 0, a
+  random ``max_groups`` of them (drawn by ``default_rng([seed, 0])``, a stream no step uses,
+  kept in file order): fewer labelled functions, for learning curves."""
+  if not os.path.isfile(path):
+    raise PairsError(f"--pairs {path}: no such file (a file tools/build_similarity_bench.py "
+                     "wrote, e.g. from the training sources of tools/fetch_bench_sources.py)")
+  try:
+    _, groups = similarity_bench.load(path)
+  except similarity_bench.BenchError as e:
+    raise PairsError(f"--pairs: {e}") from None
+  texts = [[g["variants"][v]["text"] for v in sorted(g["variants"])] for g in groups]
+  usable = [t for t in texts if len(t) >= 2]
+  if not usable:
+    raise PairsError(f"--pairs {path}: none of its {len(groups)} groups has two variants (a "
+                     "pair needs the same function compiled two ways)")
+  dropped = len(texts) - len(usable)
+  if 0 < max_groups < len(usable):
+    keep = np.sort(np.random.default_rng([seed, 0]).choice(len(usable), max_groups,
+                                                            replace=False))
+    usable = [usable[i] for i in keep.tolist()]
+  return Pairs(path=path, sha256=dataset.sha256_file(path), texts=usable, dropped=dropped)
+
+
+def check_enough(pairs: Pairs, batch_size: int) -> None:
+  if len(pairs) < batch_size:
+    raise PairsError(
+        f"--pairs {pairs.path}: {len(pairs)} groups with two or more variants, fewer than "
+        f"train.batch_size={batch_size} (each batch takes that many distinct functions): "
+        f"give a batch size <= {len(pairs)} or a larger pairs file")
+
+
+def draw(n_groups: int, variants: list[int], seed: int, step: int, batch_size: int) -> list:
+  """Step ``step``'s batch: ``[(group, anchor variant, positive variant)] * batch_size``."""
+  rng = np.random.default_rng([seed, step])
+  groups = rng.choice(n_groups, batch_size, replace=False)
+  out = []
+  for g in groups.tolist():
+    a, b = rng.choice(variants[g], 2, replace=False).tolist()
+    out.append((g, a, b))
+  return out
+
+
+class PairBatches:
+  """This process's rows of each step's batch: int32 ``[B/P, 2, seq_len]`` token ids, each
+  ``[CLS] text [SEP]`` cut at the model's length (:func:`trained_model.encode`) and padded.
+  Iterating yields the batch of ``next_step`` and advances it."""
+
+  def __init__(self, pairs: Pairs, model: trained_model.TrainedModel, *, seed: int,
+               batch_size: int, process_index: int = 0, process_count: int = 1):
+    check_enough(pairs, batch_size)
+    self.pairs, self.model = pairs, model
+    self.seed, self.batch_size = int(seed), int(batch_size)
+    per = self.batch_size // process_count
+    self.rows = slice(process_index * per, (process_index + 1) * per)
+    self.variants = [len(t) for t in pairs.texts]
+    self.pad = model.special_ids["[PAD]"]
+    self.next_step = 1
+    self._ids: dict[tuple[int, int], np.ndarray] = {}
+    self.truncated = 0  # texts cut at the model's length, of those tokenised so far
+
+  def _encode(self, group: int, variant: int) -> np.ndarray:
+    key = (group, variant)
+    if key not in self._ids:
+      ids, cut = trained_model.encode(self.model, self.pairs.texts[group][variant])
+      self._ids[key] = ids
+      self.truncated += cut
+    return self._ids[key]
+
+  @property
+  def truncated_fraction(self) -> float:
+    """Of the distinct texts this process has tokenised so far, the share cut at seq_len."""
+    return self.truncated / max(1, len(self._ids))
+
+  def batch(self, step: int) -> np.ndarray:
+    drawn = draw(len(self.pairs), self.variants, self.seed, step, self.batch_size)[self.rows]
+    rows = [self._encode(g, v) for g, a, b in drawn for v in (a, b)]
+    ids = trained_model.pad_batch(rows, self.model.cfg.seq_len, self.pad)
+    return ids.reshape(len(drawn), 2, self.model.cfg.seq_len)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> np.ndarray:
+    out = self.batch(self.next_step)
+    self.next_step += 1
+    return out
+
+  # Grain's checkpoint handler (grain/_src/python/checkpoint/handler.py) calls these three.
+  # Seed and batch size are recorded for the reader; a change of them is the config's to
+  # refuse or allow (workdir.check_config_change), a change of the file's contents is not.
+  def get_state(self) -> bytes:
+    return json.dumps({"next_step": self.next_step, "seed": self.seed,
+                       "batch_size": self.batch_size,
+                       "pairs_sha256": self.pairs.sha256}).encode()
+
+  def set_state(self, state: bytes) -> None:
+    saved = json.loads(state)
+    check_same_file(self.pairs, saved)
+    self.next_step = int(saved["next_step"])
+
+  def start_prefetch(self) -> None:
+    pass  # batches are built on demand
+
+
+def check_same_file(pairs: Pairs, saved: dict) -> None:
+  if saved.get("pairs_sha256") != pairs.sha256:
+    raise PairsError(
+        f"--pairs {pairs.path} is not the file the checkpoint was trained on (sha256 "
+        f"{str(saved.get('pairs_sha256'))[:12]}…, now {pairs.sha256[:12]}…): the resumed run "
+        "would draw other batches; restore that file or use a new --workdir")
+
+
+def check_resume(pairs: Pairs, step_dir: str, process_index: int, process_count: int) -> None:
+  """Before a resume writes anything: the checkpoint's batches came from ``pairs``' contents
+  (its sampler state, which Grain's handler writes as ``data/process_<i>-of-<n>.json``)."""
+  path = os.path.join(step_dir, "data", f"process_{process_index}-of-{process_count}.json")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return  # the restore names a missing or unreadable state
+  check_same_file(pairs, saved)

@@ -1,0 +1,384 @@
+"""Contrastive fine-tuning for binary code similarity (jTrans' recipe: pretrain, then fine-tune):
+the encoder, a pooling and a projection head (:mod:`lmscale_jax.model.contrastive`) trained with
+symmetric InfoNCE over in-batch negatives on pairs of one function compiled two ways
+(:mod:`lmscale_jax.finetune.pairs`).
+
+  finetune(config, workdir)   # config: get_config() with data.pairs and init.* set
+
+Start: a pretraining workdir's checkpoint (``init.source="workdir"``), an HF directory
+(``"hf"``), or fresh weights of a run's or HF directory's architecture (``"random"``: the
+baseline "random init + fine-tune"; the weights ``eval_similarity.py``'s random-init row has
+for the same seed). ``finetune.freeze_layers=k`` freezes the embeddings and the k lowest
+layers (their gradients are stopped and their updates zeroed: ``optax.multi_transform``); the
+MLM head, outside the loss, is always frozen and kept, so the encoder still exports as a
+``BertForMaskedLM``.
+
+The run is a workdir like pretraining's (lmscale_jax/train/workdir.py, checkpoint.py): its lock,
+``config.json`` (this config, ``model`` the encoder's resolved keys, a resume under changed
+keys refused by the same rules), ``metrics.jsonl``, ``run_state.json``, ``checkpoints/<step>``
+(train state + the batch sampler's position) and ``tokenizer.json`` (the model's own, so the
+workdir is a usable model by itself: ``trained_model.load(workdir=...)``). A killed run,
+rerun, resumes from its newest checkpoint that verifies, and its losses after it are the
+uninterrupted run's, bit for bit (batches and dropout keyed by (seed, step)).
+
+Data-parallel on the pretraining mesh (:mod:`lmscale_jax.train.sharding`): pair rows split over the
+``data`` axis, parameters replicated; the similarity matrix spans the global batch (XLA
+gathers the embeddings). Several processes start like ``python -m lmscale_jax.main``
+(``distributed.initialize(config)``; tools/finetune_similarity.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lmscale_jax.cluster import preemption
+from lmscale_jax.config import checks as config_checks
+from lmscale_jax.config import defaults as config_defaults
+from lmscale_jax.config import finetune as finetune_config
+from lmscale_jax.errors import ConfigError, UserError
+from lmscale_jax.finetune import pairs as finetune_pairs
+from lmscale_jax.inference import trained_model
+from lmscale_jax.model import contrastive
+from lmscale_jax.store import dataset
+from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import finetune_state, optim, sharding
+from lmscale_jax.train import metrics as metrics_lib
+from lmscale_jax.train import workdir as workdir_lib
+from lmscale_jax.train.finetune_state import trainable_labels  # noqa: F401 (tests use it here)
+from lmscale_jax.train.steps import TrainState, step_rng
+
+TOKENIZER = dataset.TOKENIZER  # the workdir's copy of the model's tokenizer
+get_config, check_config = finetune_config.get_config, finetune_config.check_config
+
+
+# ----------------------------------------------------------------------------- the model
+MODEL_KEYS = tuple(config_defaults.get_base_config().model.keys())
+
+
+def load_start(config) -> trained_model.TrainedModel:
+  """The model step 0 starts from (its encoder parameters, resolved config, tokenizer)."""
+  init = config.init
+  if init.source == "workdir":
+    return trained_model.from_workdir(init.path, None if init.step < 0 else init.step,
+                                      init.tokenizer)
+  if init.source == "hf":
+    return trained_model.from_hf(init.path)
+  return trained_model.random_init(trained_model.architecture(init.path, init.tokenizer),
+                                   config.train.seed)
+
+
+def finetune_cfg(config, cfg) -> ml_collections.ConfigDict:
+  """The encoder's resolved config as fine-tuning runs it (compute dtype, dropout)."""
+  cfg = ml_collections.ConfigDict(cfg.to_dict())
+  cfg.dtype, cfg.dropout = config.finetune.dtype, float(config.finetune.dropout)
+  if config.finetune.freeze_layers > cfg.layers:
+    raise ConfigError(f"finetune.freeze_layers={config.finetune.freeze_layers}, but the model "
+                      f"({config.init.path}) has {cfg.layers} layers")
+  return cfg
+
+
+def resumed_model(workdir: str) -> trained_model.TrainedModel:
+  """A resume needs no start model: the encoder's config is in config.json, its tokenizer in
+  the workdir."""
+  return trained_model.architecture(workdir)
+
+
+# ----------------------------------------------------------------------------- steps
+@dataclasses.dataclass
+class Steps:
+  mesh: Any
+  model: contrastive.ContrastiveEncoder
+  optimizer: Any
+  schedule: Any
+  state_sharding: Any
+  batch_sharding: Any
+  abstract_state: Any     # the Orbax restore target
+  init: Any               # (bert params, rng) -> TrainState, placed
+  train_step: Any         # (state, ids [B,2,S]) -> (state, metrics); state donated
+
+
+def make_train_step(model, optimizer, schedule, labels, *, seed: int, temperature: float,
+                    pad_id: int, dropout_rng: str = "threefry"):
+  def train_step(state: TrainState, ids):
+    b, _, s = ids.shape
+    rng = step_rng(seed, state.step, dropout_rng)
+    frozen = labels(state.params)
+
+    def loss_fn(params):
+      # Frozen leaves get no gradient computed at all (the optimizer also zeroes theirs).
+      params = jax.tree.map(lambda p, lab: jax.lax.stop_gradient(p) if lab == "frozen" else p,
+                            params, frozen)
+      z = model.apply({"params": params}, ids.reshape(2 * b, s), deterministic=False,
+                      rngs={"dropout": rng}).reshape(b, 2, -1)
+      return contrastive.info_nce(z[:, 0], z[:, 1], temperature)
+
+    (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": grad_norm,
+               "learning_rate": schedule(state.step), "tokens": (ids != pad_id).sum(),
+               "nonfinite": jnp.logical_not(jnp.isfinite(loss) & jnp.isfinite(grad_norm))}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return train_step
+
+
+def build_steps(config, cfg, mesh=None) -> Steps:
+  """The model, optimizer, shardings and jitted init/step of a fine-tuning run."""
+  t, f = config.train, config.finetune
+  mesh = mesh if mesh is not None else sharding.data_mesh()
+  replicated = NamedSharding(mesh, PartitionSpec())
+  model = contrastive.ContrastiveEncoder(cfg, int(f.proj_dim), str(f.pool))
+  schedule = optim.learning_rate_schedule(t)
+  optimizer, labels = finetune_state.optimizer(config)
+  init_state = finetune_state.init_fn(config, cfg, optimizer)
+  abstract = finetune_state.abstract_state(config, cfg, mesh)
+  state_sharding = jax.tree.map(lambda a: a.sharding, abstract)
+  step_fn = make_train_step(model, optimizer, schedule, labels, seed=int(t.seed),
+                            temperature=float(f.temperature), pad_id=int(cfg.pad_id))
+  batch_sharding = sharding.batch_sharding(mesh)
+  return Steps(
+      mesh=mesh, model=model, optimizer=optimizer, schedule=schedule,
+      state_sharding=state_sharding, batch_sharding=batch_sharding, abstract_state=abstract,
+      init=jax.jit(init_state, out_shardings=state_sharding),
+      train_step=jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
+                         out_shardings=(state_sharding, replicated), donate_argnums=0))
+
+
+def place(tree, shardings):
+  """Host arrays → global arrays (every process holds the same values: replicated)."""
+  return jax.tree.map(lambda a, sh: jax.make_array_from_callback(
+      np.shape(a), sh, lambda index: np.asarray(a)[index]), tree, shardings)
+
+
+# ----------------------------------------------------------------------------- logging
+class NonFiniteLoss(UserError, FloatingPointError):
+  """A non-finite loss or gradient: nothing after the last good checkpoint is saved."""
+
+
+class Log:
+  """Rows of ``log_every`` steps (metrics.jsonl, TensorBoard, one console line), fetched one
+  step late so that dispatch never waits on the device. A window's time runs from the
+  completion of the previous one's last step to its own, minus checkpoint saves; the run's
+  first step (compilation) is timed apart (``first_step_seconds``)."""
+
+  def __init__(self, config, workdir: str, start: int, say: Callable[[str], None],
+               extra: Callable[[], dict] = dict):
+    self.config, self.start, self.say, self.workdir = config, start, say, workdir
+    self.extra = extra  # more columns of each row (the batches' truncated_frac)
+    self.writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0,
+                                            total_steps=config.train.steps, resume_step=start)
+    self.current: list = []
+    self.pending = None  # a closed window, logged after the next dispatch: (last step,
+    #                      its steps' device metrics, how many of them are untimed)
+    self.opened, self.carried, self.untimed = time.perf_counter(), 0.0, 0
+    self.first_step_seconds = None
+    self.last: dict = {}
+
+  def after_step(self, step: int, metrics: dict) -> None:
+    self.current.append(metrics)
+    if step == self.start + 1:
+      jax.block_until_ready(metrics)
+      now = time.perf_counter()
+      self.first_step_seconds, self.opened, self.untimed = now - self.opened, now, 1
+    if self.pending is not None:
+      self._log(*self.pending)
+      self.pending = None
+    if step % self.config.train.log_every == 0 or step == self.config.train.steps:
+      self.pending = (step, self.current, self.untimed)
+      self.current, self.untimed = [], 0
+
+  def pause(self, step: int) -> None:
+    """Before a save: log what is pending, check that every step not logged yet is finite
+    (none is ever saved past a bad one), stop the clock."""
+    if self.pending is not None:
+      self._log(*self.pending)
+      self.pending = None
+    flags = jax.device_get([m["nonfinite"] for m in self.current])
+    self._check(step - len(flags) + 1, flags)
+    self.carried += time.perf_counter() - self.opened
+
+  def resume(self) -> None:
+    self.opened = time.perf_counter()
+
+  def _check(self, first: int, flags) -> None:
+    bad = [first + i for i, flag in enumerate(flags) if flag]
+    if bad:
+      latest = ckpt_lib.complete_steps(self.workdir)
+      last_good = ckpt_lib.step_dir(self.workdir, latest[0]) if latest else "none"
+      raise NonFiniteLoss(f"non-finite loss or gradient at step {bad[0]}; last good checkpoint:"
+                          f" {last_good} (nothing later was saved). Lower train.learning_rate "
+                          "or raise finetune.temperature")
+
+  def _log(self, step: int, window: list, untimed: int) -> None:
+    host = jax.device_get(window)
+    now = time.perf_counter()
+    seconds, self.opened, self.carried = self.carried + now - self.opened, now, 0.0
+    self._check(step - len(host) + 1, [m["nonfinite"] for m in host])
+    timed = host[untimed:]
+    batch = self.config.train.batch_size
+    row = {"loss": float(np.mean([m["loss"] for m in host])),
+           "accuracy": float(np.mean([m["accuracy"] for m in host])),
+           "learning_rate": float(host[-1]["learning_rate"]),
+           "grad_norm": float(host[-1]["grad_norm"]),
+           "samples_per_sec": len(timed) * batch / seconds if timed else None,
+           "tokens_per_sec": sum(float(m["tokens"]) for m in timed) / seconds if timed else None,
+           "step_time": seconds / len(timed) if timed else None, **self.extra()}
+    if untimed and self.first_step_seconds is not None:
+      row["first_step_seconds"] = self.first_step_seconds
+    self.writer.write(step, row)
+    self.last = {**row, "step": step}
+    if jax.process_index() == 0:
+      rate = f" | pairs/s {row['samples_per_sec']:.1f}" if row["samples_per_sec"] else ""
+      self.say(f"step {step}/{self.config.train.steps} | loss {row['loss']:.4f} | accuracy "
+               f"{row['accuracy']:.3f} | lr {row['learning_rate']:.2e}{rate}")
+
+  def finish(self, step: int) -> None:
+    if self.pending is not None:
+      self._log(*self.pending)
+      self.pending = None
+    if self.current:
+      self._log(step, self.current, self.untimed)
+      self.current = []
+
+  def close(self) -> None:
+    self.writer.close()
+
+
+# ----------------------------------------------------------------------------- the run
+def check_inputs(config, workdir: str) -> finetune_pairs.Pairs:
+  """The checks that need no runtime and write nothing: the config, the pairs file, and (a
+  new run) the model to start from. → the pairs."""
+  check_config(config)
+  pairs = finetune_pairs.load(config.data.pairs, config.data.max_groups, config.train.seed)
+  finetune_pairs.check_enough(pairs, config.train.batch_size)
+  fresh = not os.path.isdir(workdir) or ckpt_lib.latest_complete_step(workdir) is None
+  if fresh and not os.path.isdir(config.init.path):
+    raise UserError(f"init.path={config.init.path} (--init-{config.init.source}): no such "
+                    "directory")
+  return pairs
+
+
+def finetune(config, workdir: str, *, allow_config_change: bool = False, pairs=None,
+             say: Callable[[str], None] = logging.info) -> dict:
+  """Fine-tunes (resuming from ``workdir`` if it holds a checkpoint); returns the last row.
+  ``pairs``: :func:`check_inputs`' result if the caller has it. A single-process caller gets
+  the workdir's lock here; a multi-process one takes it as ``main`` does (process 0,
+  ``distributed.agree``)."""
+  pairs = pairs or check_inputs(config, workdir)
+  took = jax.process_count() == 1 and workdir_lib.lock_workdir(workdir)
+  try:
+    return _finetune(copy.deepcopy(config), workdir, pairs, allow_config_change, say)
+  finally:
+    if took:
+      workdir_lib.unlock_workdir(workdir)
+
+
+def _finetune(config, workdir: str, pairs, allow_config_change: bool, say) -> dict:
+  t, is_writer = config.train, jax.process_index() == 0
+  say = say if is_writer else (lambda line: None)
+  config_checks.check_batch(t.batch_size, processes=jax.process_count(),
+                            devices_per_process=jax.local_device_count())
+  resume = ckpt_lib.choose_resume_step(workdir)
+  if resume.step is not None:  # refused before anything is written (config.json's changes)
+    if resume.step > t.steps:
+      raise ckpt_lib.IncompatibleCheckpoint(
+          f"{ckpt_lib.step_dir(workdir, resume.step)}: the workdir is already at step "
+          f"{resume.step}, past train.steps={t.steps}: nothing to train; give a larger --steps "
+          "to continue it, or another --workdir")
+    finetune_pairs.check_resume(pairs, ckpt_lib.step_dir(workdir, resume.step),
+                                jax.process_index(), jax.process_count())
+  start_model = load_start(config) if resume.step is None else None
+  model = start_model or resumed_model(workdir)
+  model = dataclasses.replace(model, cfg=finetune_cfg(config, model.cfg))
+  config.model = {k: model.cfg[k] for k in MODEL_KEYS}
+  changes = workdir_lib.check_config_change(workdir, config, model.cfg,
+                                            resume_step=resume.step,
+                                            allow_change=allow_config_change)
+  resume.set_aside()
+  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
+                                       use_async=bool(config.checkpoint.async_save),
+                                       on_full=str(config.checkpoint.on_full))
+  workdir_lib.save_config(workdir, config, model.cfg, changes, is_writer)
+  if is_writer and start_model is not None:
+    dataset.atomic_write_bytes(os.path.join(workdir, TOKENIZER), model.tokenizer.to_str().encode())
+  steps = build_steps(config, model.cfg)
+  batches = finetune_pairs.PairBatches(pairs, model, seed=t.seed, batch_size=t.batch_size,
+                                       process_index=jax.process_index(),
+                                       process_count=jax.process_count())
+  start = checkpointer.latest_step()
+  try:
+    if start is not None:
+      state = checkpointer.restore(start, steps.abstract_state, batches)
+      if batches.next_step != start + 1:  # the sampler's position is saved with the state
+        raise ckpt_lib.CheckpointCorrupt(
+            f"{ckpt_lib.step_dir(workdir, start)}: its batch position is step "
+            f"{batches.next_step}, its state step {start}; move the checkpoint aside")
+      say(f"resumed from {ckpt_lib.step_dir(workdir, start)}")
+    else:
+      start = 0
+      bert = place(start_model.params, steps.state_sharding.params["bert"])
+      state = steps.init(bert, jax.random.fold_in(jax.random.key(t.seed), 1))
+      subset = " (a seeded subset: data.max_groups)" if config.data.max_groups else ""
+      say(f"fine-tuning {start_model.source}: {len(pairs)} groups{subset} from {pairs.path} "
+          f"({pairs.dropped} with one variant left out), {model.cfg.layers} layers × "
+          f"{model.cfg.hidden}, head {model.cfg.hidden}→{config.finetune.proj_dim} "
+          f"({config.finetune.pool} pooling), {jax.device_count()} device(s)")
+    return _loop(config, workdir, steps, checkpointer, batches, state, start, say)
+  except KeyboardInterrupt:
+    checkpointer.close()  # a save in flight finishes: the rerun resumes from it
+    raise
+
+
+def _loop(config, workdir, steps, checkpointer, batches, state, start: int, say) -> dict:
+  t, is_writer = config.train, jax.process_index() == 0
+  if is_writer:
+    workdir_lib.write_run_state(workdir, "running", start, t.steps)
+  log = Log(config, workdir, start, say,
+            extra=lambda: {"truncated_frac": batches.truncated_fraction})
+  preempted, step = False, start
+  try:
+    with preemption.ctrl_c_at_step_boundaries():
+      for step in range(start + 1, t.steps + 1):
+        if preemption.ctrl_c_requested():
+          raise KeyboardInterrupt
+        ids = jax.make_array_from_process_local_data(steps.batch_sharding, next(batches))
+        state, metrics = steps.train_step(state, ids)
+        log.after_step(step, metrics)
+        preempted = checkpointer.reached_preemption(step) and step < t.steps
+        if step % config.checkpoint.every == 0 or step == t.steps or preempted:
+          log.pause(step)
+          checkpointer.save(step, state, batches)
+          log.resume()
+        else:
+          checkpointer.poll()
+        if preempted:
+          checkpointer.wait()  # synchronous: the process may be killed soon after it exits
+          break
+    log.finish(step)
+    if preempted:
+      say(f"preempted: stopped after step {step} of {t.steps}; checkpoint "
+          f"{ckpt_lib.step_dir(workdir, step)} saved. Rerun the same command to continue")
+  except (NonFiniteLoss, ckpt_lib.CheckpointDiskFull):
+    checkpointer.close()
+    raise
+  finally:
+    log.close()
+  checkpointer.close()
+  if is_writer:
+    workdir_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,
+                                t.steps)
+  return log.last

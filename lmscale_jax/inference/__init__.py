@@ -1,0 +1,1 @@
+"""A trained model (workdir or Hugging Face directory) for the tools."""

@@ -1,0 +1,270 @@
+"""A trained model, for the tools that use one (export, evaluate, fill-mask, embed): from a
+training workdir's checkpoint or from a Hugging Face directory, with its tokenizer, and the
+three things done with it: MLM logits at given positions, the last hidden layer, and (a
+fine-tuned model: lmscale_jax/finetune/trainer.py) its embeddings, pooled, projected and normalised.
+
+A workdir needs no dataset: the model's shape is in the run's ``config.json`` (its ``model``
+block holds the resolved vocab_size/seq_len), the parameters come from
+``checkpoint.restore_params``; only the tokenizer is read from the run's ``data.path``
+(or ``--tokenizer``). Inference runs in float32, as transformers does. A fine-tuning workdir
+(its config.json has a ``finetune`` section) keeps its tokenizer in the workdir and its
+projection head beside the encoder (``head``); an exported one has ``projection.*`` files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from lmscale_jax.config import defaults as config_defaults
+from lmscale_jax.config import legacy
+from lmscale_jax.errors import UserError
+from lmscale_jax.model import bert as model_lib
+from lmscale_jax.model import contrastive, hf_convert
+from lmscale_jax.store import dataset
+from lmscale_jax.store import tokenizer as toklib
+from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import finetune_state
+from lmscale_jax.train import steps as steps_lib
+
+
+@dataclasses.dataclass
+class TrainedModel:
+  cfg: ml_collections.ConfigDict   # resolved model config (float32 compute)
+  params: dict
+  tokenizer: object                # tokenizers.Tokenizer, with tokenizer.with_hf_roles
+  source: str                      # the workdir or HF directory
+  step: int | None = None          # the checkpoint's step (workdir)
+  run_config: ml_collections.ConfigDict | None = None
+  head: dict | None = None         # fine-tuned: {"pool", "projection": {"kernel", "bias"}}
+
+  @property
+  def special_ids(self) -> dict:
+    return toklib.validate(self.tokenizer, self.source)
+
+
+# --------------------------------------------------------------------------- loading
+def read_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict]:
+  """``workdir/config.json`` → (the run's config, its resolved shape keys)."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isdir(workdir):
+    raise UserError(f"--workdir {workdir}: no such directory")
+  if not os.path.exists(path):
+    raise UserError(f"{workdir} has no config.json: not a training workdir (give the "
+                    "--workdir a run of python -m lmscale_jax.main wrote)")
+  with open(path) as f:
+    saved = json.load(f)
+  if not isinstance(saved, dict) or not {"config", "model"} <= set(saved):
+    hint = " (a Hugging Face model directory: give it as --hf DIR)" if isinstance(
+        saved, dict) and "model_type" in saved else ""
+    raise UserError(f"{path} is not a training run's config (no 'config' and 'model' "
+                    f"entries){hint}")
+  return ml_collections.ConfigDict(legacy.complete(saved["config"])), saved["model"]
+
+
+def resolve(model_config, shape: dict, special_ids: dict, *, dtype: str | None = "float32",
+            where: str = "") -> ml_collections.ConfigDict:
+  """``config.model`` + the saved shape keys → the config ``BertForMLM`` takes."""
+  meta = dataset.DatasetMeta(path=where, name="", seq_len=int(shape["seq_len"]),
+                             vocab_size=int(shape["vocab_size"]), special_ids=special_ids,
+                             splits={}, raw={})
+  model_config = ml_collections.ConfigDict(model_config.to_dict())
+  model_config.vocab_size, model_config.seq_len = 0, 0  # taken from `meta`
+  cfg = model_lib.resolve_model_config(model_config, meta)
+  if dtype:
+    cfg.dtype = dtype
+  return cfg
+
+
+def run_tokenizer(run_config, tokenizer_path: str = ""):
+  """The run's tokenizer: ``tokenizer_path`` or ``data.path/tokenizer.json``."""
+  path = tokenizer_path or os.path.join(run_config.data.path, dataset.TOKENIZER)
+  if not os.path.exists(path):
+    raise UserError(f"{path}: no such file (the tokenizer of the run's data.path); give "
+                    "--tokenizer PATH/tokenizer.json of the dataset it trained on")
+  return toklib.with_hf_roles(toklib.load(path))
+
+
+def _check_vocab(tok, cfg, where: str) -> None:
+  size = tok.get_vocab_size(with_added_tokens=True)
+  if size != cfg.vocab_size:
+    raise UserError(f"{where}: the tokenizer has {size} tokens, the model's vocabulary "
+                    f"{cfg.vocab_size}: not the tokenizer this model was trained with")
+
+
+def abstract_state(run_config, cfg):
+  """The run's TrainState shapes (Orbax's restore target), as training builds them."""
+  return steps_lib.build_steps(run_config, cfg, 1).abstract_state
+
+
+def is_finetuned(run_config) -> bool:
+  return "finetune" in run_config
+
+
+def workdir_shape(workdir: str, tokenizer_path: str, dtype: str | None):
+  """(run config, resolved model config, tokenizer) of a run, checked against each other."""
+  run_config, shape = read_run(workdir)
+  if is_finetuned(run_config):  # its own copy (lmscale_jax/finetune/trainer.py)
+    tokenizer_path = tokenizer_path or os.path.join(workdir, dataset.TOKENIZER)
+  tok = run_tokenizer(run_config, tokenizer_path)
+  cfg = resolve(run_config.model, shape, toklib.validate(tok, "tokenizer"), dtype=dtype,
+                where=workdir)
+  _check_vocab(tok, cfg, workdir)
+  return run_config, cfg, tok
+
+
+def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = "",
+                 dtype: str | None = "float32") -> TrainedModel:
+  run_config, cfg, tok = workdir_shape(workdir, tokenizer_path, dtype)
+  head = None
+  if is_finetuned(run_config):
+    step, params = ckpt_lib.restore_params(
+        workdir, step, finetune_state.abstract_state(run_config, cfg))
+    params = jax.device_get(params)
+    params, head = params["bert"], {"pool": run_config.finetune.pool,
+                                    "projection": params["projection"]}
+  else:
+    step, params = ckpt_lib.restore_params(workdir, step, abstract_state(run_config, cfg))
+  return TrainedModel(cfg=cfg, params=jax.device_get(params), tokenizer=tok, source=workdir,
+                      step=step, run_config=run_config, head=head)
+
+
+def hf_model_config(hf_dir: str) -> ml_collections.ConfigDict:
+  """A ``config.model`` for an HF directory: its shape keys over the shared defaults."""
+  model_config = config_defaults.get_base_config().model
+  hf = hf_convert.read_config(hf_dir)
+  for key, value in hf_convert.model_keys(hf_dir).items():
+    model_config[key] = value
+  model_config.dropout = float(hf.get("hidden_dropout_prob", model_config.dropout))
+  model_config.attention_dropout = float(hf.get("attention_probs_dropout_prob", 0.0))
+  model_config.initializer_range = float(hf.get("initializer_range", 0.02))
+  return model_config
+
+
+def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
+  """(resolved model config, tokenizer) of an HF directory, checked against each other."""
+  model_config = hf_model_config(hf_dir)
+  path = tokenizer_path or os.path.join(hf_dir, dataset.TOKENIZER)
+  if not os.path.exists(path):
+    raise UserError(f"{hf_dir} has no {dataset.TOKENIZER} (export with tools/export_hf.py, "
+                    "or save the tokenizer with save_pretrained)")
+  tok = toklib.with_hf_roles(toklib.load(path))
+  cfg = resolve(model_config, model_config, toklib.validate(tok, path), where=hf_dir)
+  _check_vocab(tok, cfg, hf_dir)
+  return cfg, tok
+
+
+def from_hf(hf_dir: str) -> TrainedModel:
+  cfg, tok = _hf_shape(hf_dir)
+  return TrainedModel(cfg=cfg, params=hf_convert.load_params(hf_dir, cfg), tokenizer=tok,
+                      source=hf_dir, head=contrastive.load_head(hf_dir, cfg.hidden))
+
+
+def architecture(path: str, tokenizer_path: str = "") -> TrainedModel:
+  """A run's or an HF directory's model config and tokenizer, no weights (``params`` empty):
+  what a model of the same architecture starting from fresh weights needs."""
+  try:
+    with open(os.path.join(path, hf_convert.CONFIG)) as f:
+      is_hf = "model_type" in json.load(f)
+  except (OSError, ValueError):
+    is_hf = False
+  if is_hf:
+    cfg, tok = _hf_shape(path, tokenizer_path)
+  else:
+    _, cfg, tok = workdir_shape(path, tokenizer_path, "float32")
+  return TrainedModel(cfg=cfg, params={}, tokenizer=tok, source=path)
+
+
+@functools.lru_cache(maxsize=8)
+def _init_fn(cfg_json: str):
+  cfg = ml_collections.ConfigDict(json.loads(cfg_json))
+  return jax.jit(lambda rng: model_lib.init_params(cfg, rng))
+
+
+def random_init(model: TrainedModel, seed: int) -> TrainedModel:
+  """The same architecture and tokenizer with the initial weights pretraining starts from
+  (seed ``seed``): eval_similarity.py's random-init row, finetune's ``init.source=random``."""
+  params = _init_fn(model.cfg.to_json())(jax.random.key(seed))
+  return dataclasses.replace(model, params=jax.device_get(params), source="random-init",
+                             step=None, head=None)
+
+
+def load(workdir: str = "", hf: str = "", step: int | None = None,
+         tokenizer_path: str = "") -> TrainedModel:
+  """``--workdir DIR [--step N] [--tokenizer F]`` or ``--hf DIR``: exactly one."""
+  if bool(workdir) == bool(hf):
+    raise UserError("give exactly one of --workdir DIR (a training run) and --hf DIR (a "
+                    "Hugging Face model directory)")
+  return from_workdir(workdir, step, tokenizer_path) if workdir else from_hf(hf)
+
+
+# --------------------------------------------------------------------------- using it
+def encode(model: TrainedModel, text: str) -> tuple[np.ndarray, bool]:
+  """``[CLS] text [SEP]`` ids (int32) as training saw them, cut at ``seq_len``; and whether
+  they were cut."""
+  ids = model.tokenizer.encode(text).ids
+  cut = len(ids) > model.cfg.seq_len
+  if cut:  # keep the final [SEP]: every training sequence ends a function with one
+    ids = ids[:model.cfg.seq_len - 1] + ids[-1:]
+  return np.asarray(ids, np.int32), cut
+
+
+def pad_batch(rows: list[np.ndarray], length: int, pad_id: int) -> np.ndarray:
+  out = np.full((len(rows), length), pad_id, np.int32)
+  for i, r in enumerate(rows):
+    out[i, :len(r)] = r
+  return out
+
+
+@functools.lru_cache(maxsize=8)
+def _logits_fn(cfg_json: str):
+  model = model_lib.BertForMLM(ml_collections.ConfigDict(json.loads(cfg_json)))
+  return jax.jit(lambda p, ids, pos: model.apply({"params": p}, ids, pos, deterministic=True))
+
+
+def mlm_logits(model: TrainedModel, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+  """ids [B,S], positions [B,P] → float32 logits [B,P,V]."""
+  fn = _logits_fn(model.cfg.to_json())
+  return np.asarray(fn(model.params, jnp.asarray(ids), jnp.asarray(positions)))
+
+
+def _last_hidden_name(cfg) -> str:
+  return "final_LayerNorm" if cfg.pre_ln else f"layer_{cfg.layers - 1}"
+
+
+@functools.lru_cache(maxsize=8)
+def _hidden_fn(cfg_json: str):
+  cfg = ml_collections.ConfigDict(json.loads(cfg_json))
+  model, name = model_lib.BertForMLM(cfg), _last_hidden_name(cfg)
+
+  def hidden(params, ids):
+    # The encoder output is the last layer's (pre-LN: the final LayerNorm's) return value;
+    # flax captures it, so the model needs no second entry point.
+    _, state = model.apply({"params": params}, ids, jnp.zeros((ids.shape[0], 1), jnp.int32),
+                           deterministic=True, mutable=["intermediates"],
+                           capture_intermediates=lambda m, method: m.name == name
+                           and method == "__call__")
+    return state["intermediates"][name]["__call__"][0].astype(jnp.float32)
+
+  return jax.jit(hidden)
+
+
+def last_hidden(model: TrainedModel, ids: np.ndarray) -> np.ndarray:
+  """ids [B,S] → the encoder's last hidden layer, float32 [B,S,H]."""
+  return np.asarray(_hidden_fn(model.cfg.to_json())(model.params, jnp.asarray(ids)))
+
+
+def embeddings(model: TrainedModel, ids: np.ndarray) -> np.ndarray:
+  """ids [B,S] → a fine-tuned model's embeddings (its pooling, projection head and L2
+  normalisation: lmscale_jax/model/contrastive.py), float32 [B,D]."""
+  if model.head is None:
+    raise UserError(f"{model.source} has no projection head: not a fine-tuned model "
+                    "(tools/finetune_similarity.py makes one)")
+  return contrastive.embed(model.cfg, model.params, model.head, ids)

@@ -1,0 +1,1 @@
+"""The input pipeline: read plan, masking, batches, prefetch, staging, dataset checks."""

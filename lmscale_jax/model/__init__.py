@@ -1,0 +1,1 @@
+"""The models: BERT (MLM), its FLOPs and memory, the Hugging Face mapping, the embedding head."""

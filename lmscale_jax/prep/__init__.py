@@ -1,0 +1,1 @@
+"""Data preparation: inputs → deduplicated corpus → tokenizer → packed shards."""

@@ -1,0 +1,255 @@
+"""Pass 1 of data preparation: input files → functions/documents as normalised text, exact
+duplicates dropped (by digest, first occurrence wins), appended to ``corpus-NNNNN.txt`` chunks
+in the work directory. A chunk is complete when its ``.json`` sidecar exists; a rerun rebuilds
+the duplicate set from complete chunks and continues with the next input file."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from typing import Iterator
+
+from tqdm import tqdm
+
+from lmscale_jax.errors import PrepareError
+from lmscale_jax.prep import elf_corpus, text_corpus, worker_pool
+from lmscale_jax.prep.elf_corpus import FileResult, InputError
+from lmscale_jax.prep.options import Options
+from lmscale_jax.store import dataset
+
+
+@contextlib.contextmanager
+def input_errors():
+  """A bad input found inside a worker (e.g. a malformed .jsonl line) becomes one clear error."""
+  try:
+    yield
+  except InputError as e:
+    raise PrepareError(str(e)) from None
+
+
+PART_BYTES = 8 << 20  # ELF files larger than this are split over several tasks
+
+
+def _parts(kind: str, size: int) -> int:
+  # Depends only on the file size, so the task list (and the output) is the same for any
+  # number of workers; big libraries (libLLVM: 110 MB) no longer serialize the whole pool.
+  return 1 if kind != "binary" else max(1, min(64, -(-size // PART_BYTES)))
+
+
+# The corpus line format between the passes (extraction writes, tokenization reads):
+# "<the function's/document's 16-byte digest as 32 hex digits>\t<its text>\n". The text has
+# no newline or tab of its own (pretokens are space-separated).
+def format_corpus_line(digest: bytes, text: str) -> str:
+  return f"{digest.hex()}\t{text}\n"
+
+
+def parse_corpus_line(line: str) -> tuple[bytes, str]:
+  """-> (digest, text): the inverse of :func:`format_corpus_line`."""
+  digest_hex, text = line[:-1].split("\t", 1)
+  return bytes.fromhex(digest_hex), text
+
+
+# Function bytes → (digest, bytes decoded) of what this process extracted in this run
+# (elf_corpus.iter_functions' ``repeats``); emptied when a run starts (in-process worker).
+_REPEATS: dict = {}
+_REPEAT_LINE = 33  # the length of a digest-only line: 32 hex digits and "\n"
+
+
+def _extract_worker(args) -> tuple[FileResult, str]:
+  """Pool task: one part of an input file → its lines streamed to a temp file (bounded memory)."""
+  kind, path, part, parts, tmp, txt_docs, text_field = args
+  t0 = time.perf_counter()
+  res = FileResult(path=path, file_bytes=os.path.getsize(path))
+  it = (elf_corpus.iter_functions(path, res, part, parts, _REPEATS) if kind == "binary"
+        else text_corpus.iter_documents(path, res, txt_docs, text_field))
+  with open(tmp, "w", encoding="utf-8") as f:
+    for digest, text in it:
+      # A function whose bytes this process already sent in this run: only its digest
+      # (``_REPEAT_LINE``), which the parent has then seen (it reads the tasks in order).
+      f.write(format_corpus_line(digest, text) if text is not None else f"{digest.hex()}\n")
+  # What iter_functions did not time itself: digests, the lines to the temp file (text input:
+  # all of it).
+  res.seconds["extract_write"] = time.perf_counter() - t0 - sum(res.seconds.values())
+  return res, tmp
+
+
+def chunks(work: str) -> list[tuple[str, dict]]:
+  out, i = [], 0
+  while os.path.exists(side := os.path.join(work, f"corpus-{i:05d}.json")):
+    with open(side) as f:
+      out.append((os.path.join(work, f"corpus-{i:05d}.txt"), json.load(f)))
+    i += 1
+  return out
+
+
+def empty_stats() -> dict:
+  return {"input_files": 0, "input_bytes": 0, "code_bytes": 0, "seen": 0, "kept": 0,
+          "deduplicated": 0, "partially_decoded": 0, "files_skipped": {}}
+
+
+def list_files(o: Options) -> tuple[list[str], dict, list[str]]:
+  """The input files pass 1 reads, in order: (files, skip counts, notes for the user)."""
+  skipped: dict = {}
+  notes: list[str] = []
+  try:
+    if o.kind == "binary":
+      files = [c.path for c in
+               elf_corpus.list_inputs(o.inputs, o.max_input_bytes, skipped, notes)]
+    else:
+      files = text_corpus.check_inputs(o.inputs, o.max_input_bytes)
+  except InputError as e:
+    raise PrepareError(str(e)) from None
+  if not files:
+    raise PrepareError(f"no ELF files found under {', '.join(o.inputs)} "
+                       f"(files skipped: {skipped or 'none'})")
+  return files, skipped, notes
+
+
+def _resume(work: str, skipped: dict) -> tuple[list, set, dict, int]:
+  """What earlier runs finished: (complete chunks, digests already kept, stats, next file)."""
+  done = chunks(work)
+  seen: set[bytes] = set()
+  for path, _ in done:
+    with open(path, encoding="utf-8") as f:
+      seen.update(parse_corpus_line(line)[0] for line in f)
+  stats = done[-1][1]["stats"] if done else empty_stats()
+  if not done:
+    for k, v in skipped.items():
+      stats["files_skipped"][k] = stats["files_skipped"].get(k, 0) + v
+  return done, seen, stats, done[-1][1]["next_file"] if done else 0
+
+
+class _ChunkWriter:
+  """``corpus-NNNNN.txt`` files, each written as ``.partial`` and renamed once complete, with
+  its ``.json`` (the next input file and the stats so far: where a rerun resumes)."""
+
+  def __init__(self, work: str, index: int, stats: dict):
+    self.work, self.index, self.stats = work, index, stats
+    self._open()
+
+  def _open(self) -> None:
+    self.path = os.path.join(self.work, f"corpus-{self.index:05d}.txt")
+    self.file = open(self.path + ".partial", "w", encoding="utf-8")
+
+  def close(self, next_file: int, last: bool) -> None:
+    self.file.flush()
+    os.fsync(self.file.fileno())
+    self.file.close()
+    os.replace(self.path + ".partial", self.path)
+    dataset.atomic_write_json(self.path[:-4] + ".json",
+                              {"next_file": next_file, "last": last, "stats": self.stats})
+    self.index += 1
+    if not last:
+      self._open()
+
+
+def _add_part(whole: FileResult | None, res: FileResult, part: int) -> FileResult:
+  """The file's result so far, with one more part (of a file split over workers) added."""
+  if part == 0:
+    whole = FileResult(path=res.path, file_bytes=res.file_bytes)
+  whole.functions += res.functions
+  whole.code_bytes += res.code_bytes
+  whole.partial += res.partial
+  if res.skip and res.skip not in ("no_functions", "no_documents"):
+    whole.skip = whole.skip or res.skip  # corrupt / other machine: said by every part
+  return whole
+
+
+def _dedup(tmp: str, seen: set, stats: dict, out) -> None:
+  """A worker's lines into ``out``, each function or document once (first occurrence kept)."""
+  with open(tmp, encoding="utf-8") as f:
+    for line in f:
+      if len(line) == _REPEAT_LINE:
+        if bytes.fromhex(line[:32]) not in seen:
+          raise RuntimeError(f"{tmp}: a repeated function whose first occurrence was "
+                             "never read (a bug: the tasks were read out of order)")
+        stats["deduplicated"] += 1
+        continue
+      digest, _ = parse_corpus_line(line)
+      if digest in seen:
+        stats["deduplicated"] += 1
+        continue
+      seen.add(digest)
+      stats["kept"] += 1
+      out.write(line)
+  os.unlink(tmp)
+
+
+def _count_file(stats: dict, whole: FileResult, kind: str) -> None:
+  """A whole input file's counts (once, after its last part)."""
+  stats["input_files"] += 1
+  skip = whole.skip or ("" if whole.functions else
+                        "no_functions" if kind == "binary" else "no_documents")
+  if skip:
+    stats["files_skipped"][skip] = stats["files_skipped"].get(skip, 0) + 1
+  if whole.functions:
+    stats["input_bytes"] += whole.file_bytes
+    stats["code_bytes"] += whole.code_bytes
+    stats["seen"] += whole.functions
+    stats["partially_decoded"] += whole.partial
+
+
+def extract(o: Options, work: str, files: list[str], skipped: dict,
+            seconds: dict | None = None) -> list[str]:
+  """Pass 1 over ``files`` (from :func:`list_files`). Returns the corpus chunk paths.
+
+  ``seconds`` gets each stage's seconds added: the workers' (summed over workers) and
+  ``dedup`` (this process: the duplicate check and the chunk writes)."""
+  seconds = {} if seconds is None else seconds
+  done, seen, stats, start = _resume(work, skipped)
+  if done and done[-1][1].get("last"):
+    return [p for p, _ in done]
+  _REPEATS.clear()  # what an in-process worker of an earlier run remembered is not seen here
+  tmpdir = os.path.join(work, "extract")
+  os.makedirs(tmpdir, exist_ok=True)
+  writer = _ChunkWriter(work, len(done), stats)
+  sizes = [os.path.getsize(p) for p in files]
+  tasks = [(i, (o.kind, files[i], part, _parts(o.kind, sizes[i]),
+                 os.path.join(tmpdir, f"{i:06d}-{part:02d}.tsv"), o.txt_docs, o.text_field))
+           for i in range(start, len(files)) for part in range(_parts(o.kind, sizes[i]))]
+  bar = tqdm(total=sum(sizes), initial=sum(sizes[:start]), unit="B", unit_scale=True,
+             desc="extract", disable=not o.progress)
+  whole = None
+  with worker_pool.ordered_map(o.workers) as pmap, input_errors():
+    for (i, args), (res, tmp) in zip(tasks, pmap(_extract_worker, [a for _, a in tasks])):
+      t0 = time.perf_counter()
+      for stage, s in res.seconds.items():
+        seconds[stage] = seconds.get(stage, 0.0) + s
+      part, parts = args[2], args[3]
+      whole = _add_part(whole, res, part)
+      _dedup(tmp, seen, stats, writer.file)
+      seconds["dedup"] = seconds.get("dedup", 0.0) + time.perf_counter() - t0
+      bar.update(res.file_bytes / parts)
+      if part + 1 < parts:
+        continue
+      _count_file(stats, whole, o.kind)
+      if writer.file.tell() >= o.chunk_mb * (1 << 20) and i + 1 < len(files):
+        writer.close(i + 1, last=False)
+  bar.close()
+  if stats["kept"] == 0:
+    # Before the last chunk is marked complete: an empty extraction must never look finished
+    # to a rerun (which would then train a tokenizer on nothing).
+    writer.file.close()
+    what = "functions" if o.kind == "binary" else "documents"
+    raise PrepareError(f"no {what} found in {', '.join(o.inputs)} "
+                       f"(files skipped: {stats['files_skipped'] or 'none'})")
+  writer.close(len(files), last=True)
+  shutil.rmtree(tmpdir, ignore_errors=True)
+  return [p for p, _ in chunks(work)]
+
+
+def iter_texts(chunks: list[str], limit_bytes: int) -> Iterator[str]:
+  """About ``limit_bytes`` of corpus text: every k-th line, so the sample spans all inputs
+  (the first bytes alone would be the alphabetically first libraries)."""
+  total = sum(os.path.getsize(p) for p in chunks)
+  stride = max(1, -(-total // max(1, limit_bytes)))
+  i = 0
+  for path in chunks:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        if i % stride == 0:
+          yield parse_corpus_line(line)[1]
+        i += 1

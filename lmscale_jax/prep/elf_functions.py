@@ -1,0 +1,87 @@
+"""Named functions of one ELF file as pretoken text: the input of tools/fill_mask.py and
+tools/embed.py (which need each function's name; preparation, elf_corpus.iter_functions,
+keeps only the text and a digest).
+
+The same symbols (elf_corpus.function_symbols: sized STT_FUNC, first name per address,
+.symtab then .dynsym), the same bytes (cut at the end of their section and of the file) and
+the same text (pretokenize.code_pretokenizer) as preparation, so a function reads exactly as the
+model saw such functions in training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+
+from lmscale_jax.errors import UserError
+from lmscale_jax.prep import elf_corpus
+from lmscale_jax.prep.pretokenize import NEXT, code_pretokenizer
+
+_SHF_EXECINSTR = 0x4  # ELF section flag: holds machine code
+
+
+@dataclasses.dataclass
+class Function:
+  name: str
+  file: str
+  address: int
+  text: str
+
+  @property
+  def instructions(self) -> list[str]:
+    return self.text.split(f" {NEXT} ")
+
+
+def _symbol_names(elf) -> dict[int, str]:
+  names: dict[int, str] = {}
+  for section in (".symtab", ".dynsym"):
+    table = elf.get_section_by_name(section)
+    for sym in table.iter_symbols() if table is not None else ():
+      if sym["st_info"]["type"] == "STT_FUNC" and sym["st_size"] > 0 and sym.name:
+        names.setdefault(int(sym["st_value"]), sym.name)
+  return names
+
+
+def functions(path: str, only: str | None = None) -> list[Function]:
+  """Every named function of ``path`` (address order), or the one called ``only``."""
+  from elftools.common.exceptions import ELFError
+  from elftools.elf.elffile import ELFFile
+
+  try:
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+      if data[:4] != elf_corpus.ELF_MAGIC:
+        raise UserError(f"{path}: not an ELF file")
+      elf = ELFFile(fh)
+      if elf["e_machine"] != "EM_X86_64":
+        raise UserError(f"{path}: machine {elf['e_machine']}; the model reads x86-64 code")
+      shdrs = elf_corpus.section_headers(elf, data)
+      funcs = elf_corpus.function_symbols(shdrs, data)
+      names = _symbol_names(elf)
+      wanted = sorted(funcs) if only is None else [a for a in sorted(funcs)
+                                                   if names.get(a) == only]
+      if only is not None and not wanted:
+        some = ", ".join(sorted(set(names.values()))[:5])
+        raise UserError(f"{path} has no function named {only!r} ({len(funcs)} functions, "
+                        f"e.g. {some}; names as `nm` prints them)")
+      out = []
+      for addr in wanted:
+        text = _text(shdrs, data, addr, *funcs[addr])
+        if text:
+          out.append(Function(names.get(addr, f"sub_{addr:x}"), path, addr, text))
+      return out
+  except FileNotFoundError:
+    raise UserError(f"{path}: no such file") from None
+  except (ELFError, ValueError, IndexError, OSError) as e:
+    raise UserError(f"{path}: unreadable ELF file ({type(e).__name__}: {e})") from None
+
+
+def _text(shdrs, data, addr: int, size: int, shndx: int) -> str:
+  if shndx >= len(shdrs):
+    return ""
+  sec = shdrs[shndx]
+  s_addr, s_off, s_size = int(sec["addr"]), int(sec["offset"]), int(sec["size"])
+  if not int(sec["flags"]) & _SHF_EXECINSTR or not s_addr <= addr < s_addr + s_size:
+    return ""
+  off = s_off + addr - s_addr
+  size = min(size, s_addr + s_size - addr, len(data) - off)
+  return code_pretokenizer().function_text(data[off:off + size], addr)[0] if size > 0 else ""

@@ -1,0 +1,94 @@
+"""The options of a data preparation (``tools/prepare_binary.py``, ``prepare_text.py``) and
+their ranges: what ``tools/_cli.py`` parses and :func:`check_options` checks, for the CLI and
+for library callers alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from lmscale_jax.errors import PrepareError
+from lmscale_jax.store import dataset
+from lmscale_jax.store import tokenizer as toklib
+
+
+@dataclasses.dataclass
+class Options:
+  kind: str                       # "binary" | "text"
+  inputs: list
+  output: str
+  seq_len: int = 512
+  vocab_size: int = 8192
+  tokenizer: str = ""             # a given tokenizer.json; empty = train one
+  tokenizer_model: str = "wordpiece"
+  tokenizer_sample_mb: int = 64
+  lowercase: bool = False
+  workers: int = 0                # 0 = os.cpu_count()
+  max_input_bytes: int = 0
+  packing: str = "greedy"
+  shard_size_mb: float = 64
+  chunk_mb: float = 32            # corpus chunk size: the resume granularity of pass 1
+  val_fraction: float = 0.01
+  txt_docs: str = "line"
+  text_field: str = "text"
+  overwrite: bool = False
+  progress: bool = True
+
+  def output_params(self) -> dict:
+    """Everything that determines the output bytes (a resume must match them)."""
+    skip = {"workers", "overwrite", "progress", "output"}
+    d = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+    d["inputs"] = [os.path.abspath(p) for p in self.inputs]
+    if self.tokenizer:
+      d["tokenizer"] = dataset.sha256_file(self.tokenizer)
+    return d
+
+
+# ----------------------------------------------------------------------------- checks
+# Ranges of the numeric options (tools/_cli.py checks them where they are parsed, with the same
+# bounds): a value outside them is a typo or a misunderstanding, never a useful setting.
+SEQ_LEN = (8, 1 << 16)
+SIZE_MB = (0.01, 1 << 20)      # shard and chunk sizes: 10 kB .. 1 TB
+MAX_WORKERS = 4096
+# Below 1e-6 no item lands in validation (splits are drawn in steps of one millionth); above
+# one half "validation" would be the larger split, surely a mistake.
+VAL_FRACTION = (1e-6, 0.5)
+
+
+def show_range(lo: float, hi: float) -> str:
+  """``lo..hi`` as a user types numbers (1048576, not 1.04858e+06)."""
+  return "..".join(str(int(x)) if float(x).is_integer() else f"{x:g}" for x in (lo, hi))
+
+
+def _finite(name: str, value, lo: float, hi: float) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+      not math.isfinite(value) or not lo <= value <= hi:
+    raise PrepareError(f"{name} {value!r}: expected a finite number in {show_range(lo, hi)}")
+
+
+def check_options(o: Options) -> None:
+  """Every option on its own (one PrepareError naming the flag)."""
+  if o.kind not in ("binary", "text"):
+    raise PrepareError(f"kind {o.kind!r}: expected 'binary' or 'text'")
+  for name in ("seq_len", "workers", "max_input_bytes", "tokenizer_sample_mb", "vocab_size"):
+    if isinstance(getattr(o, name), bool) or not isinstance(getattr(o, name), int):
+      raise PrepareError(f"--{name.replace('_', '-')} {getattr(o, name)!r}: expected an integer")
+  if not o.tokenizer:
+    try:
+      toklib.check_vocab_size(o.vocab_size)
+    except toklib.TokenizerError as e:
+      raise PrepareError(str(e)) from None
+  _finite("--seq-len", o.seq_len, *SEQ_LEN)
+  if o.packing not in ("greedy", "none"):
+    raise PrepareError(f"--packing {o.packing!r}: expected 'greedy' or 'none'")
+  _finite("--val-fraction", o.val_fraction, *VAL_FRACTION)
+  _finite("--shard-size-mb", o.shard_size_mb, *SIZE_MB)
+  _finite("--chunk-mb", o.chunk_mb, *SIZE_MB)
+  _finite("--tokenizer-sample-mb", o.tokenizer_sample_mb, 1, 1 << 20)
+  _finite("--workers", o.workers, 0, MAX_WORKERS)
+  _finite("--max-input-bytes", o.max_input_bytes, 0, 1 << 62)
+  if o.txt_docs not in ("line", "blank"):
+    raise PrepareError(f"--txt-docs {o.txt_docs!r}: expected 'line' or 'blank'")
+  if o.tokenizer and not os.path.isfile(o.tokenizer):
+    raise PrepareError(f"--tokenizer {o.tokenizer!r}: no such file")

@@ -1,0 +1,113 @@
+"""Text files → documents: ``.txt`` (one per line, or blank-line separated) and ``.jsonl``.
+
+Files are read as bytes, line by line with a bounded line length, and decoded per line, so a
+file with no newline cannot exhaust memory and an encoding error names the line and the byte
+offset in the file (not in some internal buffer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Iterator
+
+from lmscale_jax.prep.elf_corpus import FileResult
+from lmscale_jax.prep.elf_corpus import InputError
+from lmscale_jax.prep.elf_corpus import describe_non_regular
+from lmscale_jax.prep.elf_corpus import function_digest
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+# One document is one corpus line, tokenized as a whole: bound it so memory stays bounded.
+MAX_DOC_BYTES = 16 << 20
+
+
+def check_inputs(paths: list[str], max_input_bytes: int = 0) -> list[str]:
+  out, total = [], 0
+  for p in paths:
+    try:
+      st = os.stat(p)
+    except FileNotFoundError:
+      raise InputError(f"input file {p!r} does not exist") from None
+    except OSError as e:
+      raise InputError(f"input file {p!r}: cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+      raise InputError(f"input {p!r} is {describe_non_regular(st.st_mode)}: expected a regular "
+                       ".txt or .jsonl file")
+    if not p.endswith(TEXT_SUFFIXES):
+      raise InputError(f"input file {p!r}: expected a .txt or .jsonl file")
+    if max_input_bytes and total + st.st_size > max_input_bytes and out:
+      continue  # as elf_corpus.list_inputs: the files that fit, every path checked
+    out.append(p)
+    total += st.st_size
+  return out
+
+
+def _lines(path: str) -> Iterator[tuple[int, int, str]]:
+  """(line number, byte offset of the line in the file, decoded line), each line bounded."""
+  offset = 0
+  with open(path, "rb") as f:
+    for lineno in range(1, 1 << 62):
+      raw = f.readline(MAX_DOC_BYTES + 1)
+      if not raw:
+        return
+      if len(raw) > MAX_DOC_BYTES:
+        raise InputError(f"{path}:{lineno}: line longer than {MAX_DOC_BYTES >> 20} MiB (from "
+                         f"byte {offset}); a document is one line (.txt --txt-docs line, "
+                         ".jsonl) or a paragraph (--txt-docs blank): split the file into lines")
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise InputError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte "
+                         f"{offset + e.start} of the file)") from None
+      yield lineno, offset, line
+      offset += len(raw)
+
+
+def _documents(path: str, txt_docs: str, text_field: str) -> Iterator[str]:
+  if path.endswith(".jsonl"):
+    for lineno, _, line in _lines(path):
+      if not line.strip():
+        continue
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+      if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+        raise InputError(f"{path}:{lineno}: expected an object with a string field "
+                         f"{text_field!r} (--text-field)")
+      yield obj[text_field]
+  elif txt_docs == "line":
+    for _, _, line in _lines(path):
+      yield line
+  else:  # paragraphs
+    para, size, first = [], 0, 0
+    for lineno, offset, line in _lines(path):
+      if line.strip():
+        if not para:
+          first = lineno
+        para.append(line)
+        size += len(line)
+        if size > MAX_DOC_BYTES:
+          raise InputError(f"{path}:{first}: paragraph longer than {MAX_DOC_BYTES >> 20} MiB "
+                           f"(lines {first}..{lineno}); separate documents by blank lines or "
+                           "use --txt-docs line")
+      elif para:
+        yield "".join(para)
+        para, size = [], 0
+    if para:
+      yield "".join(para)
+
+
+def iter_documents(path: str, res: FileResult, txt_docs: str = "line",
+                   text_field: str = "text") -> Iterator[tuple[bytes, str]]:
+  """Yields (digest, text) per non-empty document; whitespace runs become single spaces."""
+  for doc in _documents(path, txt_docs, text_field):
+    text = " ".join(doc.split())  # the corpus format is one line per document
+    if not text:
+      continue
+    res.functions += 1
+    res.code_bytes += len(text.encode())
+    yield function_digest(text), text
+  if not res.functions:
+    res.skip = "no_documents"

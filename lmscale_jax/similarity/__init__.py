@@ -1,0 +1,1 @@
+"""The binary-code similarity data: benchmark and pairs files, their sources, leakage."""

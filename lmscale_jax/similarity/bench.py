@@ -1,0 +1,323 @@
+"""A binary-code similarity benchmark built on this machine: C sources → one shared object per
+source file, compiler and optimisation level → named functions as pretoken text (the project's
+own extraction, :mod:`lmscale_jax.prep.elf_functions`) → groups of the same source function.
+
+The benchmark file (``BENCH``, JSON lines, written atomically):
+
+* line 1, the header: ``{"format": "lmscale_jax.similarity/1", "variants": ["gcc-O0", …],
+  "sources": [the source files], "compilers": {"gcc": "gcc (Debian 12.2.0…) 12.2.0"},
+  "cflags": [...], "min_instructions": 8, "stats": {...}, "problems": [one line each]}``;
+  ``stats`` counts what was built and dropped, and what the file holds: ``groups``,
+  ``functions``, ``per_variant``, ``pairs`` (two variants of one group: the positives of
+  contrastive training) and ``groups_at_O0_and_O3`` per compiler (pool N needs N). A build of
+  a named set (:func:`build_set`) adds ``"set"`` and ``"libraries"`` (each package with its
+  directories and flags); tools/build_similarity_bench.py adds ``"leakage"`` and
+  ``"duplicates_dropped"`` where it removed groups (:mod:`lmscale_jax.similarity.leakage`);
+* then one line per group (a source-level function: source file + function name, present in
+  at least two variants): ``{"source": "lz4-4.3.3/lz4libs/lz4.c", "name": "LZ4_compress_fast",
+  "variants": {"gcc-O0": {"text": "push rbp [NEXT] …", "instructions": 57, "digest": HEX},
+  …}}``. ``digest`` is preparation's normalised-text hash (``elf_corpus.function_digest``),
+  the key of the leakage check against a pretraining corpus.
+
+Functions are compiled with real optimisation (no ``-fno-inline``), symbols kept (no strip).
+GCC's clones (``foo.isra.0``, ``foo.constprop.0``) count as ``foo`` where no plain ``foo`` is
+in the same object; split-off fragments (``.cold``, ``.part.N``) are dropped and counted:
+they are pieces of a function, not functions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+from lmscale_jax.errors import UserError
+from lmscale_jax.prep import elf_corpus, elf_functions
+from lmscale_jax.store import dataset
+
+FORMAT = "lmscale_jax.similarity/1"
+LEVELS = ("O0", "O1", "O2", "O3", "Os")
+MIN_INSTRUCTIONS = 8
+# Shared objects without the C runtime's start files: no _init/_fini/frame_dummy, which are
+# the same in every object and no function of the sources. Undefined symbols are allowed in a
+# shared object, so every file links on its own (its calls to other files stay external).
+BASE_FLAGS = ("-fPIC", "-shared", "-nostartfiles", "-w")
+_FRAGMENT = re.compile(r"\.(cold|part\.\d+)(\.\d+)?$")
+_CLONE = re.compile(r"(\.(isra|constprop|lto_priv|localalias)(\.\d+)?)+$")
+COMPILE_TIMEOUT = 600
+
+
+class BenchError(UserError, ValueError):
+  """Bad arguments or input of the similarity benchmark (its file, its sources)."""
+
+
+@dataclasses.dataclass
+class Source:
+  path: str       # on disk
+  ident: str      # the source-level file: from the root's parent, or from a set's folder
+  flags: tuple = ()  # its library's own: include directories, defines
+
+
+def find_sources(roots: list[str], base: str = "", exclude=()) -> list[Source]:
+  """Every ``*.c`` under ``roots`` (a root may be a file), sorted; named relative to ``base``
+  or else the root's parent, so ``lz4libs/lz4.c`` stays distinct from another root's
+  ``lz4.c``. A file whose name relative to ``base`` matches an ``exclude`` pattern is left
+  out."""
+  out = []
+  for root in roots:
+    if not os.path.exists(root):
+      raise BenchError(f"--sources {root}: no such file or directory")
+    root = os.path.abspath(root)
+    rel_to = os.path.abspath(base) if base else os.path.dirname(root)
+    paths = [root] if os.path.isfile(root) else [
+        os.path.join(d, f) for d, dirs, files in _sorted_walk(root)
+        for f in sorted(files) if f.endswith(".c")]
+    out += [Source(p, os.path.relpath(p, rel_to)) for p in paths
+            if not any(fnmatch.fnmatch(os.path.relpath(p, rel_to), x) for x in exclude)]
+  if not out:
+    raise BenchError(f"no .c files under {', '.join(roots)}")
+  return out
+
+
+def _sorted_walk(root: str):
+  for d, dirs, files in os.walk(root):
+    dirs.sort()
+    yield d, dirs, files
+
+
+def include_dirs(roots: list[str]) -> list[str]:
+  """Each root and every ``include`` directory below it (brotli's sources include
+  ``<brotli/encode.h>`` from ``c/include``)."""
+  dirs = []
+  for root in roots:
+    root = os.path.abspath(root if os.path.isdir(root) else os.path.dirname(root))
+    dirs.append(root)
+    dirs += [os.path.join(d, "include") for d, sub, _ in sorted(os.walk(root))
+             if "include" in sub]
+  return dirs
+
+
+def compiler_versions(names: list[str], say) -> dict[str, str]:
+  """The compilers found (name → first line of ``--version``); a missing one is one line."""
+  found = {}
+  for name in names:
+    exe = shutil.which(name)
+    if exe is None:
+      say(f"compiler {name}: not found on PATH; skipped (install it, or leave it out of "
+          "--compilers)")
+      continue
+    r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    found[name] = (r.stdout.splitlines() or [name])[0].strip()
+  if not found:
+    raise BenchError(f"none of the compilers {', '.join(names)} is installed")
+  return found
+
+
+def _compile(cc: str, level: str, src: Source, out: str, flags: list[str]) -> str:
+  """Compiles one source; returns '' or the one-line reason it did not build."""
+  cmd = [cc, f"-{level}", *BASE_FLAGS, *flags, "-o", out, src.path]
+  try:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
+  except subprocess.TimeoutExpired:
+    return f"{src.ident}: {cc} -{level} took over {COMPILE_TIMEOUT} s; skipped"
+  if r.returncode == 0:
+    return ""
+  lines = r.stderr.strip().splitlines() or ["(no message)"]
+  # The compiler's or linker's own first complaint, not collect2's summary of it.
+  first = next((ln for ln in lines if ("error" in ln or "undefined reference" in ln)
+                and not ln.startswith("collect2")), lines[-1])
+  return f"{src.ident}: {cc} -{level} failed: {first.strip()[:300]}; skipped"
+
+
+def canonical(name: str) -> str | None:
+  """The source-level name of a symbol; None for a fragment (.cold, .part.N)."""
+  if _FRAGMENT.search(name):
+    return None
+  return _CLONE.sub("", name)
+
+
+def object_functions(path: str, stats: dict) -> dict[str, elf_functions.Function]:
+  """Source-level name → function of one compiled object (plain names win over clones)."""
+  out: dict[str, elf_functions.Function] = {}
+  for fn in elf_functions.functions(path):
+    name = canonical(fn.name)
+    if name is None:
+      stats["fragments_dropped"] += 1
+      continue
+    if name in out and fn.name != name:
+      stats["clones_shadowed"] += 1
+      continue
+    out[name] = fn
+  return out
+
+
+def new_stats() -> dict:
+  return {"sources": 0, "objects_built": 0, "objects_failed": 0, "functions_seen": 0,
+          "fragments_dropped": 0, "clones_shadowed": 0, "too_small_dropped": 0,
+          "single_variant_groups_dropped": 0, "groups": 0, "functions": 0}
+
+
+def build(roots: list[str], compilers: list[str], levels: list[str], *, cflags=(),
+          workers: int = 0, min_instructions: int = MIN_INSTRUCTIONS, say=print) -> tuple:
+  """→ (header, groups): see the module docstring. ``say`` gets one line per problem."""
+  check_levels(levels)
+  sources = find_sources(roots)
+  flags = (*cflags, *(f"-I{d}" for d in include_dirs(roots)))
+  for s in sources:
+    s.flags = flags
+  header, kept = build_sources(sources, compilers, levels, workers=workers,
+                               min_instructions=min_instructions, say=say,
+                               what=", ".join(roots))
+  header["cflags"] = list(BASE_FLAGS) + list(cflags)
+  return header, kept
+
+
+def build_set(name: str, where: str, compilers: list[str], levels: list[str], *,
+              workers: int = 0, min_instructions: int = MIN_INSTRUCTIONS, say=print) -> tuple:
+  """A named set of :mod:`lmscale_jax.similarity.sources`, unpacked under ``where`` → (header,
+  groups); each library builds with its own flags, each source is named from ``where`` down
+  (``zstandard-0.25.0/zstd/zstd.c``)."""
+  # the pinned list; only set builds need it
+  from lmscale_jax.similarity import sources as similarity_sources
+  if name not in similarity_sources.SETS:
+    raise BenchError(f"--set {name}: expected one of {', '.join(similarity_sources.SETS)}")
+  check_levels(levels)
+  libs = similarity_sources.SETS[name]
+  sources = [s for lib in libs for s in library_sources(lib, where, name)]
+  header, kept = build_sources(sources, compilers, levels, workers=workers,
+                               min_instructions=min_instructions, say=say,
+                               what=f"set {name} under {where}")
+  header["set"] = name
+  header["libraries"] = [{"package": lib.package, "sources": [f"{lib.top}/{x}" for x in
+                                                              lib.sources],
+                          "cflags": list(lib.cflags), "exclude": list(lib.exclude),
+                          "about": lib.about} for lib in libs]
+  return header, kept
+
+
+def library_sources(lib, where: str, set_name: str) -> list[Source]:
+  """One library's ``.c`` files, with its include directories and defines as flags."""
+  top = os.path.join(where, lib.top)
+  if not os.path.isdir(top):
+    raise BenchError(f"{top}: no such directory (fetch the set first: python "
+                     f"tools/fetch_bench_sources.py --set {set_name} --output {where})")
+  roots = [os.path.join(top, x) for x in lib.sources]
+  sources = find_sources(roots, base=where, exclude=[f"{lib.top}/{x}" for x in lib.exclude])
+  flags = (*lib.cflags, *(f"-I{d}" for d in include_dirs(roots)),
+           *(f"-I{os.path.abspath(os.path.join(top, d))}" for d in lib.include))
+  for s in sources:
+    s.flags = flags
+  return sources
+
+
+def check_levels(levels: list[str]) -> None:
+  for lv in levels:
+    if lv not in LEVELS:
+      raise BenchError(f"--opt {lv}: expected some of {','.join(LEVELS)}")
+
+
+def build_sources(sources: list[Source], compilers: list[str], levels: list[str], *,
+                  workers: int, min_instructions: int, say, what: str) -> tuple:
+  """Compiles every source per compiler and level (each with its own flags) → (header, groups);
+  the header's ``cflags`` are the ones every source shares."""
+  found = compiler_versions(compilers, say)
+  variants = [f"{cc}-{lv}" for cc in found for lv in levels]
+  stats, problems = new_stats(), []
+  stats["sources"] = len(sources)
+  groups: dict[tuple[str, str], dict] = {}
+  with tempfile.TemporaryDirectory(prefix="simbench-") as tmp:
+    jobs = [(cc, lv, i, s) for cc in found for lv in levels for i, s in enumerate(sources)]
+    with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+      futures = [pool.submit(_compile, cc, lv, s, os.path.join(tmp, f"{cc}-{lv}-{i}.so"),
+                             list(s.flags)) for cc, lv, i, s in jobs]
+      for (cc, lv, i, s), fut in zip(jobs, futures):
+        problem = fut.result()
+        if problem:
+          stats["objects_failed"] += 1
+          problems.append(problem)
+          say(problem)
+          continue
+        stats["objects_built"] += 1
+        obj = os.path.join(tmp, f"{cc}-{lv}-{i}.so")
+        _add_object(groups, obj, s, f"{cc}-{lv}", min_instructions, stats)
+        os.remove(obj)  # a set's objects add up to gigabytes of /tmp
+  kept = []
+  for key in sorted(groups):
+    if len(groups[key]) < 2:
+      stats["single_variant_groups_dropped"] += 1
+      continue
+    kept.append({"source": key[0], "name": key[1],
+                 "variants": {v: groups[key][v] for v in variants if v in groups[key]}})
+  if not kept:
+    raise BenchError(f"no function of {what} was built in two variants with "
+                     f">= {min_instructions} instructions ({stats})")
+  header = {"format": FORMAT, "variants": variants, "compilers": found,
+            "cflags": list(BASE_FLAGS), "min_instructions": min_instructions,
+            "sources": [s.ident for s in sources], "stats": stats, "problems": problems}
+  restat(header, kept)
+  return header, kept
+
+
+def restat(header: dict, groups: list[dict]) -> None:
+  """The header's counts of what the file holds (again, after groups were removed): groups,
+  functions, functions per variant, positive pairs (two variants of one group), and per
+  compiler the groups at both -O0 and -O3 (the hardest pair; pool N needs N of them)."""
+  stats = header["stats"]
+  stats["groups"] = len(groups)
+  stats["functions"] = sum(len(g["variants"]) for g in groups)
+  stats["per_variant"] = {v: sum(v in g["variants"] for g in groups) for v in header["variants"]}
+  stats["pairs"] = sum(len(g["variants"]) * (len(g["variants"]) - 1) // 2 for g in groups)
+  stats["groups_at_O0_and_O3"] = {
+      cc: sum(f"{cc}-O0" in g["variants"] and f"{cc}-O3" in g["variants"] for g in groups)
+      for cc in header["compilers"]
+      if {f"{cc}-O0", f"{cc}-O3"} <= set(header["variants"])}
+
+
+def _add_object(groups: dict, path: str, src: Source, variant: str, min_instructions: int,
+                stats: dict) -> None:
+  for name, fn in object_functions(path, stats).items():
+    stats["functions_seen"] += 1
+    n = len(fn.instructions)
+    if n < min_instructions:
+      stats["too_small_dropped"] += 1
+      continue
+    groups.setdefault((src.ident, name), {})[variant] = {
+        "text": fn.text, "instructions": n,
+        "digest": elf_corpus.function_digest(fn.text).hex()}
+
+
+# --------------------------------------------------------------------------- the file
+def write(path: str, header: dict, groups: list[dict]) -> None:
+  lines = [json.dumps(header, sort_keys=True)] + [json.dumps(g, sort_keys=True) for g in groups]
+  dataset.atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+
+
+def load(path: str) -> tuple[dict, list[dict]]:
+  if not os.path.isfile(path):
+    raise BenchError(f"--bench {path}: no such file (build one with "
+                     "tools/build_similarity_bench.py)")
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  try:
+    header = json.loads(lines[0]) if lines else {}
+    if header.get("format") != FORMAT:
+      raise BenchError(f"{path}: not a similarity benchmark (line 1 has format "
+                       f"{header.get('format')!r}, expected {FORMAT!r})")
+    groups = []
+    for i, line in enumerate(lines[1:], 2):
+      g = json.loads(line)
+      if not isinstance(g.get("variants"), dict) or not all(
+          isinstance(v, dict) and isinstance(v.get("text"), str) for v in g["variants"].values()):
+        raise BenchError(f"{path}:{i}: a group without variants {{name: {{text: …}}}}")
+      groups.append(g)
+  except json.JSONDecodeError as e:
+    raise BenchError(f"{path}: malformed JSON ({e})") from None
+  if not groups:
+    raise BenchError(f"{path}: no function groups")
+  return header, groups

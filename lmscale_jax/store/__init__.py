@@ -1,0 +1,1 @@
+"""The dataset directory on disk: its format, random access to its records, tokenizers."""

@@ -1,0 +1,1 @@
+"""The scaling study: sweeps, the cluster and storage models, reports, batch-size search."""

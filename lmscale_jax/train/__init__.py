@@ -1,0 +1,1 @@
+"""The pretraining run: preflight, steps, optimizer, sharding, checkpoints, workdir, metrics."""

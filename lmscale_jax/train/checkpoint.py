@@ -1,0 +1,344 @@
+"""The Orbax checkpoints of a workdir: the manager (train state + Grain iterator per step),
+what a step directory holds and which are complete, the process count a checkpoint was
+written with, and when to save before a preemption.
+
+``workdir/checkpoints/<step>/`` holds ``state`` (Orbax PyTree) and ``data`` (Grain's per-process
+iterator JSON, ``process_<i>-of-<n>.json``); Orbax writes each step under a temporary name and
+renames it when complete, so an interrupted save is never taken for a checkpoint (Orbax's step
+name format, :data:`STEP_NAMES`, is the one place that knows which names are complete steps).
+A committed step also holds one manifest per process (``lmscale_jax/train/checkpoint_manifest.py``):
+a resume loads the newest checkpoint that verifies (:func:`choose_resume_step`) and moves the
+newer ones that do not to ``<step>.corrupt``. Before each save the free space is checked
+(``checkpoint.on_full``). Orbax removes the temporary directories of interrupted saves when
+the next run builds its manager (``cleanup_tmp_directories``).
+The rest of the workdir (its lock, ``config.json`` and the resume rules, ``run_state.json``) is
+``lmscale_jax/train/workdir.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+from lmscale_jax.cluster import distributed, preemption
+from lmscale_jax.errors import IncompatibleCheckpoint, UserError
+from lmscale_jax.train import checkpoint_manifest as manifest_lib
+
+# Orbax's default step names (``<step>``, complete steps only), shared by the manager that
+# writes them and check_process_count, which reads them before any manager exists.
+STEP_NAMES = ocp.path.step.standard_name_format()
+# How Grain names each process's iterator state in a step's ``data`` item (its checkpoint
+# handler, grain/_src/python/checkpoint/handler.py, builds the name inline).
+_GRAIN_STATE_FILE = re.compile(r"process_\d+-of-(\d+)\.json")
+
+
+def checkpoints_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def step_dir(workdir: str, step: int) -> str:
+  return os.path.join(checkpoints_dir(workdir), STEP_NAMES.build_name(step))
+
+
+def latest_complete_step(workdir: str) -> int | None:
+  """The newest complete checkpoint's step, or None; only reads (no manager, no directory
+  created, no tmp directory cleaned), so a run can be refused before it touches anything."""
+  latest = ocp.path.step.latest_step_metadata(checkpoints_dir(workdir), STEP_NAMES)
+  return None if latest is None else int(latest.step)
+
+
+def check_process_count(workdir: str, num_processes: int) -> None:
+  """Refuses to resume the latest checkpoint if another number of processes wrote it: the
+  data iterator state is per process (Grain writes one file per process).
+
+  Only reads (creates no directory, talks to no other process), so every process can call it
+  before training; no checkpoint, or none complete yet, passes.
+  """
+  latest = ocp.path.step.latest_step_metadata(checkpoints_dir(workdir), STEP_NAMES)
+  if latest is None:
+    return
+  data_dir = os.path.join(latest.path, "data")
+  written = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+  counts = {m.group(1) for name in written if (m := _GRAIN_STATE_FILE.fullmatch(name))}
+  if counts and counts != {str(num_processes)}:
+    raise IncompatibleCheckpoint(
+        f"{workdir}/checkpoints/{latest.step} was written by {'/'.join(sorted(counts))} "
+        f"process(es); this job has {num_processes}. The data iterator state is per process: "
+        "resume with the same number of processes (or start a new workdir)")
+
+
+class CheckpointCorrupt(UserError, ValueError):
+  """No checkpoint of the workdir verifies against its manifests: nothing is trained."""
+
+
+class CheckpointDiskFull(UserError, RuntimeError):
+  """Too little free space for the next checkpoint (``checkpoint.on_full=error``)."""
+
+
+# checkpoint.on_full (config.modes.ON_FULL): "error" stops cleanly before a save that does not
+# fit (the previous checkpoint stays complete); "skip" warns and trains on without that save.
+# Room kept beyond the expected checkpoint size: Orbax's metadata files, sizes that vary a
+# little between steps, the manifest itself.
+_SPACE_MARGIN = 1.1
+_SPACE_SLACK_BYTES = 1 << 20
+CORRUPT_SUFFIX = ".corrupt"
+
+
+def complete_steps(workdir: str) -> list[int]:
+  """The steps Orbax committed (its temporary directories excluded), newest first; only
+  reads."""
+  root = checkpoints_dir(workdir)
+  if not os.path.isdir(root):
+    return []
+  return sorted((int(m.step) for m in STEP_NAMES.find_all(root)), reverse=True)
+
+
+def _size_or_zero(path: str) -> int:
+  try:
+    return os.path.getsize(path)
+  except FileNotFoundError:
+    return 0
+
+
+def dir_bytes(path: str) -> int:
+  """Bytes under ``path``. Files may vanish while it walks: other processes rename their
+  temporary manifests into place in the same step directory (a CI run crashed here on
+  ``.manifest.process_3-of-4.json.<random>.tmp``)."""
+  return sum(_size_or_zero(os.path.join(root, f)) for root, _, files in os.walk(path)
+             for f in files)
+
+
+@dataclasses.dataclass
+class ResumeChoice:
+  """The checkpoint a run resumes from (None: none, start afresh) and the newer ones that
+  failed verification: ``[(step, problems)]``."""
+  workdir: str
+  step: int | None
+  failed: list
+
+  def set_aside(self) -> None:
+    """Moves the failed checkpoints to ``<step>.corrupt`` (process 0; every process waits
+    for it): kept for a person to look at, no longer a step Orbax lists, loads or rotates."""
+    def move():
+      if jax.process_index() != 0:
+        return
+      for step, _ in self.failed:
+        source, target = step_dir(self.workdir, step), step_dir(self.workdir, step)
+        target += CORRUPT_SUFFIX
+        n = 1
+        while os.path.exists(target):
+          target, n = f"{step_dir(self.workdir, step)}{CORRUPT_SUFFIX}-{n}", n + 1
+        os.rename(source, target)
+        logging.warning("moved checkpoint %s aside to %s", source, target)
+
+    if self.failed:
+      distributed.agree("set aside corrupt checkpoints", move)
+
+
+def choose_resume_step(workdir: str) -> ResumeChoice:
+  """The newest checkpoint that verifies (:mod:`checkpoint_manifest`), the same in every
+  process: each process checks its own part of a candidate, they exchange the outcome, and a
+  failure anywhere moves all of them to the next older one (warned, naming checkpoint and
+  file). Only reads. Raises :class:`CheckpointCorrupt`, naming every checkpoint and why, if
+  there are checkpoints and none verifies."""
+  me, count = jax.process_index(), jax.process_count()
+  failed = []
+  for step in complete_steps(workdir):
+    path = step_dir(workdir, step)
+    mine = manifest_lib.verify(path, me, count)
+    problems = [p for answer in distributed.allgather("checkpoint verification",
+                                                      json.dumps(mine))
+                for p in json.loads(answer)]
+    if not problems:
+      if failed and me == 0:
+        logging.warning("resuming from %s, the newest checkpoint that verifies", path)
+      return ResumeChoice(workdir, step, failed)
+    failed.append((step, problems))
+    if me == 0:
+      logging.warning("checkpoint %s does not verify, not loading it: %s%s; it will be moved "
+                      "aside to %s%s", path, problems[0],
+                      f" (and {len(problems) - 1} more)" if len(problems) > 1 else "", path,
+                      CORRUPT_SUFFIX)
+  if failed:
+    why = "; ".join(f"{step_dir(workdir, step)}: {problems[0]}"
+                    + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                    for step, problems in failed)
+    raise CheckpointCorrupt(
+        f"no checkpoint in {checkpoints_dir(workdir)} verifies, nothing was trained: {why}. "
+        f"Restore the files from a copy (tools/inspect_checkpoint.py {workdir} --verify "
+        "checks them), or move the checkpoints directory away to start afresh")
+  return ResumeChoice(workdir, None, [])
+
+
+class Checkpointer:
+  """The Orbax manager of ``workdir/checkpoints``: the train state and the Grain iterator of
+  each saved step, their manifests, and the free-space check before each save. Every process
+  builds one and calls each method at the same steps (:meth:`poll` excepted).
+
+  Manifests (:mod:`checkpoint_manifest`): process 0 writes its part in Orbax's
+  ``post_finalization_callback``, which runs once every process's files are written and
+  before the temporary directory is renamed, so a single-process checkpoint is never complete
+  without it. Every other process writes its part into the committed directory once its save
+  has finished (:meth:`poll` each step; at the latest the next save, :meth:`wait` or
+  :meth:`close`); until then the checkpoint does not verify. ``use_async=False`` saves
+  through the same path and waits for it.
+  """
+
+  def __init__(self, workdir: str, *, keep: int, use_async: bool = True,
+               on_full: str = "error"):
+    self.workdir, self.use_async, self.on_full = workdir, use_async, on_full
+    self._saving: int | None = None     # the step whose save is in flight
+    self._unlisted: int | None = None   # committed, this process's manifest not yet written
+    self._size: int | None = None       # bytes of the latest checkpoint, once known
+    self.manager = ocp.CheckpointManager(
+        checkpoints_dir(workdir),
+        item_names=("state", "data"),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=True,
+            cleanup_tmp_directories=True, step_name_format=STEP_NAMES,
+            async_options=ocp.AsyncOptions(
+                post_finalization_callback=self._manifest_before_commit)))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether to checkpoint and stop after ``step``: the same answer in every process for
+    the same step. Call it once per step, in every process, from the same first step.
+
+    Several processes: Orbax's ``CheckpointManager.reached_preemption``, which is JAX's
+    preemption sync point (``multihost_utils.reached_preemption_sync_point``, see
+    orbax/checkpoint/_src/multihost/multihost.py): the runtime's SIGTERM handler tells the
+    coordination service, the processes exchange the steps they have reached, and the one
+    after the highest is the sync point. Orbax answers False where that service is off, which
+    ``preemption.install`` refuses at start-up. One process: the flag set by preemption.py's
+    signal handler (without ``jax.distributed`` there is no sync manager).
+    """
+    if jax.process_count() > 1:
+      return self.manager.reached_preemption(step)
+    return preemption.requested()
+
+  def save(self, step: int, state, data_iterator: grain.DatasetIterator) -> bool:
+    """Saves ``step`` (in the background unless ``use_async=False``). Returns False if it was
+    skipped for lack of space (``checkpoint.on_full=skip``); raises
+    :class:`CheckpointDiskFull` for ``on_full=error``, with the previous checkpoint complete."""
+    self.wait()  # Orbax's save waits for the previous one anyway; its size is known then
+    if not self._room_for(step, state):
+      return False
+    self._saving = step
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(data_iterator)), force=True,
+        custom_metadata={manifest_lib.METADATA_KEY: manifest_lib.FORMAT})
+    if not self.use_async:
+      self.wait()
+    return True
+
+  def _manifest_before_commit(self) -> None:
+    # Orbax's background thread, process 0 only, before the rename (orbax async_checkpointer:
+    # "post_finalization_callback", then "Finalizing checkpoint directory").
+    final = step_dir(self.workdir, self._saving)
+    tmp = final + ocp.path.step.TMP_DIR_SUFFIX
+    manifest_lib.write_part(tmp if os.path.isdir(tmp) else final, 0, jax.process_count(),
+                            self._saving)
+
+  def poll(self) -> None:
+    """Writes this process's manifest once its background save has finished (processes > 0;
+    cheap when there is nothing to do). Call it every step; needs no other process."""
+    if self._saving is not None and not self.manager.is_saving_in_progress():
+      self.wait()
+
+  def wait(self) -> None:
+    """Waits for the save in flight; then this process's manifest of it is written."""
+    self.manager.wait_until_finished()
+    if self._saving is not None:
+      step, self._saving = self._saving, None
+      if jax.process_index() != 0:
+        manifest_lib.write_part(step_dir(self.workdir, step), jax.process_index(),
+                                jax.process_count(), step)
+      self._size = dir_bytes(step_dir(self.workdir, step))
+
+  def _room_for(self, step: int, state) -> bool:
+    """Free space at the checkpoint directory (the least any process sees) against the size
+    of the latest checkpoint, or before the first one the bytes of the state."""
+    needed, basis = self._expected_bytes(state)
+    root = checkpoints_dir(self.workdir)
+    free = min(int(x) for x in distributed.allgather(
+        "checkpoint free space", str(shutil.disk_usage(root).free)))
+    if free >= needed:
+      return True
+    latest = self.latest_step()
+    kept = f"checkpoint {step_dir(self.workdir, latest)} is kept" if latest is not None else (
+        "no checkpoint was saved yet")
+    line = (f"no room for checkpoint {step}: {root} has {free:,} bytes free, the checkpoint "
+            f"needs about {needed:,} ({basis})")
+    if self.on_full == "skip":
+      if jax.process_index() == 0:
+        logging.warning("%s; not saved (checkpoint.on_full=skip), training goes on; %s",
+                        line, kept)
+      return False
+    raise CheckpointDiskFull(
+        f"{line}; {kept}: free space and rerun the same command to resume from it (or set "
+        "checkpoint.on_full=skip to train on without saving)")
+
+  def _expected_bytes(self, state) -> tuple[int, str]:
+    latest = self.latest_step()
+    if self._size is None and latest is not None:
+      self._size = dir_bytes(step_dir(self.workdir, latest))
+    if self._size is not None:
+      size, basis = self._size, "the size of the latest checkpoint, plus 10%"
+    else:
+      size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+      basis = "the bytes of the train state, plus 10%"
+    return int(size * _SPACE_MARGIN) + _SPACE_SLACK_BYTES, basis
+
+  def restore(self, step: int, abstract_state, data_iterator: grain.DatasetIterator):
+    """Returns the restored state (sharded like ``abstract_state``); restores the iterator."""
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=grain.checkpoint.CheckpointRestore(data_iterator)))
+    return out["state"]
+
+  def close(self) -> None:
+    self.wait()
+    self.manager.close()
+
+
+def restore_params(workdir: str, step: int | None, abstract_state) -> tuple[int, object]:
+  """``(step, params)`` of the checkpoint at ``step`` (None: the latest complete one), with no
+  data iterator: what the tools that use a trained model need (export, evaluate, fill-mask,
+  embed). ``abstract_state``: ``steps.build_steps(...).abstract_state``. Only reads (a
+  read-only manager: nothing cleaned, nothing created). A workdir without checkpoints, or a
+  step it does not hold, is one line naming what there is."""
+  root = checkpoints_dir(workdir)
+  latest = latest_complete_step(workdir) if os.path.isdir(root) else None
+  if latest is None:
+    raise UserError(f"{workdir}: no complete checkpoint under {root} (train with "
+                    f"--workdir={workdir} first, or give the workdir of a run)")
+  manager = ocp.CheckpointManager(root, item_names=("state", "data"),
+                                 options=ocp.CheckpointManagerOptions(
+                                     create=False, read_only=True, step_name_format=STEP_NAMES))
+  try:
+    have = sorted(manager.all_steps())
+    step = latest if step is None else int(step)
+    if step not in have:
+      raise UserError(f"{workdir}: no checkpoint at step {step}; it has steps "
+                      f"{', '.join(map(str, have))} (omit --step for the latest, {latest})")
+    problems = manifest_lib.verify(step_dir(workdir, step))  # every process's part
+    if problems:
+      raise CheckpointCorrupt(f"{step_dir(workdir, step)} does not verify: {problems[0]}"
+                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1
+                                 else "") + "; give another --step")
+    out = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state)))
+  finally:
+    manager.close()
+  return step, out["state"].params

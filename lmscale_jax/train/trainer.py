@@ -1,0 +1,445 @@
+"""Training: the setup built from the config, and the loop (train, log, evaluate, checkpoint).
+
+The hot loop is: pull the prefetched batch (already on device) → dispatch the jitted step (state
+donated) → every ``log_every`` steps close a window whose device metrics are fetched when the
+*next* step has been dispatched, so dispatch never waits on the device. Everything per-step
+runs inside ``steps.train_step``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from lmscale_jax.cluster import preemption
+from lmscale_jax.config import checks as config_checks
+from lmscale_jax.errors import UserError
+from lmscale_jax.input import autotune, loader, masking, prefetch
+from lmscale_jax.model import bert as model_lib
+from lmscale_jax.model import flops as flops_lib
+from lmscale_jax.model import hf_convert
+from lmscale_jax.store import dataset, records
+from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import metrics as metrics_lib
+from lmscale_jax.train import preflight
+from lmscale_jax.train import steps as steps_lib
+from lmscale_jax.train import workdir as workdir_lib
+
+
+class NonFiniteLoss(UserError, FloatingPointError):
+  """A non-finite loss or gradient (``train.nonfinite``): names the step and the last good
+  checkpoint."""
+
+
+class Interrupted(KeyboardInterrupt):
+  """Ctrl-C during training, raised once the loader's workers are stopped and any checkpoint
+  save in flight has finished: the process may exit normally (main: one line, exit 130)."""
+
+
+# ----------------------------------------------------------------------------- setup
+@dataclasses.dataclass
+class Setup:
+  """Everything built from the config before the loop; also what --dry_run reports."""
+  config: ml_collections.ConfigDict
+  meta: dataset.DatasetMeta
+  model_cfg: ml_collections.ConfigDict
+  predictions: int
+  param_count: int
+  flops_per_step: float
+  memory_bytes: float
+
+
+def build_setup(config: ml_collections.ConfigDict,
+                meta: dataset.DatasetMeta | None = None) -> Setup:
+  """Checks the config (config_checks steps 1-3), loads the dataset's metadata once (unless
+  given) and resolves the model and its costs."""
+  preflight.check_before_runtime(config)
+  devices = jax.device_count()
+  config_checks.check_batch(config.train.batch_size, processes=jax.process_count(),
+                            devices_per_process=jax.local_device_count(),
+                            accum_steps=config.train.grad_accum_steps)
+  meta = meta or dataset.DatasetMeta.load(config.data.path)
+  model_cfg = model_lib.resolve_model_config(config.model, meta, remat=config.train.remat)
+  predictions = masking.num_predictions(config.data.mask_prob, config.data.max_predictions,
+                                        meta.seq_len)
+  per_device = config.train.batch_size // devices
+  return Setup(
+      config=config, meta=meta, model_cfg=model_cfg, predictions=predictions,
+      param_count=flops_lib.count_params_from_config(model_cfg),
+      flops_per_step=flops_lib.train_flops_per_step(model_cfg, config.train.batch_size,
+                                                    meta.seq_len, predictions),
+      memory_bytes=flops_lib.memory_estimate_bytes(
+          model_cfg, per_device, meta.seq_len, predictions,
+          accum_steps=int(config.train.grad_accum_steps),
+          fsdp_devices=devices if config.train.fsdp else 1))
+
+
+def describe(setup: Setup) -> str:
+  train_config, cfg = setup.config.train, setup.model_cfg
+  levers = (f"remat {train_config.remat}, grad_accum_steps {train_config.grad_accum_steps}, "
+            f"fsdp {bool(train_config.fsdp)}, "
+            f"grad_allreduce_dtype {train_config.grad_allreduce_dtype}, "
+            f"grad_allreduce {train_config.get('grad_allreduce', 'auto')}")
+  return (f"model: {setup.param_count:,} parameters ({cfg.layers} layers × {cfg.hidden}, "
+          f"vocab {cfg.vocab_size}, seq {setup.meta.seq_len}); "
+          f"{setup.flops_per_step / 1e12:.3f} TFLOP per step (global batch "
+          f"{train_config.batch_size}, "
+          f"{setup.predictions} predictions/sequence); "
+          f"≈{setup.memory_bytes / 2**30:.2f} GiB per device ({levers})")
+
+
+# ----------------------------------------------------------------------------- logging
+@dataclasses.dataclass
+class Window:
+  """The steps of one logging interval: their device metrics and host-side timings. Its time
+  runs from the completion of the previous window's last step (or from a resume after a
+  pause) to the completion of its own last step, minus pauses; ``untimed`` leading steps (the
+  run's first, which compiles) are outside it."""
+  last_step: int
+  metrics: list     # one dict of device scalars per step
+  input_wait: float
+  opened: float     # perf_counter() when its clock (re)started
+  carried: float = 0.0  # seconds timed before a pause
+  untimed: int = 0
+  seconds: float = 0.0  # set when its last step has completed
+
+  @property
+  def first_step(self) -> int:
+    return self.last_step - len(self.metrics) + 1
+
+  @property
+  def timed(self) -> list:
+    return self.metrics[self.untimed:]
+
+
+class TrainLog:
+  """Turns windows of steps into metrics rows (metrics.jsonl, TensorBoard, console), one
+  window late, and enforces ``train.nonfinite`` on them."""
+
+  def __init__(self, setup: Setup, workdir: str, start: int, checkpointer, train_iter):
+    config, self.setup = setup.config, setup
+    self.train_config, self.start, self.workdir = config.train, start, workdir
+    self.checkpointer, self.train_iter = checkpointer, train_iter
+    self.is_writer = jax.process_index() == 0
+    peak = flops_lib.device_peak_flops(jax.devices()[0].device_kind,
+                                       config.metrics.peak_tflops, dtype=setup.model_cfg.dtype)
+    self.peak_total = peak * jax.device_count() if peak else None
+    self.writer = metrics_lib.MetricsWriter(workdir, enabled=self.is_writer,
+                                            total_steps=config.train.steps, resume_step=start)
+    self.baseline = records.unigram_entropy(setup.meta,
+                                            on_corrupt=str(config.data.on_corrupt))
+    self.last: dict = {"unigram_baseline": self.baseline}
+    self.current: list = []
+    self.pending: Window | None = None  # closed, its metrics fetched after the next dispatch
+    if self.is_writer:
+      logging.info(describe(setup))
+      logging.info("devices: %d × %s; unigram baseline loss %.4f nats; MFU peak %s",
+                   jax.device_count(), jax.devices()[0].device_kind, self.baseline,
+                   f"{peak / 1e12:.0f} TFLOP/s per device" if peak else
+                   "unknown for this device (mfu = null; set metrics.peak_tflops)")
+    # The clock of the window being filled: when it (re)started, seconds timed before a pause.
+    self.opened, self.carried, self.untimed = time.perf_counter(), 0.0, 0
+    self.first_step_seconds: float | None = None
+    self.paused_at = self.opened
+    train_iter.reset_wait()
+
+  # Why completion, not dispatch: JAX dispatches asynchronously, so after any synchronisation
+  # (start, evaluation, a save) the host queues a whole window in milliseconds; windows stamped
+  # at dispatch logged 16-30x the true rate after each evaluation (tools/demo.sh,
+  # tests/test_throughput_windows.py). A window's metrics are fetched one step late, which
+  # blocks until its last step has completed: that moment is the stamp, at no extra sync.
+  def after_step(self, step: int, metrics: dict) -> None:
+    self.current.append(metrics)
+    if step == self.start + 1:
+      self._time_first_step(metrics)
+    if self.pending is not None:  # its metrics are ready by now
+      self._log(self.pending)
+      self.pending = None
+    if step % self.train_config.log_every == 0 or step == self.train_config.steps:
+      self.pending = self._close(step)
+
+  def _time_first_step(self, metrics: dict) -> None:
+    """The run's first step compiles the program: timed on its own (``first_step_seconds``
+    in the first row), outside the first window."""
+    jax.block_until_ready(metrics)
+    now = time.perf_counter()
+    self.first_step_seconds = now - self.opened
+    self.opened, self.carried, self.untimed = now, 0.0, 1
+    self.train_iter.reset_wait()
+
+  def _close(self, step: int) -> Window:
+    window = Window(step, self.current, self.train_iter.reset_wait(), self.opened, self.carried,
+                    self.untimed)
+    self.current, self.carried, self.untimed = [], 0.0, 0
+    return window
+
+  def _stamp(self, window: Window) -> None:
+    """Called once ``window``'s last step has completed; the next window's clock starts."""
+    now = time.perf_counter()
+    window.seconds = window.carried + (now - window.opened)
+    self.opened = now
+
+  def pause(self) -> None:
+    """Before a synchronising interruption (evaluation, a checkpoint save): the steps
+    dispatched so far are timed up to their completion, and the clock stops."""
+    if self.pending is not None:
+      self._log(self.pending)  # blocks until its last step completes
+      self.pending = None
+    if self.current:
+      jax.block_until_ready(self.current[-1])
+      self.carried += time.perf_counter() - self.opened
+    self.paused_at = time.perf_counter()
+
+  def resume(self) -> None:
+    self.opened = time.perf_counter()
+
+  def eval_row(self, step: int, row: dict) -> None:
+    self._write(step, row)
+
+  def finish(self, step: int) -> None:
+    """Logs what is left: the pending window and a partial one (a preempted run)."""
+    if self.pending is not None:
+      self._log(self.pending)
+      self.pending = None
+    if self.current:
+      jax.block_until_ready(self.current[-1])
+      self._log(self._close(step))
+
+  def check_before_save(self, step: int) -> None:
+    """Error mode: never checkpoint past a non-finite step, even one not logged yet."""
+    if self.train_config.nonfinite != "error":
+      return
+    unlogged = [w for w in (self.pending, Window(step, self.current, 0.0, 0.0))
+                if w is not None and w.metrics]
+    flags = jax.device_get([[m["nonfinite"] for m in w.metrics] for w in unlogged])
+    for window, window_flags in zip(unlogged, flags):
+      self._raise_on_bad_steps(window.first_step, window_flags)
+
+  def _raise_on_bad_steps(self, first_step: int, nonfinite_flags) -> None:
+    bad = [first_step + i for i, flag in enumerate(nonfinite_flags) if flag]
+    if bad and self.train_config.nonfinite == "error":
+      raise NonFiniteLoss(
+          f"non-finite loss or gradient at step {bad[0]}; last good checkpoint: "
+          f"{self._last_good()} (nothing later was saved). train.nonfinite=skip skips such "
+          "steps instead")
+
+  def _last_good(self) -> str:
+    latest = self.checkpointer.latest_step()
+    return ckpt_lib.step_dir(self.workdir, latest) if latest is not None else "none"
+
+  def _log(self, window: Window) -> None:
+    host = jax.device_get(window.metrics)
+    self._stamp(window)
+    train_config = self.train_config
+    self._raise_on_bad_steps(window.first_step, [m["nonfinite"] for m in host])
+    run = int(host[-1].get("consecutive_nonfinite", 0))  # present in skip mode only
+    if run >= train_config.max_consecutive_nonfinite:
+      raise NonFiniteLoss(
+          f"{run} consecutive steps with a non-finite loss or gradient (steps "
+          f"{window.last_step - run + 1}-{window.last_step}, all skipped; "
+          f"train.max_consecutive_nonfinite={train_config.max_consecutive_nonfinite}); last good "
+          f"checkpoint: {self._last_good()}")
+    good = [m for m in host if not m["nonfinite"]] or host
+    row = {
+        "loss": float(np.mean([m["loss"] for m in good])),
+        "mlm_accuracy": float(np.mean([m["mlm_accuracy"] for m in good])),
+        "learning_rate": float(host[-1]["learning_rate"]),
+        "grad_norm": float(good[-1]["grad_norm"]),
+    }
+    timed = host[window.untimed:]
+    row.update(metrics_lib.throughput(
+        steps=len(timed), seconds=window.seconds, wait_seconds=window.input_wait,
+        global_batch=train_config.batch_size, tokens=float(sum(m["tokens"] for m in timed)),
+        flops_per_step=self.setup.flops_per_step, peak_flops_total=self.peak_total))
+    if window.untimed and self.first_step_seconds is not None:
+      row["first_step_seconds"] = self.first_step_seconds
+    if train_config.nonfinite == "skip":
+      row["nonfinite_skipped"] = int(sum(m["nonfinite"] for m in host))
+    if "corrupt_records" in host[0]:
+      row["corrupt_records"] = int(sum(m["corrupt_records"] for m in host))
+    if window.first_step == self.start + 1 and self.is_writer:  # first window of this run
+      row["unigram_baseline"] = self.baseline
+    self._write(window.last_step, row)
+
+  def _write(self, step: int, row: dict) -> None:
+    self.writer.write(step, row)
+    self.writer.console(step, row)
+    self.last.update(row)
+
+  def close(self) -> None:
+    self.writer.close()
+
+
+def evaluate(steps: steps_lib.Steps, params, eval_batches) -> dict:
+  """MLM loss and accuracy over the fixed validation batches (``iter`` afresh each time)."""
+  sums = None
+  for host in iter(eval_batches):
+    batch = jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(steps.batch_sharding, x), host)
+    out = steps.eval_step(params, batch)
+    sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+  sums = jax.device_get(sums)
+  weight = max(float(sums["weight"]), 1.0)
+  return {"eval_loss": float(sums["ce_sum"]) / weight,
+          "eval_mlm_accuracy": float(sums["correct"]) / weight}
+
+
+# ----------------------------------------------------------------------------- the loop
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       meta: dataset.DatasetMeta | None = None, *,
+                       allow_config_change: bool = False) -> dict:
+  """Trains (resuming from ``workdir`` if it holds a checkpoint); returns the last metrics.
+  ``meta``: the dataset's metadata if the caller has loaded it (main has), else loaded here.
+  ``allow_config_change``: resume under changed result keys (``workdir_lib.RESULT_KEYS``),
+  recording them in config.json (``--allow_config_change``).
+
+  The workdir's lock (``workdir_lib.lock_workdir``): ``main`` takes it for every process of a
+  job; a single-process library caller (tests, tools) gets it here, for the call."""
+  took = jax.process_count() == 1 and workdir_lib.lock_workdir(workdir)
+  try:
+    return _train(config, workdir, meta, allow_config_change)
+  finally:
+    if took:
+      workdir_lib.unlock_workdir(workdir)
+
+
+def _check_not_past_end(workdir: str, start: int | None, steps: int) -> None:
+  if start is not None and start > steps:
+    raise ckpt_lib.IncompatibleCheckpoint(
+        f"{ckpt_lib.step_dir(workdir, start)}: the workdir is already at step {start}, past "
+        f"train.steps={steps}: nothing to train. To continue it, set a larger train.steps "
+        f"(e.g. --config.train.steps={2 * start}); for a new run, give another --workdir")
+
+
+def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> None:
+  """Warned, not refused: a small validation split still gives a usable (if noisier than it
+  looks) eval loss, and smoke tests on tiny datasets rely on it."""
+  available = loader.distinct_eval_batches(config, meta, **process)
+  wanted = int(config.train.eval_batches)
+  if wanted > available and jax.process_index() == 0:
+    logging.warning(
+        "train.eval_batches=%d but the validation split (%d records in %s) holds %d distinct "
+        "batches of train.batch_size=%d: each evaluation repeats records about %.1f times. "
+        "Set train.eval_batches<=%d for a non-repeating evaluation", wanted,
+        meta.num_records("validation"), meta.path, available, int(config.train.batch_size),
+        wanted / max(available, 1), available)
+
+
+def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
+  config = copy.deepcopy(config)  # data.workers may be set by the autotune below
+  setup = build_setup(config, meta)
+  train_config, meta = config.train, setup.meta
+  is_writer = jax.process_index() == 0
+  process = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
+  if is_writer and jax.device_count() > 1:
+    logging.info("gradient all-reduce: %s (train.grad_allreduce=%s)", steps.grad_allreduce,
+                 config.train.grad_allreduce)
+  # The refusals first, from what is on disk: a refused run leaves the workdir as it was.
+  # The checkpoint to resume is the newest that verifies (the same in every process).
+  resume = ckpt_lib.choose_resume_step(workdir)
+  start = resume.step
+  _check_not_past_end(workdir, start, int(train_config.steps))
+  # Compared before the autotune (which may take minutes); data.workers is a neutral key.
+  changes = workdir_lib.check_config_change(workdir, config, setup.model_cfg,
+                                            resume_step=start,
+                                            allow_change=allow_config_change)
+  resume.set_aside()  # <step>.corrupt: before the manager, which would list and rotate them
+  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
+                                       use_async=bool(config.checkpoint.async_save),
+                                       on_full=str(config.checkpoint.on_full))
+  start = checkpointer.latest_step()
+  for change in changes or ():
+    if is_writer:
+      logging.warning("config change from step %d on (recorded in config.json): %s: %r -> %r",
+                      change["step"], change["key"], change["from"], change["to"])
+  if config.data.autotune:  # before config.json, which then records the choice
+    config.data.workers = autotune.choose_for_run(config, meta, workdir, steps,
+                                                  is_writer=is_writer)
+  workdir_lib.save_config(workdir, config, setup.model_cfg, changes, is_writer)
+  _warn_if_eval_wraps(config, meta, process)
+
+  train_iter = prefetch.DevicePrefetcher(steps.batch_sharding, reopen=lambda k: iter(
+      loader.make_dataset(config, meta, "train", train=True, start_batch=k, **process)))
+  eval_batches = loader.make_dataset(config, meta, "validation", train=False, **process)
+  try:
+    return _loop(config, setup, workdir, steps, checkpointer, train_iter, eval_batches, start)
+  except KeyboardInterrupt:
+    # Ctrl-C: the loader's worker processes ignore SIGINT (data.ignore_signals_in_worker) so
+    # that only main reports it; stop them now, and let a checkpoint save in flight finish
+    # (it is nearly written; an interpreter exit under it would fail in its thread). A second
+    # Ctrl-C abandons it: main then leaves at once, and Orbax never takes its tmp directory
+    # for a checkpoint.
+    train_iter.close()
+    checkpointer.close()
+    raise Interrupted() from None
+
+
+def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, eval_batches,
+          start: int | None) -> dict:
+  train_config, is_writer = config.train, jax.process_index() == 0
+  if start is not None:
+    state = checkpointer.restore(start, steps.abstract_state, train_iter)
+    logging.info("resumed from %s", ckpt_lib.step_dir(workdir, start))
+  else:
+    start = 0
+    state = steps.init(jax.random.key(train_config.seed))
+    if config.init_from:  # step 0 from a BertForMaskedLM directory (hf_convert)
+      state = hf_convert.init_state(config.init_from, state, steps, setup)
+  if is_writer:  # a crash leaves "running": job scripts requeue only a "preempted" run
+    workdir_lib.write_run_state(workdir, "running", start, train_config.steps)
+
+  log = TrainLog(setup, workdir, start, checkpointer, train_iter)
+  preempted, step = False, start
+  try:
+    with preemption.ctrl_c_at_step_boundaries():
+      for step in range(start + 1, train_config.steps + 1):
+        if preemption.ctrl_c_requested():
+          raise KeyboardInterrupt
+        state, metrics = steps.train_step(state, next(train_iter))
+        log.after_step(step, metrics)
+        do_eval = step % train_config.eval_every == 0 or step == train_config.steps
+        # Every process asks at every step and gets the same answer.
+        preempted = checkpointer.reached_preemption(step) and step < train_config.steps
+        do_save = step % config.checkpoint.every == 0 or step == train_config.steps or preempted
+        if do_eval or do_save:
+          log.pause()  # neither counts as training time
+        if do_eval:
+          row = evaluate(steps, state.params, eval_batches)
+          log.eval_row(step, {**row, "eval_seconds": time.perf_counter() - log.paused_at})
+        if do_save:
+          log.check_before_save(step)
+          checkpointer.save(step, state, train_iter)
+        else:
+          checkpointer.poll()  # the manifest of a finished background save (processes > 0)
+        if do_eval or do_save:
+          log.resume()
+        if preempted:
+          checkpointer.wait()  # synchronous: the process may be killed soon after it exits
+          if is_writer:
+            logging.warning("preempted: stopped after step %d of %d; checkpoint %s saved. Rerun "
+                            "the same command to continue from it.", step, train_config.steps,
+                            ckpt_lib.step_dir(workdir, step))
+          break
+    log.finish(step)
+  except (NonFiniteLoss, ckpt_lib.CheckpointDiskFull):
+    # Raised alike in every process (the metrics are global), so waiting for a save still in
+    # flight cannot block on a peer: the last good checkpoint named in the error is complete.
+    checkpointer.close()
+    raise
+  except KeyboardInterrupt:
+    log.close()  # TensorBoard's buffered events; metrics.jsonl is written line by line
+    raise
+  checkpointer.close()
+  log.close()
+  if is_writer:
+    workdir_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,
+                             train_config.steps)
+  return {**log.last, "step": int(jax.device_get(state.step))}
