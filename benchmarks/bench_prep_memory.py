@@ -3,12 +3,13 @@
   python benchmarks/bench_prep_memory.py [--input PATH…] [--fractions 0.25 0.5 1] [--workers N]
 
 Runs ``tools/prepare_binary.py`` (a real subprocess, its own pool) on the first 1/4, 1/2 and all
-of the ELF bytes under ``--input`` (default: the README's corpus, /usr/lib/x86_64-linux-gnu and
-/usr/bin) and samples the resident memory of its process tree every 0.1 s from /proc: the peak
-of the sum over the tree, of the parent (which holds the duplicate set and the shard buffers)
-and of the largest worker (bounded memos, one chunk's sequences). The duplicate set is the one
-structure that grows with the corpus by design: its bytes per kept function are measured here
-(tracemalloc over a set of 16-byte digests) and written beside the peaks. Appends JSON lines to
+of the ELF bytes under ``--input`` (default: docs/data-preparation.md's corpus,
+/usr/lib/x86_64-linux-gnu and /usr/bin) and samples the resident memory of its process tree
+every 0.1 s from /proc: the peak of the sum over the tree, of the parent (which holds the
+duplicate set and the shard buffers) and of the largest worker (bounded memos, one chunk's
+sequences). The duplicate set is the one structure that grows with the corpus by design: its
+bytes per kept function are measured here (tracemalloc over a set of 16-byte digests) and
+written beside the peaks. Appends JSON lines to
 ``benchmarks/results/<date>-cpu-prep-memory.jsonl``.
 """
 

@@ -13,7 +13,7 @@
 #   node's local disk (tools/stage.py; a rerun verifies and copies nothing), then train from
 #   DATA_DIR (passed as --config.data.path). STAGE_WORKERS: parallel copies (default 16).
 #   STAGE_ONLY_NEEDED=1: copy only the shards this node's processes read and train with
-#   --config.data.shard_by_process=True (1/NUM_NODES of the data per node; see README).
+#   --config.data.shard_by_process=True (1/NUM_NODES of the data per node; see docs/cluster.md).
 # GPUS_PER_NODE=0 runs PROCS_PER_NODE CPU processes (testing the launch without GPUs).
 # The workdir (--workdir) must be on storage every node sees.
 set -euo pipefail

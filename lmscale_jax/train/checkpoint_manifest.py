@@ -16,7 +16,7 @@ rewrites at the commit itself, after the manifests (they are only required to be
 
 SHA-256 (hashlib), not CRC32C: no CRC32C library is installed here, and the dataset's shards are
 already checked with SHA-256 (one algorithm to reason about). Its cost against the save itself
-is measured in benchmarks/bench_checkpoint.py (README "Reliability").
+is measured in benchmarks/bench_checkpoint.py (docs/reliability.md "Manifest cost").
 """
 
 from __future__ import annotations
