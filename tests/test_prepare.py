@@ -16,7 +16,7 @@ import pytest
 
 from lmscale_jax.prep import elf_corpus, prepare, shard_writer
 from lmscale_jax.prep.pretokenize import Pretokenizer, normalize_number
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 128
@@ -206,6 +206,32 @@ def test_packing_none_pads_more(built, tmp_path):
   assert none["content_tokens"] == greedy["content_tokens"]
   assert none["pad_fraction"] > greedy["pad_fraction"] + 0.1
   assert sum(none["sequences"].values()) > sum(greedy["sequences"].values())
+
+
+@pytest.mark.parametrize("compression", ["snappy", "none"])
+def test_every_compression_reads_back_the_same_records(built, tmp_path, compression):
+  """The shards differ in bytes only: the same sequences, read by the loader's reader without
+  being told the codec; zstd, the default, is what every earlier preparation wrote."""
+  out, zstd = built
+  other = prepare.prepare(opts(tmp_path / compression, workers=1, compression=compression,
+                               tokenizer=str(out / dataset.TOKENIZER)))
+  assert (zstd["compression"], other["compression"]) == ("zstd", compression)
+  a, b = dataset.DatasetMeta.load(str(out)), dataset.DatasetMeta.load(str(tmp_path / compression))
+  for split in dataset.SPLITS:
+    np.testing.assert_array_equal(read_split(a, split), read_split(b, split))
+    reader = records.ShardRecords(b, split)
+    first = reader.decode(reader.read(np.arange(3), []), np.arange(3), b.vocab_size, [])
+    np.testing.assert_array_equal(first, read_split(a, split)[:3])
+  assert other["output_bytes"] > zstd["output_bytes"]  # zstd is the smallest of the three
+
+
+def test_a_bad_compression_is_one_line(tmp_path):
+  with pytest.raises(prepare.PrepareError, match=r"--compression 'lz4': expected one of "
+                     r"\['zstd', 'snappy', 'none'\]"):
+    prepare.prepare(opts(tmp_path / "o", small_elves(1), compression="lz4"))
+  r = _cli("prepare_binary.py", "--input", *small_elves(1), "--output", tmp_path / "o",
+           "--compression", "lz4")
+  assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lz4" in r.stderr
 
 
 def _cli(tool, *args, **kw):

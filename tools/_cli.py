@@ -18,6 +18,7 @@ import sys
 from lmscale_jax.errors import UserError
 from lmscale_jax.prep import options as prep_options
 from lmscale_jax.prep import prepare
+from lmscale_jax.store import dataset
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 
@@ -91,6 +92,9 @@ def parser(kind: str) -> argparse.ArgumentParser:
                  help="take input files, in order, while they fit in this many bytes; "
                  "one that would not is skipped (0 = no limit)")
   p.add_argument("--packing", choices=["greedy", "none"], default="greedy")
+  p.add_argument("--compression", choices=list(dataset.COMPRESSIONS), default="zstd",
+                 help="each record's compression in the shards (docs/data-preparation.md: "
+                 "size against prepare and read speed)")
   p.add_argument("--shard-size-mb", type=number(float, *prep_options.SIZE_MB), default=64)
   p.add_argument("--chunk-mb", type=number(float, *prep_options.SIZE_MB), default=32,
                  help="corpus chunk size (what a resumed run keeps of the extraction)")
@@ -112,7 +116,7 @@ def options(kind: str, a: argparse.Namespace) -> prep_options.Options:
   return prep_options.Options(
       kind=kind, inputs=a.input, output=a.output, seq_len=a.seq_len, vocab_size=a.vocab_size,
       tokenizer=a.tokenizer, tokenizer_model=a.tokenizer_model,
-      tokenizer_sample_mb=a.tokenizer_sample_mb, workers=a.workers,
+      tokenizer_sample_mb=a.tokenizer_sample_mb, workers=a.workers, compression=a.compression,
       max_input_bytes=a.max_input_bytes, packing=a.packing, shard_size_mb=a.shard_size_mb,
       chunk_mb=a.chunk_mb,
       val_fraction=a.val_fraction, overwrite=a.overwrite, progress=not a.no_progress,

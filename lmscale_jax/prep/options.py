@@ -27,6 +27,7 @@ class Options:
   workers: int = 0                # 0 = os.cpu_count()
   max_input_bytes: int = 0
   packing: str = "greedy"
+  compression: str = "zstd"       # per-record shard compression: zstd | snappy | none
   shard_size_mb: float = 64
   chunk_mb: float = 32            # corpus chunk size: the resume granularity of pass 1
   val_fraction: float = 0.01
@@ -39,6 +40,8 @@ class Options:
     """Everything that determines the output bytes (a resume must match them)."""
     skip = {"workers", "overwrite", "progress", "output"}
     d = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+    if d["compression"] == "zstd":  # the bytes of every run before the option: resumes match
+      del d["compression"]
     d["inputs"] = [os.path.abspath(p) for p in self.inputs]
     if self.tokenizer:
       d["tokenizer"] = dataset.sha256_file(self.tokenizer)
@@ -82,6 +85,9 @@ def check_options(o: Options) -> None:
   _finite("--seq-len", o.seq_len, *SEQ_LEN)
   if o.packing not in ("greedy", "none"):
     raise PrepareError(f"--packing {o.packing!r}: expected 'greedy' or 'none'")
+  if o.compression not in dataset.COMPRESSIONS:
+    raise PrepareError(f"--compression {o.compression!r}: expected one of "
+                       f"{list(dataset.COMPRESSIONS)}")
   _finite("--val-fraction", o.val_fraction, *VAL_FRACTION)
   _finite("--shard-size-mb", o.shard_size_mb, *SIZE_MB)
   _finite("--chunk-mb", o.chunk_mb, *SIZE_MB)

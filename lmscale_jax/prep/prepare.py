@@ -269,7 +269,7 @@ def _finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: floa
   measured = extract_stats["code_bytes"] if o.kind == "binary" else extract_stats["input_bytes"]
   val = st["validation"]
   stats = {
-      "kind": o.kind, "packing": o.packing, "seq_len": o.seq_len,
+      "kind": o.kind, "packing": o.packing, "compression": o.compression, "seq_len": o.seq_len,
       "vocab_size": result["vocab_size"],
       "input_files": extract_stats["input_files"],
       "input_bytes": extract_stats["input_bytes"],

@@ -163,10 +163,10 @@ def _tokenize_piece(piece: tuple[str, int, int]) -> dict:
 class _ShardSink:
   """Buffers one split's records into shards of a fixed record count, resumably."""
 
-  def __init__(self, work: str, split: str, records_per_shard: int):
+  def __init__(self, work: str, split: str, records_per_shard: int, compression: str):
     self.dir = os.path.join(work, "shards")
     os.makedirs(self.dir, exist_ok=True)
-    self.split, self.per = split, records_per_shard
+    self.split, self.per, self.compression = split, records_per_shard, compression
     self.buf: list[bytes] = []
     self.shards: list[dict] = []
 
@@ -191,7 +191,7 @@ class _ShardSink:
           os.path.getsize(path) != info["bytes"]:
         info = None  # not what this run produces: rewrite it
     if info is None:
-      info = dataset.write_array_record(path, self.buf)
+      info = dataset.write_array_record(path, self.buf, self.compression)
       dataset.atomic_write_json(side, info)
     self.shards.append(info)
     self.buf = []
@@ -209,7 +209,7 @@ def write_shards(o: Options, work: str, chunks: list[str], tok) -> dict:
   special = toklib.validate(tok, "tokenizer")
   per = max(1, int(o.shard_size_mb * (1 << 20))
             // (len(dataset.record_prefix(o.seq_len)) + 2 * o.seq_len))
-  sinks = {s: _ShardSink(work, s, per) for s in dataset.SPLITS}
+  sinks = {s: _ShardSink(work, s, per, o.compression) for s in dataset.SPLITS}
   st = {s: {"sequences": 0, "tokens": 0, "content_tokens": 0, "unk": 0, "items": 0}
         for s in dataset.SPLITS}
   pad, unk = special["[PAD]"], special["[UNK]"]

@@ -140,14 +140,22 @@ def atomic_write_json(path: str, obj: Any) -> None:
   atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def write_array_record(path: str, records: Iterable[bytes]) -> dict:
+# A shard's per-record compression -> ArrayRecord's writer options. Every record is its own
+# chunk (group_size:1: random access); readers find the codec in each chunk, so any choice
+# reads back without being told. zstd is ArrayRecord's default (written as before: the same
+# bytes as datasets prepared before the option existed).
+COMPRESSIONS = {"zstd": "group_size:1", "snappy": "group_size:1,snappy",
+                "none": "group_size:1,uncompressed"}
+
+
+def write_array_record(path: str, records: Iterable[bytes], compression: str = "zstd") -> dict:
   """Writes records to ``path`` atomically; returns {records, bytes, sha256}."""
   from array_record.python import array_record_module
 
   d = os.path.dirname(os.path.abspath(path))
   tmp = os.path.join(d, "." + os.path.basename(path) + ".partial")
   n = 0
-  writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
+  writer = array_record_module.ArrayRecordWriter(tmp, COMPRESSIONS[compression])
   try:
     for rec in records:
       writer.write(rec)
