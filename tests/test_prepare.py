@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import filecmp
 import json
 import os
@@ -408,6 +409,18 @@ def test_binary_vocabulary_is_the_most_frequent_words():
   want = sorted((w for w, n in counts.items() if n >= 2 and len(w) > 1),
                 key=lambda w: (-counts[w], w))
   assert len(words) > 100 and words == want[:len(words)]
+
+
+def test_pretoken_counts_of_parts_add_up_to_the_tokenizer_of_the_whole():
+  """The tokenizer a cluster preparation builds from each slice's counts, merged, is the one a
+  single node trains on all the texts (the same file, byte for byte)."""
+  from lmscale_jax.store import tokenizer as toklib
+
+  texts = [t for p in small_elves(3) for _, t in elf_corpus.extract_file(p)[1]]
+  thirds = [texts[i::3] for i in range(3)]
+  merged = sum((toklib.count_pretokens(part) for part in thirds), collections.Counter())
+  whole = toklib.train(texts, vocab_size=300, kind="binary")
+  assert toklib.from_pretoken_counts(merged, 300).to_str() == whole.to_str()
 
 
 def test_pass3_pieces_cover_the_chunks_at_line_ends(tmp_path):

@@ -65,8 +65,13 @@ def train(texts: Iterable[str], *, vocab_size: int, kind: str, model: str = "wor
 
 def _pretoken_wordpiece(texts: Iterable[str], vocab_size: int):
   """Deterministic WordPiece over pretokens: specials, character pieces, then frequent words."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  return from_pretoken_counts(count_pretokens(texts), vocab_size)
 
+
+def count_pretokens(texts: Iterable[str]) -> collections.Counter:
+  """Word counts of pretoken texts, specials excluded: all a binary tokenizer is built from.
+  Counts of parts of a corpus add up (``Counter`` +) to the whole's, so each node of a cluster
+  preparation can count its share and one step builds the tokenizer."""
   # Counted per instruction first (" [NEXT] "-separated; ~4× fewer items than words, and the
   # distinct instructions are few), then spread to their words: the same counts, ~2× faster.
   instructions = collections.Counter()
@@ -78,6 +83,14 @@ def _pretoken_wordpiece(texts: Iterable[str], vocab_size: int):
       counts[w] += n
   for sp in dataset.SPECIAL_TOKENS:
     counts.pop(sp, None)
+  return counts
+
+
+def from_pretoken_counts(counts: collections.Counter, vocab_size: int):
+  """The binary tokenizer of :func:`count_pretokens`' counts: specials, every character as a
+  piece, then the words seen at least twice, most frequent first (ties by the word)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
   chars = sorted({c for w in counts for c in w})
   vocab = list(dataset.SPECIAL_TOKENS) + chars + ["##" + c for c in chars]
   if len(vocab) > vocab_size:
