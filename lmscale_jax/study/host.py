@@ -1,11 +1,19 @@
-"""What a measurement ran on, as its results file's ``device`` says it: the sweeps, the tools
-and the benchmarks (benchmarks/_host.py) describe a host the same way."""
+"""What a measurement ran on, as its results file's ``device`` says it (the sweeps, the tools
+and the benchmarks, benchmarks/_host.py, describe a host the same way), and the checkout it
+runs from."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import subprocess
+import sys
+
+# The checkout holding the package (an editable install, tools/setup.sh): the runs start there
+# with its launch/*.sh, relative config paths (configs/*.py) are read from it, and
+# benchmarks/results lives in it.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cpu_name() -> str:
@@ -29,3 +37,19 @@ def host_description(directory: str) -> str:
   except (OSError, subprocess.CalledProcessError):
     pass
   return f"{cpu_name()}; disk: {disk}"
+
+
+@contextlib.contextmanager
+def checkout_importable():
+  """The checkout on sys.path while a config file runs here. A run loads its config with the
+  checkout on sys.path (``python -m lmscale_jax.main`` from it: launch/*.sh), so a config may
+  import from it (tests.helpers, configs/); loaded any other way here, such a config would
+  fail here only. Removed afterwards: nothing else in this process needs it."""
+  added = ROOT not in sys.path
+  if added:
+    sys.path.insert(0, ROOT)
+  try:
+    yield
+  finally:
+    if added:
+      sys.path.remove(ROOT)

@@ -23,11 +23,8 @@ import time
 from typing import Callable
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.study.sweep import checkout_importable
+from lmscale_jax.study.host import ROOT, checkout_importable
 
-# The checkout holding the package (an editable install, tools/setup.sh): relative config
-# paths (configs/*.py) are read from it.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Model shapes of the table; "bert1b" is BERT-large's recipe widened to ~1.05B parameters
 # (20 x 2048, 16 heads of 128, FFN 8192).

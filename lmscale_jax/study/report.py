@@ -12,10 +12,8 @@ import json
 import os
 
 from lmscale_jax.errors import UserError
+from lmscale_jax.study.host import ROOT
 
-# The checkout holding the package (an editable install, tools/setup.sh): where
-# benchmarks/results lives.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SIZE = (6, 4)  # inches at 100 dpi: 600 × 400 pixels
 STORAGE_GLOB = "benchmarks/results/*-cpu-storage*.jsonl"

@@ -10,7 +10,6 @@ one's reason are :mod:`lmscale_jax.study.sweep_grid`'s; the table printed at the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -24,12 +23,9 @@ import time
 from typing import Callable
 
 from lmscale_jax.study import sweep_grid as sg
-from lmscale_jax.study.host import cpu_name
+from lmscale_jax.study.host import ROOT, checkout_importable, cpu_name
 from lmscale_jax.study.sweep_grid import Plan, Point, SweepError
 
-# The checkout holding the package (an editable install, tools/setup.sh): the runs start
-# there, with its launch/*.sh and configs/.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARKER = "sweep_point.json"  # written in every run directory this module makes (and may remove)
 
 
@@ -65,22 +61,6 @@ class Options:
 def say(line: str) -> None:
   """Progress of a sweep that runs for hours: each line as it happens."""
   print(line, flush=True)
-
-
-@contextlib.contextmanager
-def checkout_importable():
-  """The checkout on sys.path while a config file runs here. A run loads its config with the
-  checkout on sys.path (``python -m lmscale_jax.main`` from it: launch/*.sh), so a config may
-  import from it (tests.helpers, configs/); loaded any other way here, such a config would
-  fail here only. Removed afterwards: nothing else in this process needs it."""
-  added = ROOT not in sys.path
-  if added:
-    sys.path.insert(0, ROOT)
-  try:
-    yield
-  finally:
-    if added:
-      sys.path.remove(ROOT)
 
 
 # ----------------------------------------------------------------------------- the host
