@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from lmscale_jax.prep import elf_corpus, prepare, shard_writer
+from lmscale_jax.prep import elf_corpus, prepare, shard_writer, tokenize_pack
 from lmscale_jax.prep.pretokenize import Pretokenizer, normalize_number
 from lmscale_jax.store import dataset, records
 
@@ -386,7 +386,7 @@ def test_pretoken_memo_matches_the_tokenizer(built):
   from tokenizers import Tokenizer
 
   tok = Tokenizer.from_file(str(built[0] / dataset.TOKENIZER))
-  memo = shard_writer.PretokenIds(tok)
+  memo = tokenize_pack.PretokenIds(tok)
   texts = [t for p in small_elves(2) for _, t in elf_corpus.extract_file(p)[1]]
   texts.append("mov rax qword [ rbp - 0x18 ] [NEXT] vfrobnicate zmm31 [NEXT] ret")  # unseen word
   for t in texts:

@@ -15,7 +15,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 from lmscale_jax.errors import PrepareError
-from lmscale_jax.prep import elf_corpus, text_corpus, worker_pool
+from lmscale_jax.prep import corpus_layout, elf_corpus, text_corpus, worker_pool
 from lmscale_jax.prep.elf_corpus import FileResult, InputError
 from lmscale_jax.prep.options import Options
 from lmscale_jax.store import dataset
@@ -33,7 +33,7 @@ def input_errors():
 PART_BYTES = 8 << 20  # ELF files larger than this are split over several tasks
 
 
-def _parts(kind: str, size: int) -> int:
+def file_parts(kind: str, size: int) -> int:
   # Depends only on the file size, so the task list (and the output) is the same for any
   # number of workers; big libraries (libLLVM: 110 MB) no longer serialize the whole pool.
   return 1 if kind != "binary" else max(1, min(64, -(-size // PART_BYTES)))
@@ -54,21 +54,21 @@ def parse_corpus_line(line: str) -> tuple[bytes, str]:
 
 # Function bytes → (digest, bytes decoded) of what this process extracted in this run
 # (elf_corpus.iter_functions' ``repeats``); emptied when a run starts (in-process worker).
-_REPEATS: dict = {}
-_REPEAT_LINE = 33  # the length of a digest-only line: 32 hex digits and "\n"
+REPEATS: dict = {}
+REPEAT_LINE = 33  # the length of a digest-only line: 32 hex digits and "\n"
 
 
-def _extract_worker(args) -> tuple[FileResult, str]:
+def extract_worker(args) -> tuple[FileResult, str]:
   """Pool task: one part of an input file → its lines streamed to a temp file (bounded memory)."""
   kind, path, part, parts, tmp, txt_docs, text_field = args
   t0 = time.perf_counter()
   res = FileResult(path=path, file_bytes=os.path.getsize(path))
-  it = (elf_corpus.iter_functions(path, res, part, parts, _REPEATS) if kind == "binary"
+  it = (elf_corpus.iter_functions(path, res, part, parts, REPEATS) if kind == "binary"
         else text_corpus.iter_documents(path, res, txt_docs, text_field))
   with open(tmp, "w", encoding="utf-8") as f:
     for digest, text in it:
       # A function whose bytes this process already sent in this run: only its digest
-      # (``_REPEAT_LINE``), which the parent has then seen (it reads the tasks in order).
+      # (``REPEAT_LINE``), which the parent has then seen (it reads the tasks in order).
       f.write(format_corpus_line(digest, text) if text is not None else f"{digest.hex()}\n")
   # What iter_functions did not time itself: digests, the lines to the temp file (text input:
   # all of it).
@@ -146,7 +146,7 @@ class _ChunkWriter:
       self._open()
 
 
-def _add_part(whole: FileResult | None, res: FileResult, part: int) -> FileResult:
+def add_part(whole: FileResult | None, res: FileResult, part: int) -> FileResult:
   """The file's result so far, with one more part (of a file split over workers) added."""
   if part == 0:
     whole = FileResult(path=res.path, file_bytes=res.file_bytes)
@@ -162,7 +162,7 @@ def _dedup(tmp: str, seen: set, stats: dict, out) -> None:
   """A worker's lines into ``out``, each function or document once (first occurrence kept)."""
   with open(tmp, encoding="utf-8") as f:
     for line in f:
-      if len(line) == _REPEAT_LINE:
+      if len(line) == REPEAT_LINE:
         if bytes.fromhex(line[:32]) not in seen:
           raise RuntimeError(f"{tmp}: a repeated function whose first occurrence was "
                              "never read (a bug: the tasks were read out of order)")
@@ -178,7 +178,7 @@ def _dedup(tmp: str, seen: set, stats: dict, out) -> None:
   os.unlink(tmp)
 
 
-def _count_file(stats: dict, whole: FileResult, kind: str) -> None:
+def count_file(stats: dict, whole: FileResult, kind: str) -> None:
   """A whole input file's counts (once, after its last part)."""
   stats["input_files"] += 1
   skip = whole.skip or ("" if whole.functions else
@@ -202,30 +202,30 @@ def extract(o: Options, work: str, files: list[str], skipped: dict,
   done, seen, stats, start = _resume(work, skipped)
   if done and done[-1][1].get("last"):
     return [p for p, _ in done]
-  _REPEATS.clear()  # what an in-process worker of an earlier run remembered is not seen here
+  REPEATS.clear()  # what an in-process worker of an earlier run remembered is not seen here
   tmpdir = os.path.join(work, "extract")
   os.makedirs(tmpdir, exist_ok=True)
   writer = _ChunkWriter(work, len(done), stats)
   sizes = [os.path.getsize(p) for p in files]
-  tasks = [(i, (o.kind, files[i], part, _parts(o.kind, sizes[i]),
+  tasks = [(i, (o.kind, files[i], part, file_parts(o.kind, sizes[i]),
                  os.path.join(tmpdir, f"{i:06d}-{part:02d}.tsv"), o.txt_docs, o.text_field))
-           for i in range(start, len(files)) for part in range(_parts(o.kind, sizes[i]))]
+           for i in range(start, len(files)) for part in range(file_parts(o.kind, sizes[i]))]
   bar = tqdm(total=sum(sizes), initial=sum(sizes[:start]), unit="B", unit_scale=True,
              desc="extract", disable=not o.progress)
   whole = None
   with worker_pool.ordered_map(o.workers) as pmap, input_errors():
-    for (i, args), (res, tmp) in zip(tasks, pmap(_extract_worker, [a for _, a in tasks])):
+    for (i, args), (res, tmp) in zip(tasks, pmap(extract_worker, [a for _, a in tasks])):
       t0 = time.perf_counter()
       for stage, s in res.seconds.items():
         seconds[stage] = seconds.get(stage, 0.0) + s
       part, parts = args[2], args[3]
-      whole = _add_part(whole, res, part)
+      whole = add_part(whole, res, part)
       _dedup(tmp, seen, stats, writer.file)
       seconds["dedup"] = seconds.get("dedup", 0.0) + time.perf_counter() - t0
       bar.update(res.file_bytes / parts)
       if part + 1 < parts:
         continue
-      _count_file(stats, whole, o.kind)
+      count_file(stats, whole, o.kind)
       if writer.file.tell() >= o.chunk_mb * (1 << 20) and i + 1 < len(files):
         writer.close(i + 1, last=False)
   bar.close()
@@ -244,8 +244,7 @@ def extract(o: Options, work: str, files: list[str], skipped: dict,
 def iter_texts(chunks: list[str], limit_bytes: int) -> Iterator[str]:
   """About ``limit_bytes`` of corpus text: every k-th line, so the sample spans all inputs
   (the first bytes alone would be the alphabetically first libraries)."""
-  total = sum(os.path.getsize(p) for p in chunks)
-  stride = max(1, -(-total // max(1, limit_bytes)))
+  stride = corpus_layout.sample_stride(sum(os.path.getsize(p) for p in chunks), limit_bytes)
   i = 0
   for path in chunks:
     with open(path, encoding="utf-8") as f:

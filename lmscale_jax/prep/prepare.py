@@ -43,7 +43,7 @@ def _inside(path: str, top: str) -> bool:
   return path != top and os.path.commonpath([path, top]) == top
 
 
-def _check_overlap(o: Options) -> None:
+def check_overlap(o: Options) -> None:
   """The output directory is cleared and written: it must not hold, lie in or be an input."""
   out = os.path.realpath(o.output)
   named = [("--input", p) for p in o.inputs] + ([("--tokenizer", o.tokenizer)]
@@ -155,7 +155,7 @@ def _resume_or_restart(o: Options, params: dict) -> bool:
   return False
 
 
-def _open_output(o: Options, params: dict) -> bool:
+def open_output(o: Options, params: dict) -> bool:
   """Creates/validates the output directory. Returns True when resuming an earlier run."""
   out, work = o.output, os.path.join(o.output, WORK)
   if os.path.exists(out) and not os.path.isdir(out):
@@ -188,7 +188,7 @@ def _open_output(o: Options, params: dict) -> bool:
   return False
 
 
-def _input_key(files: list[str]) -> dict:
+def input_key(files: list[str]) -> dict:
   """What the reusable work depends on besides the options: each input's path, size, mtime."""
   entries = []
   for p in files:
@@ -249,7 +249,7 @@ def _move_into_place(o: Options, work: str, name: str, result: dict) -> dict:
   return splits
 
 
-def _finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: float,
+def finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: float,
               workers: int) -> dict:
   name = "binary_code" if o.kind == "binary" else "text_corpus"
   _check_splits(o, result)
@@ -334,15 +334,15 @@ def prepare(o: Options) -> dict:
 def _prepare(o: Options) -> dict:
   t0 = time.time()
   check_options(o)
-  _check_overlap(o)
+  check_overlap(o)
   workers = o.workers or os.cpu_count() or 1
   o = dataclasses.replace(o, workers=workers)
   files, skipped, notes = corpus_extract.list_files(o)
   for note in notes:
     print(note, file=sys.stderr)
   params = o.output_params()
-  params["input_files"] = _input_key(files)
-  resumed = _open_output(o, params)
+  params["input_files"] = input_key(files)
+  resumed = open_output(o, params)
   work = os.path.join(o.output, WORK)
   if resumed and o.progress:
     print(f"resuming the unfinished preparation in {o.output}")
@@ -357,4 +357,4 @@ def _prepare(o: Options) -> dict:
   result = shard_writer.write_shards(o, work, chunks, tok)
   stages.update(result["seconds"])
   result["stage_seconds"] = {k: round(v, 3) for k, v in stages.items()}
-  return _finalize(o, work, result, extract_stats, t0, workers)
+  return finalize(o, work, result, extract_stats, t0, workers)
