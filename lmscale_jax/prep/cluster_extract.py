@@ -15,7 +15,6 @@ import numpy as np
 
 from lmscale_jax.errors import PrepareError
 from lmscale_jax.prep import corpus_extract, corpus_layout, packed_pieces, prepare, worker_pool
-from lmscale_jax.prep.elf_corpus import FileResult
 from lmscale_jax.prep.options import Options, check_options
 from lmscale_jax.store import dataset
 
@@ -101,26 +100,6 @@ def _bucket_file(work: str, b: int, k: int) -> str:
   return work_path(work, "buckets", f"{b:05d}", f"slice-{k:05d}.npy")
 
 
-def _extract_task(args) -> tuple[FileResult, dict]:
-  """Pool task: one input part (``corpus_extract.extract_worker``), then its lines split, in
-  the worker, into text lines (to ``tmp``.txt), their byte lengths and digests."""
-  res, tmp = corpus_extract.extract_worker(args)
-  t0 = time.perf_counter()
-  lengths, digests, repeats = [], [], 0
-  with open(tmp, "rb") as f, open(tmp + ".txt", "wb") as out:
-    for line in f:
-      if len(line) == corpus_extract.REPEAT_LINE:  # digest only: this process sent it before
-        repeats += 1
-        continue
-      out.write(line)
-      lengths.append(len(line))
-      digests.append(bytes.fromhex(line[:32].decode()))
-  os.unlink(tmp)
-  res.seconds["dedup"] = time.perf_counter() - t0
-  return res, {"txt": tmp + ".txt", "lengths": lengths, "digests": b"".join(digests),
-               "repeats": repeats}
-
-
 def extract(output: str, task: int, tasks: int, workers: int) -> None:
   p, o = load_plan(output)
   for k in share(len(p["slices"]), task, tasks):
@@ -143,7 +122,7 @@ def _extract_slice(work: str, p: dict, o: Options, k: int, workers: int) -> None
   corpus_extract.REPEATS.clear()
   with worker_pool.ordered_map(workers) as pmap, corpus_extract.input_errors(), \
       open(slice_file(work, k, ".txt.partial"), "wb") as txt:
-    for res, out in pmap(_extract_task, args):
+    for res, out in pmap(corpus_extract.extract_worker, args):
       with open(out["txt"], "rb") as f:
         shutil.copyfileobj(f, txt, 1 << 20)
       os.unlink(out["txt"])

@@ -5,6 +5,7 @@ the duplicate set from complete chunks and continues with the next input file.""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -19,6 +20,7 @@ from lmscale_jax.prep import corpus_layout, elf_corpus, text_corpus, worker_pool
 from lmscale_jax.prep.elf_corpus import FileResult, InputError
 from lmscale_jax.prep.options import Options
 from lmscale_jax.store import dataset
+from lmscale_jax.store import tokenizer as toklib
 
 
 @contextlib.contextmanager
@@ -55,25 +57,30 @@ def parse_corpus_line(line: str) -> tuple[bytes, str]:
 # Function bytes → (digest, bytes decoded) of what this process extracted in this run
 # (elf_corpus.iter_functions' ``repeats``); emptied when a run starts (in-process worker).
 REPEATS: dict = {}
-REPEAT_LINE = 33  # the length of a digest-only line: 32 hex digits and "\n"
 
 
-def extract_worker(args) -> tuple[FileResult, str]:
-  """Pool task: one part of an input file → its lines streamed to a temp file (bounded memory)."""
+def extract_worker(args) -> tuple[FileResult, dict]:
+  """Pool task: one part of an input file → its lines streamed to a temp file (bounded memory),
+  with each line's byte length and digest (the duplicate check's input, done here in the worker
+  rather than by parsing every line again in the parent)."""
   kind, path, part, parts, tmp, txt_docs, text_field = args
   t0 = time.perf_counter()
   res = FileResult(path=path, file_bytes=os.path.getsize(path))
   it = (elf_corpus.iter_functions(path, res, part, parts, REPEATS) if kind == "binary"
         else text_corpus.iter_documents(path, res, txt_docs, text_field))
-  with open(tmp, "w", encoding="utf-8") as f:
+  lengths, digests, repeats = [], [], 0
+  with open(tmp, "wb") as f:
     for digest, text in it:
-      # A function whose bytes this process already sent in this run: only its digest
-      # (``REPEAT_LINE``), which the parent has then seen (it reads the tasks in order).
-      f.write(format_corpus_line(digest, text) if text is not None else f"{digest.hex()}\n")
-  # What iter_functions did not time itself: digests, the lines to the temp file (text input:
-  # all of it).
+      if text is None:  # a function whose bytes this process already sent in this run
+        repeats += 1
+        continue
+      line = format_corpus_line(digest, text).encode()
+      f.write(line)
+      lengths.append(len(line))
+      digests.append(digest)
+  # What iter_functions did not time itself: the lines to the temp file (text input: all of it).
   res.seconds["extract_write"] = time.perf_counter() - t0 - sum(res.seconds.values())
-  return res, tmp
+  return res, {"txt": tmp, "lengths": lengths, "digests": b"".join(digests), "repeats": repeats}
 
 
 def chunks(work: str) -> list[tuple[str, dict]]:
@@ -132,7 +139,7 @@ class _ChunkWriter:
 
   def _open(self) -> None:
     self.path = os.path.join(self.work, f"corpus-{self.index:05d}.txt")
-    self.file = open(self.path + ".partial", "w", encoding="utf-8")
+    self.file = open(self.path + ".partial", "wb")
 
   def close(self, next_file: int, last: bool) -> None:
     self.file.flush()
@@ -158,24 +165,25 @@ def add_part(whole: FileResult | None, res: FileResult, part: int) -> FileResult
   return whole
 
 
-def _dedup(tmp: str, seen: set, stats: dict, out) -> None:
-  """A worker's lines into ``out``, each function or document once (first occurrence kept)."""
-  with open(tmp, encoding="utf-8") as f:
-    for line in f:
-      if len(line) == REPEAT_LINE:
-        if bytes.fromhex(line[:32]) not in seen:
-          raise RuntimeError(f"{tmp}: a repeated function whose first occurrence was "
-                             "never read (a bug: the tasks were read out of order)")
-        stats["deduplicated"] += 1
-        continue
-      digest, _ = parse_corpus_line(line)
-      if digest in seen:
-        stats["deduplicated"] += 1
-        continue
-      seen.add(digest)
-      stats["kept"] += 1
-      out.write(line)
-  os.unlink(tmp)
+def _dedup(out: dict, seen: set, stats: dict, chunk) -> None:
+  """A worker's lines into ``chunk``, each function or document once (first occurrence kept):
+  by their digests, the whole file copied when all are new (the common case)."""
+  digests = out["digests"]
+  stats["deduplicated"] += out["repeats"]
+  keep = []
+  for j in range(0, len(digests), 16):
+    d = digests[j:j + 16]
+    keep.append(d not in seen)
+    seen.add(d)
+  kept = sum(keep)
+  stats["kept"] += kept
+  stats["deduplicated"] += len(keep) - kept
+  with open(out["txt"], "rb") as f:
+    if kept == len(keep):
+      shutil.copyfileobj(f, chunk, 1 << 20)
+    else:
+      chunk.writelines(line for line, k in zip(f, keep) if k)
+  os.unlink(out["txt"])
 
 
 def count_file(stats: dict, whole: FileResult, kind: str) -> None:
@@ -214,13 +222,13 @@ def extract(o: Options, work: str, files: list[str], skipped: dict,
              desc="extract", disable=not o.progress)
   whole = None
   with worker_pool.ordered_map(o.workers) as pmap, input_errors():
-    for (i, args), (res, tmp) in zip(tasks, pmap(extract_worker, [a for _, a in tasks])):
+    for (i, args), (res, out) in zip(tasks, pmap(extract_worker, [a for _, a in tasks])):
       t0 = time.perf_counter()
       for stage, s in res.seconds.items():
         seconds[stage] = seconds.get(stage, 0.0) + s
       part, parts = args[2], args[3]
       whole = add_part(whole, res, part)
-      _dedup(tmp, seen, stats, writer.file)
+      _dedup(out, seen, stats, writer.file)
       seconds["dedup"] = seconds.get("dedup", 0.0) + time.perf_counter() - t0
       bar.update(res.file_bytes / parts)
       if part + 1 < parts:
@@ -252,3 +260,23 @@ def iter_texts(chunks: list[str], limit_bytes: int) -> Iterator[str]:
         if i % stride == 0:
           yield parse_corpus_line(line)[1]
         i += 1
+
+
+def count_lines(path: str) -> int:
+  """Pool task: the lines of a corpus chunk."""
+  n = 0
+  with open(path, "rb") as f:
+    while block := f.read(1 << 22):
+      n += block.count(b"\n")
+  return n
+
+
+def count_sample(args) -> collections.Counter:
+  """Pool task ``(chunk, index of its first line in the corpus, stride)``: the pretoken counts
+  (``tokenizer.count_pretokens``) of the chunk's lines in the tokenizer sample of
+  :func:`iter_texts`; the chunks' counts add up to the whole sample's."""
+  path, first, stride = args
+  with open(path, encoding="utf-8") as f:
+    return toklib.count_pretokens(parse_corpus_line(line)[1] for i, line in enumerate(f, first)
+                                  if i % stride == 0)
+

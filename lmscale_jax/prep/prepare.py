@@ -20,6 +20,7 @@ only on the input order.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import hashlib
@@ -31,7 +32,7 @@ import sys
 import time
 
 from lmscale_jax.errors import PrepareError  # noqa: F401  (tools/_cli.py catches it from here)
-from lmscale_jax.prep import corpus_extract, shard_writer
+from lmscale_jax.prep import corpus_extract, corpus_layout, shard_writer, worker_pool
 from lmscale_jax.prep.options import Options, check_options
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
@@ -199,6 +200,23 @@ def input_key(files: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------- pass 2
+def _sample_counts(o: Options, chunks: list[str]) -> collections.Counter:
+  """The binary tokenizer's pretoken counts of ``iter_texts``' sample, counted per chunk in the
+  workers (the parent counted them alone: 0.67 s of a two-worker run's ~5 s, measured)."""
+  stride = corpus_layout.sample_stride(sum(os.path.getsize(p) for p in chunks),
+                                       o.tokenizer_sample_mb << 20)
+  counts = collections.Counter()
+  with worker_pool.ordered_map(o.workers) as pmap:
+    first = 0
+    tasks = []
+    for path, lines in zip(chunks, pmap(corpus_extract.count_lines, chunks)):
+      tasks.append((path, first, stride))
+      first += lines
+    for c in pmap(corpus_extract.count_sample, tasks):
+      counts.update(c)
+  return counts
+
+
 def _tokenizer(o: Options, work: str, chunks: list[str]):
   path = os.path.join(work, dataset.TOKENIZER)
   if os.path.exists(path):
@@ -206,6 +224,8 @@ def _tokenizer(o: Options, work: str, chunks: list[str]):
   try:
     if o.tokenizer:
       tok = toklib.load(o.tokenizer)
+    elif o.kind == "binary":
+      tok = toklib.from_pretoken_counts(_sample_counts(o, chunks), o.vocab_size)
     else:
       tok = toklib.train(corpus_extract.iter_texts(chunks, o.tokenizer_sample_mb << 20),
                          vocab_size=o.vocab_size, kind=o.kind, model=o.tokenizer_model,
