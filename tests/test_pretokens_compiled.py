@@ -151,10 +151,12 @@ def test_code_pretokenizer_is_compiled_where_built_and_python_when_forced(monkey
   compiled()
   monkeypatch.setattr(pretokenize, "_shared", None)
   monkeypatch.delenv(pretokenize.BACKEND_ENV, raising=False)
-  assert pretokenize.code_pretokenizer(fresh=True).backend == "compiled"
+  pre = pretokenize.code_pretokenizer(fresh=True)
+  assert (pre.backend, pre.decoder.split()[0]) == ("compiled", "capstone")
   monkeypatch.setenv(pretokenize.BACKEND_ENV, "python")
   pre = pretokenize.code_pretokenizer(fresh=True)
   assert isinstance(pre, CodePretokenizer) and pre.backend == "python"
+  assert pre.decoder.startswith("iced-x86 ")
 
 
 def test_without_the_extension_the_default_falls_back_to_python_and_forcing_it_is_one_error(

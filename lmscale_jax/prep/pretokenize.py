@@ -166,6 +166,11 @@ class CodePretokenizer:
 
   backend = "python"
 
+  @property
+  def decoder(self) -> str:
+    """What decodes, with its version (for a dataset's record of how it was made)."""
+    return _package_version("iced-x86")
+
   def __init__(self, memo_size: int = 1 << 18):
     """``memo_size``: entries of the bytes memo (the shapes and operand memos get half)."""
     from iced_x86 import Code, Decoder, OpKind
@@ -375,6 +380,17 @@ class CompiledPretokenizer:
     # The C function itself: no Python frame between the caller and the decoder.
     self.function_text = _pretokens.function_text
     self.decode_only = _pretokens.decode_only
+    self.decoder = _package_version("capstone")  # what decodes, with its version
+
+
+def _package_version(name: str) -> str:
+  """``"capstone 5.0.9"``: the installed distribution's version (capstone.__version__ lags)."""
+  from importlib import metadata
+
+  try:
+    return f"{name} {metadata.version(name)}"
+  except metadata.PackageNotFoundError:
+    return f"{name} (version unknown)"
 
 
 def capstone_library() -> str:
@@ -396,7 +412,8 @@ def code_pretokenizer(fresh: bool = False) -> CodePretokenizer | CompiledPretoke
   """This process's pretokenizer (the python backend's memo serves every file the process
   reads); ``fresh``: a new one with an empty memo from now on (what a benchmark of a cold start
   wants). The backend: ``$LMSCALE_PRETOKENIZER`` (compiled or python), else compiled where the
-  extension imports, else python; its ``backend`` attribute says which."""
+  extension imports, else python; its ``backend`` attribute says which and ``decoder`` the
+  decoding library and its version (``"capstone 5.0.9"``): what a dataset records."""
   global _shared
   if _shared is None or fresh:
     _shared = make_pretokenizer(os.environ.get(BACKEND_ENV, ""))
