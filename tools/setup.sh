@@ -31,7 +31,14 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 stamp=.venv/.lmscale-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+# Reinstall when the package's build inputs changed since: its metadata and dependencies, and
+# the compiled extension (an editable install builds lmscale_jax/prep/_pretokens.c into the
+# source tree once; an edited .c is not rebuilt on import).
+stale=""
+for f in pyproject.toml setup.py lmscale_jax/prep/_pretokens.c; do
+  [ "$f" -nt "$stamp" ] && stale=1
+done
+if [ ! -f "$stamp" ] || [ -n "$stale" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[test]'
   touch "$stamp"

@@ -2,7 +2,8 @@
 
 Function boundaries come from ``.symtab`` and ``.dynsym`` (``STT_FUNC`` symbols with a size, first
 name per address wins); bytes are read through the executable section that holds them and
-decoded with iced-x86 (x86-64, ``pretokenize.CodePretokenizer``).
+decoded by ``pretokenize.code_pretokenizer()`` (x86-64: capstone in C where the extension is
+built, else iced-x86).
 """
 
 from __future__ import annotations

@@ -16,16 +16,25 @@ per value:
     bucket ``<imm16>``, ``<imm32>`` or ``<imm64>``.
 All numbers are written in lowercase hex (capstone prints values below 10 in decimal).
 
-Preparation decodes with iced-x86 (:class:`CodePretokenizer`: Rust, ~5× capstone's Python
-binding) and writes the text capstone's Intel syntax gave (:class:`Pretokenizer` normalises
-those operand strings; tests/test_pretokens_iced.py holds the two decoders to ≥ 99.9% of
-instructions identical on real libraries and lists where they differ, and why).
+Preparation writes the text capstone's Intel syntax gives (:class:`Pretokenizer` normalises
+those operand strings: the reference) through one of two backends, :func:`code_pretokenizer`'s
+choice (``LMSCALE_PRETOKENIZER=compiled|python`` forces one):
+  * ``compiled`` (:class:`CompiledPretokenizer`, the default where it is built): one call per
+    function into ``_pretokens.c``, capstone's C library and this normalisation written in C;
+    its text is the reference's byte for byte (tests/test_pretokens_compiled.py);
+  * ``python`` (:class:`CodePretokenizer`, the fallback): iced-x86's Python binding with a memo
+    per instruction; tests/test_pretokens_iced.py holds it to ≥ 99.9% of instructions identical
+    to the reference on real libraries and lists where they differ, and why.
+The two can differ on those rare instructions, so a dataset records which backend made it.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import re
+
+from lmscale_jax.errors import PrepareError
 
 from lmscale_jax.store.dataset import NEXT
 
@@ -154,6 +163,13 @@ class CodePretokenizer:
   exactly, and a hit costs one dict lookup instead of formatting (~7 µs). One instance per process
   (:func:`code_pretokenizer`) keeps the memo across files; it is bounded.
   """
+
+  backend = "python"
+
+  @property
+  def decoder(self) -> str:
+    """What decodes, with its version (for a dataset's record of how it was made)."""
+    return _package_version("iced-x86")
 
   def __init__(self, memo_size: int = 1 << 18):
     """``memo_size``: entries of the bytes memo (the shapes and operand memos get half)."""
@@ -338,13 +354,84 @@ def _number_class(v: int, size: int, rip: bool = False):
           *(normalize_number(v & ((1 << b) - 1)) for b in (8, 16, 32, 64) if b >= 8 * size))
 
 
-_shared: CodePretokenizer | None = None
+# ----------------------------------------------------------------------------- compiled
+BACKEND_ENV = "LMSCALE_PRETOKENIZER"
+BACKENDS = ("compiled", "python")
 
 
-def code_pretokenizer(fresh: bool = False) -> CodePretokenizer:
-  """This process's :class:`CodePretokenizer` (its memo serves every file the process reads);
-  ``fresh``: a new one with an empty memo from now on (what a benchmark of a cold start wants)."""
+class CompiledPretokenizer:
+  """One function's machine code → its normalised text in one call into ``_pretokens.c``
+  (capstone's C library, :class:`Pretokenizer`'s normalisation in C): the reference text byte
+  for byte, with no Python per instruction. It needs no memo: capstone's own decoding and
+  printing is most of its time (bench_prep's "compiled decode alone" row).
+
+  ``function_text(code, start) -> (text, bytes decoded)``, as :class:`CodePretokenizer`'s: the
+  instructions of ``code`` up to the first one capstone cannot decode.
+  """
+
+  backend = "compiled"
+
+  def __init__(self):
+    """Raises ImportError (one line: what is missing) where the extension is not built or
+    capstone's library cannot be opened."""
+    from lmscale_jax.prep import _pretokens  # the C extension (setup.py): optional
+
+    _pretokens.load(capstone_library())
+    # The C function itself: no Python frame between the caller and the decoder.
+    self.function_text = _pretokens.function_text
+    self.decode_only = _pretokens.decode_only
+    self.decoder = _package_version("capstone")  # what decodes, with its version
+
+
+def _package_version(name: str) -> str:
+  """``"capstone 5.0.9"``: the installed distribution's version (capstone.__version__ lags)."""
+  from importlib import metadata
+
+  try:
+    return f"{name} {metadata.version(name)}"
+  except metadata.PackageNotFoundError:
+    return f"{name} (version unknown)"
+
+
+def capstone_library() -> str:
+  """The path of the shared library capstone's Python binding loaded: the compiled backend
+  opens the same one, so it decodes exactly as the reference (disasm_lite) does."""
+  import capstone
+
+  path = getattr(getattr(capstone, "_cs", None), "_name", None)
+  if not path:
+    raise ImportError("capstone's Python binding does not name its library (capstone._cs._name);"
+                      f" set {BACKEND_ENV}=python")
+  return path
+
+
+_shared: CodePretokenizer | CompiledPretokenizer | None = None
+
+
+def code_pretokenizer(fresh: bool = False) -> CodePretokenizer | CompiledPretokenizer:
+  """This process's pretokenizer (the python backend's memo serves every file the process
+  reads); ``fresh``: a new one with an empty memo from now on (what a benchmark of a cold start
+  wants). The backend: ``$LMSCALE_PRETOKENIZER`` (compiled or python), else compiled where the
+  extension imports, else python; its ``backend`` attribute says which and ``decoder`` the
+  decoding library and its version (``"capstone 5.0.9"``): what a dataset records."""
   global _shared
   if _shared is None or fresh:
-    _shared = CodePretokenizer()
+    _shared = make_pretokenizer(os.environ.get(BACKEND_ENV, ""))
   return _shared
+
+
+def make_pretokenizer(choice: str = "") -> CodePretokenizer | CompiledPretokenizer:
+  """A new pretokenizer of backend ``choice`` ("" = compiled where it is built, else python)."""
+  if choice not in ("", *BACKENDS):
+    raise PrepareError(f"{BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKENDS)} "
+                       "(or unset: compiled where it is built)")
+  if choice == "python":
+    return CodePretokenizer()
+  try:
+    return CompiledPretokenizer()
+  except ImportError as e:
+    if choice == "compiled":
+      raise PrepareError(f"{BACKEND_ENV}=compiled but the compiled pretokenizer is unavailable "
+                         f"({e}); rebuild it with bash tools/setup.sh, or unset "
+                         f"{BACKEND_ENV}") from e
+    return CodePretokenizer()
