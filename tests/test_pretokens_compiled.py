@@ -18,7 +18,7 @@ import pytest
 from lmscale_jax.errors import PrepareError
 from lmscale_jax.prep import pretokenize
 from lmscale_jax.prep.pretokenize import NEXT, CodePretokenizer, CompiledPretokenizer
-from tests.test_pretokens_iced import LIB, LIBRARIES, capstone_pretokens, functions, iced_pretokens
+from tests.test_pretokens_iced import LIB, LIBRARIES, functions, iced_pretokens
 
 
 def compiled() -> CompiledPretokenizer:

@@ -59,6 +59,7 @@ def plan(o: Options, slices: int, buckets: int) -> dict:
     print(note, file=sys.stderr)
   params = o.output_params()
   params["input_files"] = prepare.input_key(files)
+  params.update(prepare.pretokenizer_params(o))
   params["engine"] = ENGINE
   prepare.open_output(o, params)
   path = work_path(work_dir(o.output), PLAN)

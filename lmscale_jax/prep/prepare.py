@@ -189,6 +189,19 @@ def open_output(o: Options, params: dict) -> bool:
   return False
 
 
+def pretokenizer_params(o: Options) -> dict:
+  """The compiled backend (prep/_pretokens.c) writes capstone's text, which differs from the
+  python backend's on ~0.005% of instructions: a run never resumes with the other one. Its
+  absence means the python backend (every run before the compiled one existed). Called in the
+  parent, before the pool: a bad $LMSCALE_PRETOKENIZER is one line here, not in a worker."""
+  if o.kind != "binary":
+    return {}
+  from lmscale_jax.prep.pretokenize import code_pretokenizer
+
+  pre = code_pretokenizer()
+  return {"pretokenizer": f"compiled ({pre.decoder})"} if pre.backend == "compiled" else {}
+
+
 def input_key(files: list[str]) -> dict:
   """What the reusable work depends on besides the options: each input's path, size, mtime."""
   entries = []
@@ -312,6 +325,7 @@ def finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: float
       "mb_per_s_per_core": round(measured / 1e6 / wall / workers, 3),
   }
   if o.kind == "binary":
+    stats["pretokenizer"] = pretokenizer_params(o).get("pretokenizer", "python (iced-x86)")
     stats["code_bytes"] = extract_stats["code_bytes"]
     stats["functions_partially_decoded"] = extract_stats["partially_decoded"]
   dataset.atomic_write_json(os.path.join(o.output, dataset.STATS), stats)
@@ -362,6 +376,7 @@ def _prepare(o: Options) -> dict:
     print(note, file=sys.stderr)
   params = o.output_params()
   params["input_files"] = input_key(files)
+  params.update(pretokenizer_params(o))
   resumed = open_output(o, params)
   work = os.path.join(o.output, WORK)
   if resumed and o.progress:
