@@ -423,6 +423,31 @@ def test_pretoken_counts_of_parts_add_up_to_the_tokenizer_of_the_whole():
   assert toklib.from_pretoken_counts(merged, 300).to_str() == whole.to_str()
 
 
+@pytest.mark.parametrize("sample_mb", [64, 1], ids=["every line", "every k-th line"])
+def test_the_tokenizer_sample_counted_per_piece_in_workers_is_the_one_of_one_process(
+    tmp_path, monkeypatch, sample_mb):
+  """Pass 2 counts the sample's pretokens per ~4 MB piece in the pool; the sample's lines (the
+  global k-th lines, across pieces and chunks) and so the counts are iter_texts' own."""
+  from lmscale_jax.prep import corpus_extract, worker_pool
+  from lmscale_jax.store import tokenizer as toklib
+
+  monkeypatch.setattr(shard_writer, "PIECE_BYTES", 100_000)
+  words = ["mov rax rbx", "call <ext>", "ret", "push rbp"]
+  chunks = []
+  for c in range(2):
+    chunks.append(str(tmp_path / f"corpus-{c:05d}.txt"))
+    with open(chunks[-1], "w") as f:
+      for i in range(9000 + c * 7):
+        f.write(corpus_extract.format_corpus_line(
+            i.to_bytes(16, "big"), " [NEXT] ".join(words[(i + j) % 4] + f" {i % 97}"
+                                                   for j in range(1 + i % 9))))
+  o = opts(tmp_path, tokenizer_sample_mb=sample_mb, workers=2)
+  with worker_pool.ordered_map(2) as pmap:
+    counts = prepare._sample_counts(o, chunks, pmap)
+  assert counts == toklib.count_pretokens(corpus_extract.iter_texts(chunks, sample_mb << 20))
+  assert len(shard_writer.pieces(chunks)) > 8
+
+
 def test_pass3_pieces_cover_the_chunks_at_line_ends(tmp_path):
   """Pass 3's tasks: byte ranges of the corpus chunks that end at line ends and, in order,
   are every chunk exactly (a line split over two pieces would be lost or garbled)."""

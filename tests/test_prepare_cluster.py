@@ -128,7 +128,7 @@ def test_a_rerun_redoes_only_the_units_without_a_marker(tmp_path, single_node):
   early = run("dedup", "--output", out)
   assert early.returncode == 2 and early.stderr.count("\n") == 1, early.stderr
   assert "slice-00001.json is missing (and 2 more); rerun the extract stage" in early.stderr
-  assert "1 of 4 slices done" in run("status", "--output", out).stdout
+  assert "extract: 1 of 4 slices done" in run("status", "--output", out).stdout
 
   slurm = FakeSlurm(tmp_path)
   r = slurm.submit(["--input", *small_elves(), "--output", out, "--no-progress", *FLAGS])
@@ -165,6 +165,23 @@ def test_text_corpora_and_pools_of_two_give_the_single_node_dataset_too(tmp_path
   cluster_extract.plan(opts(tmp_path / "array", [str(src)], **kw), slices=3, buckets=2)
   run_stages(tmp_path / "array", tasks=2, workers=2)
   assert_same_dataset(tmp_path / "one", tmp_path / "array")
+
+
+def test_status_counts_each_stages_done_units(tmp_path):
+  out = tmp_path / "s"
+  cluster_extract.plan(opts(out, small_elves(2), shard_size_mb=0.05), slices=2, buckets=2)
+  for t in range(2):
+    cluster_extract.extract(str(out), t, 2, 1)
+  for t in range(2):
+    cluster_extract.dedup(str(out), t, 2)
+  cluster_stages.layout(str(out), 1)
+  cluster_stages.pack(str(out), 0, 1, 1)
+  cluster_stages.shards(str(out), 0, 2, 1)
+  lines = cluster_stages.status(str(out))
+  assert lines[1:5] == ["extract: 2 of 2 slices done", "dedup: 2 of 2 buckets done",
+                        "layout: done", "pack: 1 of 1 pieces done"], lines
+  done, total = map(int, lines[5].removeprefix("shards: ").split(" shards")[0].split(" of "))
+  assert 0 < done < total, lines
 
 
 def test_a_single_node_run_refuses_the_work_of_a_cluster_run(tmp_path):

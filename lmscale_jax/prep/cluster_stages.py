@@ -222,10 +222,10 @@ def pack(output: str, task: int, tasks: int, workers: int) -> None:
   if not mine:
     print(f"pack: task {task} of {tasks} has no piece ({len(lay['pieces'])} in all)")
     return
-  todo = [(packed_pieces.piece_base(work, i), _piece_batches, (work, *lay["pieces"][i]))
+  todo = [(packed_pieces.piece_base(work, i), _piece_batches, (work, *lay["pieces"][i]), init)
           for i in mine]
   t0 = time.time()
-  with worker_pool.ordered_map(workers, tokenize_pack.init_worker, init) as pmap:
+  with worker_pool.ordered_map(workers) as pmap:
     done = sum(1 for info in pmap(packed_pieces.pack_piece, todo) if info["seconds"])
   print(f"pack: pieces {mine.start}..{mine.stop - 1}: {done} packed, {len(todo) - done} done "
         f"already, in {time.time() - t0:.1f} s")
@@ -295,4 +295,9 @@ def status(output: str) -> list[str]:
   bases = [packed_pieces.piece_base(work, i) for i in range(len(lay["pieces"]))]
   n = sum(os.path.exists(b + ".json") for b in bases)
   lines += ["layout: done", f"pack: {n} of {len(bases)} pieces done"]
-  return lines
+  if n < len(bases):
+    return lines + ["shards: waiting for pack"]
+  _, o, _, counts = _piece_counts(output, "status")
+  tasks = _shard_tasks(output, o, counts)
+  n = sum(os.path.exists(base + ".json") for _, base, _, _ in tasks)
+  return lines + [f"shards: {n} of {len(tasks)} shards done"]

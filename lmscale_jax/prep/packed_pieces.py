@@ -46,13 +46,14 @@ def done_piece(base: str) -> dict | None:
 
 
 def pack_piece(task) -> dict:
-  """Pool task ``(base, read, args)``: the lines ``read(*args)`` yields (in batches), tokenized
-  and packed (``tokenize_pack.tokenize_lines``, in a worker set up by its initializer), written
-  under ``base``. Returns the piece's counts per split and this run's seconds."""
-  base, read, args = task
+  """Pool task ``(base, read, args, init)``: the lines ``read(*args)`` yields (in batches),
+  tokenized and packed (``tokenize_pack.tokenize_lines``, in a worker set up for ``init``),
+  written under ``base``. Returns the piece's counts per split and this run's seconds."""
+  base, read, args, init = task
   info = done_piece(base)
   if info is not None:
     return {**info, "seconds": {}}
+  tokenize_pack.ensure_worker(init)
   out, seconds = tokenize_pack.tokenize_lines(read(*args))
   special = tokenize_pack.special_ids()
   counts = {}

@@ -9,7 +9,7 @@ import os
 
 from tqdm import tqdm
 
-from lmscale_jax.prep import packed_pieces, tokenize_pack, worker_pool
+from lmscale_jax.prep import packed_pieces, tokenize_pack
 from lmscale_jax.prep.options import Options
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
@@ -22,10 +22,11 @@ TOKENIZE_BATCH = tokenize_pack.TOKENIZE_BATCH
 PIECE_BYTES = 4 << 20
 
 
-def pieces(chunks: list[str], piece_bytes: int = PIECE_BYTES) -> list[tuple[str, int, int]]:
-  """(chunk, start, end) byte ranges of about ``piece_bytes`` covering every chunk, each
-  ending at a line end. They depend only on the chunks' bytes, so the output is the same for
-  any number of workers."""
+def pieces(chunks: list[str], piece_bytes: int | None = None) -> list[tuple[str, int, int]]:
+  """(chunk, start, end) byte ranges of about ``piece_bytes`` (``PIECE_BYTES``) covering every
+  chunk, each ending at a line end. They depend only on the chunks' bytes, so the output is the
+  same for any number of workers."""
+  piece_bytes = piece_bytes or PIECE_BYTES
   out = []
   for path in chunks:
     size = os.path.getsize(path)
@@ -50,28 +51,26 @@ def _piece_lines(path: str, start: int, end: int):
     yield lines[i:i + TOKENIZE_BATCH]
 
 
-def write_shards(o: Options, work: str, chunks: list[str], tok) -> dict:
-  """Pass 3. The result's ``seconds``: ``tokenize``, ``pack`` and ``write`` (records into
-  shards), each summed over the workers."""
+def write_shards(o: Options, work: str, chunks: list[str], tok, pmap) -> dict:
+  """Pass 3 on ``pmap`` (``worker_pool.ordered_map``'s). The result's ``seconds``:
+  ``tokenize``, ``pack`` and ``write`` (records into shards), each summed over the workers."""
   special = toklib.validate(tok, "tokenizer")
   tasks = pieces(chunks, PIECE_BYTES)
   seconds = {"tokenize": 0.0, "pack": 0.0, "write": 0.0}
   init = (os.path.join(work, dataset.TOKENIZER), o.kind, o.seq_len, o.packing, o.val_fraction)
   os.makedirs(os.path.join(work, packed_pieces.PIECES), exist_ok=True)
-  with worker_pool.ordered_map(o.workers, tokenize_pack.init_worker, init) as pmap:
-    counts = []
-    for info in tqdm(pmap(packed_pieces.pack_piece,
-                          [(packed_pieces.piece_base(work, i), _piece_lines, piece)
-                           for i, piece in enumerate(tasks)]),
-                     total=len(tasks), unit="piece", desc="tokenize+pack",
-                     disable=not o.progress):
-      packed_pieces.add_seconds(seconds, info["seconds"])
-      counts.append(info)
-    shards = packed_pieces.shard_tasks(work, counts,
-                                       packed_pieces.records_per_shard(o.seq_len, o.shard_size_mb),
-                                       o.compression)
-    infos = list(tqdm(pmap(packed_pieces.write_shard, shards), total=len(shards), unit="shard",
-                      desc="shards", disable=not o.progress))
+  counts = []
+  for info in tqdm(pmap(packed_pieces.pack_piece,
+                        [(packed_pieces.piece_base(work, i), _piece_lines, piece, init)
+                         for i, piece in enumerate(tasks)]),
+                   total=len(tasks), unit="piece", desc="tokenize+pack", disable=not o.progress):
+    packed_pieces.add_seconds(seconds, info["seconds"])
+    counts.append(info)
+  shards = packed_pieces.shard_tasks(work, counts,
+                                     packed_pieces.records_per_shard(o.seq_len, o.shard_size_mb),
+                                     o.compression)
+  infos = list(tqdm(pmap(packed_pieces.write_shard, shards), total=len(shards), unit="shard",
+                    desc="shards", disable=not o.progress))
   for info in infos:
     packed_pieces.add_seconds(seconds, {"write": info.pop("seconds", 0.0)})
   return packed_pieces.result(counts, shards, infos, special,

@@ -1,5 +1,6 @@
 """Pass 3's worker: corpus lines → token ids → packed sequences per split (``tokenize_lines``,
-in a worker set up by ``init_worker``); binary code through a memo of pretoken ids."""
+in a worker set up by ``init_worker``, or by ``ensure_worker`` on a pool's first task); binary code
+through a memo of pretoken ids."""
 
 from __future__ import annotations
 
@@ -69,8 +70,15 @@ class _InstructionIds(dict):
     return ids
 
 
+def ensure_worker(init: tuple) -> None:
+  """This process set up for ``init`` (``init_worker``'s arguments), once: the preparation's
+  one process pool serves every pass, so pass 3's workers are set up by its first task."""
+  if _worker.get("init") != init:
+    init_worker(*init)
+
+
 def init_worker(path: str, kind: str, seq_len: int, packing: str,
-                          val_fraction: float) -> None:
+                val_fraction: float) -> None:
   global _worker
   from tokenizers import Tokenizer
 
@@ -83,7 +91,8 @@ def init_worker(path: str, kind: str, seq_len: int, packing: str,
         np.asarray(e.ids, np.uint16) for e in tok.encode_batch(texts, add_special_tokens=False)]
   special = toklib.validate(tok, path)
   _worker = {"encode": encode, "seq_len": seq_len, "packing": packing,
-             "val_fraction": val_fraction, "special": special}
+             "val_fraction": val_fraction, "special": special,
+             "init": (path, kind, seq_len, packing, val_fraction)}
 
 
 def special_ids() -> dict:

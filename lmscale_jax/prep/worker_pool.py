@@ -42,12 +42,18 @@ def _stop_workers(ex: concurrent.futures.ProcessPoolExecutor) -> None:
     p.terminate()
 
 
+# Tasks in flight per worker. Results are consumed in order, so a long task (an 8 MB part of a
+# big library) holds back the ones after it: with 2 per worker the other workers ran out of
+# submitted tasks and waited behind it.
+IN_FLIGHT = 8
+
+
 @contextlib.contextmanager
 def ordered_map(workers: int, initializer=None, initargs=()):
   """An ordered, bounded map over tasks: a process pool, or in-process for one worker.
 
-  At most ``2 × workers`` tasks are in flight, so results (token arrays of whole chunks) never
-  pile up in the parent. A worker that dies (killed, out of memory) ends the run with an error
+  At most ``IN_FLIGHT × workers`` tasks are in flight, so results never pile up in the parent
+  (they are small: workers write their output to files). A worker that dies (killed, out of memory) ends the run with an error
   instead of the endless wait of ``multiprocessing.Pool``.
   """
   if workers <= 1:
@@ -69,7 +75,7 @@ def ordered_map(workers: int, initializer=None, initargs=()):
             pending.append(ex.submit(fn, item))
         else:
           pending.append(ex.submit(fn, item))
-        if len(pending) >= 2 * workers:
+        if len(pending) >= IN_FLIGHT * workers:
           yield pending.popleft().result()
       while pending:
         yield pending.popleft().result()
