@@ -43,8 +43,8 @@ def _stop_workers(ex: concurrent.futures.ProcessPoolExecutor) -> None:
 
 
 # Tasks in flight per worker. Results are consumed in order, so a long task (an 8 MB part of a
-# big library) holds back the ones after it: with 2 per worker the other workers ran out of
-# submitted tasks and waited behind it.
+# big library) holds back the submission of the ones after it and the other workers wait.
+# Measured, pass 1 of 21 MB of code at two workers: 1.94–2.21 s with 2, 1.69–1.72 s with 8.
 IN_FLIGHT = 8
 
 
