@@ -45,10 +45,14 @@ if [[ -n $after ]] && grep -qx "$after" "$FAKE_SLURM/failed" 2>/dev/null; then
 fi
 vars=(); IFS=, read -ra kv <<< "$exports"
 for x in "${kv[@]}"; do [[ $x == ALL ]] || vars+=("$x"); done
+# FAKE_TIME_LIMIT="STAGE SECONDS": that stage's tasks are killed after SECONDS, as Slurm's
+# time limit does (SIGKILL once the grace time is over).
+limit=(); read -r stage seconds <<< "${FAKE_TIME_LIMIT:-}"
+[[ -n ${stage:-} && $exports == *PREP_STAGE=$stage,* ]] && limit=(timeout -s KILL "$seconds")
 n=$(( ${array:-0} + 1 )); pids=()
 for ((i = 0; i < n; i++)); do
   task=(); [[ -n $array ]] && task=(SLURM_ARRAY_TASK_ID=$i SLURM_ARRAY_TASK_COUNT=$n)
-  env "${vars[@]}" "${task[@]}" SLURM_JOB_ID=$id bash "$script" "$@" \
+  env "${vars[@]}" "${task[@]}" SLURM_JOB_ID=$id "${limit[@]}" bash "$script" "$@" \
     > "$FAKE_SLURM/job-${id}_$i.log" 2>&1 &
   pids+=($!)
 done
@@ -135,6 +139,27 @@ def test_a_rerun_redoes_only_the_units_without_a_marker(tmp_path, single_node):
   assert r.returncode == 0 and not (slurm.dir / "failed").exists(), r.stderr + slurm.logs()
   assert "extract: slice 0 done already" in slurm.logs()
   assert "extract: slice 1 done:" in slurm.logs()  # redone: only the missing ones
+  assert_same_dataset(single_node[0], out)
+
+
+def test_a_task_killed_at_its_time_limit_stops_the_chain_and_the_same_command_finishes_it(
+    tmp_path, single_node):
+  """The shards array killed (SIGKILL, as at a time limit): finish never runs (afterok), the
+  dataset is not there; the same sbatch command again keeps every done unit and ends
+  identical."""
+  slurm, out = FakeSlurm(tmp_path), tmp_path / "killed"
+  args = ["--input", *small_elves(), "--output", out, "--no-progress", *FLAGS]
+  slurm.env["FAKE_TIME_LIMIT"] = "shards 0.2"
+  assert slurm.submit(args).returncode == 0
+  failed = sorted(set((slurm.dir / "failed").read_text().split()))
+  assert failed == ["105", "106"], failed  # shards, then finish: its dependency never held
+  assert not (out / dataset.METADATA).exists() and (out / prepare.WORK).is_dir()
+  del slurm.env["FAKE_TIME_LIMIT"]
+  (slurm.dir / "failed").unlink()
+  r = slurm.submit(args)
+  assert r.returncode == 0 and not (slurm.dir / "failed").exists(), r.stderr + slurm.logs()
+  assert "extract: slice 0 done already" in slurm.logs()
+  assert "layout: done already" in slurm.logs()
   assert_same_dataset(single_node[0], out)
 
 
