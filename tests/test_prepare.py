@@ -475,3 +475,30 @@ def test_file_parts_concatenate_to_the_whole_file():
     res = elf_corpus.FileResult(path=path, file_bytes=0)
     parts += list(elf_corpus.iter_functions(path, res, p, 3))
   assert parts == whole and len(whole) > 100
+
+
+def test_an_unfinished_run_of_the_other_pretokenizer_backend_names_the_way_to_resume_it(
+    tmp_path, monkeypatch):
+  """The backends' texts differ on ~0.005% of instructions, so a run never mixes them: a run
+  started with the python backend (its first steps, then killed) is refused by the compiled
+  one, with both ways out; under the python backend again it resumes and completes."""
+  from lmscale_jax.prep import corpus_extract, pretokenize
+
+  o = opts(tmp_path / "o", small_elves(2), workers=1)
+  try:
+    monkeypatch.setenv(pretokenize.BACKEND_ENV, "python")
+    pretokenize.code_pretokenizer(fresh=True)
+    files, _, _ = corpus_extract.list_files(o)
+    prepare.open_output(o, {**o.output_params(), "input_files": prepare.input_key(files),
+                            **prepare.pretokenizer_params(o)})
+    monkeypatch.setenv(pretokenize.BACKEND_ENV, "compiled")
+    pretokenize.code_pretokenizer(fresh=True)
+    with pytest.raises(prepare.PrepareError, match=r"\(pretokenizer differ\); pass --overwrite "
+                       r"to start over or set LMSCALE_PRETOKENIZER=python to resume it"):
+      prepare.prepare(o)
+    monkeypatch.setenv(pretokenize.BACKEND_ENV, "python")
+    pretokenize.code_pretokenizer(fresh=True)
+    assert prepare.prepare(o)["pretokenizer"] == "python (iced-x86)"
+  finally:
+    monkeypatch.delenv(pretokenize.BACKEND_ENV, raising=False)
+    pretokenize.code_pretokenizer(fresh=True)

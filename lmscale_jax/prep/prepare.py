@@ -145,9 +145,11 @@ def _resume_or_restart(o: Options, params: dict) -> bool:
     return True
   changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
   if changed != ["input_files"]:
+    backend = (f" or set LMSCALE_PRETOKENIZER={'compiled' if old.get('pretokenizer') else 'python'}"
+               " to resume it" if changed == ["pretokenizer"] else "")
     raise PrepareError(f"output {o.output!r} holds an unfinished preparation with other "
                        f"settings ({', '.join(changed)} differ); pass --overwrite to "
-                       "start over")
+                       f"start over{backend}")
   was, now = old.get("input_files") or {}, params["input_files"]
   print(f"the input files changed since the unfinished preparation in {o.output} started "
         f"({now['count']} files of {now['bytes']:,} bytes, was {was.get('count')} of "

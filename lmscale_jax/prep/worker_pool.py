@@ -13,12 +13,10 @@ import threading
 from lmscale_jax.errors import PrepareError
 
 
-def _worker_init(initializer, initargs) -> None:
+def _worker_init() -> None:
   # Ctrl-C reaches the whole process group: only the parent reacts (one line, exit 130); a
   # worker's KeyboardInterrupt would print a traceback per worker.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
-  if initializer:
-    initializer(*initargs)
 
 
 @contextlib.contextmanager
@@ -49,22 +47,21 @@ IN_FLIGHT = 8
 
 
 @contextlib.contextmanager
-def ordered_map(workers: int, initializer=None, initargs=()):
-  """An ordered, bounded map over tasks: a process pool, or in-process for one worker.
+def ordered_map(workers: int):
+  """An ordered, bounded map over tasks: a process pool, or in-process for one worker. A task
+  that needs a worker set up does it on first use (``tokenize_pack.ensure_worker``): one pool
+  serves every pass of a preparation.
 
   At most ``IN_FLIGHT × workers`` tasks are in flight, so results never pile up in the parent
-  (they are small: workers write their output to files). A worker that dies (killed, out of memory) ends the run with an error
-  instead of the endless wait of ``multiprocessing.Pool``.
+  (they are small: workers write their output to files). A worker that dies (killed, out of
+  memory) ends the run with an error instead of the endless wait of ``multiprocessing.Pool``.
   """
   if workers <= 1:
-    if initializer:
-      initializer(*initargs)
     yield map
     return
   # spawn, not fork: the parent may hold threads (tokenizers, tqdm) that fork would copy.
   ctx = multiprocessing.get_context("spawn")
-  ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                              initargs=(initializer, initargs))
+  ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
 
   def ordered(fn, items):
     pending = collections.deque()
