@@ -20,17 +20,20 @@ def _worker_init() -> None:
 
 
 @contextlib.contextmanager
-def _sigint_ignored():
-  """Workers are spawned (fork + exec) with SIGINT ignored, which a Python child keeps until
-  ``_worker_init`` runs: a Ctrl-C while they import would otherwise give tracebacks."""
+def _sigint_blocked():
+  """A submit may spawn a worker (fork + exec), which keeps the blocked signal mask until
+  ``_worker_init`` ignores SIGINT: a Ctrl-C while it imports would otherwise give tracebacks.
+  Blocked, not ignored: in the parent a Ctrl-C meanwhile stays pending and arrives as soon as the
+  submit returns (ignoring it lost it: a run Ctrl-C'd as pass 2's first tasks were submitted
+  went on to the end, exit 0)."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
   try:
     yield
   finally:
-    signal.signal(signal.SIGINT, old)
+    signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _stop_workers(ex: concurrent.futures.ProcessPoolExecutor) -> None:
@@ -67,10 +70,7 @@ def ordered_map(workers: int):
     pending = collections.deque()
     try:
       for item in items:
-        if len(pending) < workers:  # the first submits spawn the workers
-          with _sigint_ignored():
-            pending.append(ex.submit(fn, item))
-        else:
+        with _sigint_blocked():  # any submit may spawn a worker
           pending.append(ex.submit(fn, item))
         if len(pending) >= IN_FLIGHT * workers:
           yield pending.popleft().result()
