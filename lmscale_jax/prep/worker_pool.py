@@ -23,9 +23,9 @@ def _worker_init() -> None:
 def _sigint_blocked():
   """A submit may spawn a worker (fork + exec), which keeps the blocked signal mask until
   ``_worker_init`` ignores SIGINT: a Ctrl-C while it imports would otherwise give tracebacks.
-  Blocked, not ignored: in the parent a Ctrl-C meanwhile stays pending and arrives as soon as the
-  submit returns (ignoring it lost it: a run Ctrl-C'd as pass 2's first tasks were submitted
-  went on to the end, exit 0)."""
+  Blocked, not ignored: the parent's Ctrl-C meanwhile is never lost (another thread takes it at
+  once, or it stays pending until the submit returns); ignoring it lost it: a run Ctrl-C'd as
+  pass 2's first tasks were submitted went on to the end, exit 0."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
