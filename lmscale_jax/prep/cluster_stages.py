@@ -42,13 +42,14 @@ LAYOUT = "layout.json"
 
 
 # ----------------------------------------------------------------------------- layout
-def _keep_masks(work: str, p: dict) -> list[np.ndarray]:
-  lengths = [np.load(slice_file(work, k, ".len.npy")) for k in range(len(p["slices"]))]
+def _keep_masks(work: str, p: dict, lengths: list[np.ndarray]) -> list[np.ndarray]:
+  """Each slice's lines, True where kept: every bucket's dropped (slice, line) pairs unset."""
   keep = [np.ones(len(x), bool) for x in lengths]
   for b in range(p["buckets"]):
     dropped = np.load(work_path(work, "dedup", f"{b:05d}.npy"))
-    for k in np.unique(dropped >> 32).tolist():
-      keep[k][(dropped[(dropped >> 32) == k] & 0xFFFFFFFF)] = False
+    where = dropped >> 32
+    for k in np.unique(where).tolist():
+      keep[k][dropped[where == k] & 0xFFFFFFFF] = False
   return keep
 
 
@@ -88,9 +89,10 @@ def layout(output: str, workers: int) -> dict:
   missing("layout", [work_path(work, "dedup", f"{b:05d}.npy") for b in range(p["buckets"])],
           "dedup")
   slices = range(len(p["slices"]))
-  results = [read_json(slice_file(work, k, ".json"))["tasks"] for k in slices]
+  sides = [read_json(slice_file(work, k, ".json")) for k in slices]
+  results = [side["tasks"] for side in sides]
   lengths = [np.load(slice_file(work, k, ".len.npy")) for k in slices]
-  keep = _keep_masks(work, p)
+  keep = _keep_masks(work, p, lengths)
   for k in slices:
     save_npy(slice_file(work, k, ".keep.npy"), keep[k])
   stats, file_lines, file_bytes = _extract_stats(p, o, results, keep, lengths)
@@ -114,8 +116,7 @@ def layout(output: str, workers: int) -> dict:
              for s in ("elf_parse", "decode_pretokenize", "extract_write", "dedup")}
   seconds["tokenizer"] = time.time() - t
   out = {"pieces": pieces, "kept_at": kept_at, "extract_stats": stats, "seconds": seconds,
-         "extract_workers": max(read_json(slice_file(work, k, ".json"))["workers"]
-                                for k in slices)}
+         "extract_workers": max(side["workers"] for side in sides)}
   dataset.atomic_write_json(work_path(work, LAYOUT), out)
   print(f"layout: {stats['kept']:,} lines kept, {len(pieces)} pieces, in {time.time() - t0:.1f} s")
   return out
