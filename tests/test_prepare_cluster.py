@@ -14,6 +14,7 @@ import pytest
 
 from lmscale_jax.prep import cluster_extract, cluster_stages, prepare
 from lmscale_jax.store import dataset
+from tests.test_bad_input_prepare import cli, one_line
 from tests.test_prepare import opts, small_elves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,3 +215,26 @@ def test_a_single_node_run_refuses_the_work_of_a_cluster_run(tmp_path):
   cluster_extract.plan(opts(out, small_elves(2)), slices=2, buckets=2)
   with pytest.raises(prepare.PrepareError, match="engine differ.*--overwrite"):
     prepare.prepare(opts(out, small_elves(2)))
+
+
+@pytest.mark.parametrize("args,says", [
+    (["frobnicate"], "stage 'frobnicate': expected one of plan, extract"),
+    (["pack", "--output", "/nonexistent/ds"], "no plan; run the plan stage first"),
+    (["extract", "--output", "OUT", "--task", "3", "--tasks", "3"], "--task 3: expected 0..2"),
+], ids=["unknown stage", "no plan", "task out of range"])
+def test_a_bad_stage_call_is_one_line(tmp_path, args, says):
+  if "OUT" in args:
+    out = tmp_path / "ds"
+    cluster_extract.plan(opts(out, small_elves(1)), slices=1, buckets=1)
+    args = [str(out) if a == "OUT" else a for a in args]
+  assert says in one_line(cli("prepare_cluster.py", *args))
+
+
+@pytest.mark.parametrize("env,says", [({"PREP_TASKS": "0"}, "PREP_TASKS=0: expected a positive"),
+                                      ({}, "give --output DIR")], ids=["tasks", "output"])
+def test_bad_sbatch_settings_are_one_line_before_anything_is_submitted(tmp_path, env, says):
+  slurm = FakeSlurm(tmp_path)
+  slurm.env.update(env)
+  args = ["--input", *small_elves(1)] + (["--output", tmp_path / "o"] if env else [])
+  assert says in one_line(slurm.submit(args))
+  assert not (slurm.dir / "calls.log").exists() and not (tmp_path / "o").exists()
