@@ -1,15 +1,22 @@
-"""The compiled part of lmscale_jax: prep/_pretokens.c (x86-64 function bytes → pretoken text).
+"""The compiled parts of lmscale_jax: prep/_pretokens.c (x86-64 function bytes → pretoken text)
+and prep/_token_ids.c (pretoken text → instruction counts, token ids, packed sequences).
 
-Everything else is in pyproject.toml. The extension is optional: where it cannot build (no C
-compiler, no Python headers) the install still succeeds and preparation decodes with the
-pure-Python iced-x86 path (pretokenize.code_pretokenizer). It needs no capstone headers or
-library at build time: it dlopens the capstone wheel's library when first used.
+Everything else is in pyproject.toml. The extensions are optional: where they cannot build (no C
+compiler, no Python headers) the install still succeeds and preparation runs their pure-Python
+references (pretokenize.code_pretokenizer: iced-x86; tokenize_pack, packing, store/tokenizer).
+_pretokens needs no capstone headers or library at build time: it dlopens the capstone wheel's
+library when first used.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(
-    "lmscale_jax.prep._pretokens", ["lmscale_jax/prep/_pretokens.c"],
-    extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-    libraries=["dl"],  # dlopen/dlsym (part of libc since glibc 2.34; harmless before)
-    optional=True)])
+FLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+setup(ext_modules=[
+    Extension("lmscale_jax.prep._pretokens", ["lmscale_jax/prep/_pretokens.c"],
+              extra_compile_args=FLAGS,
+              libraries=["dl"],  # dlopen/dlsym (part of libc since glibc 2.34; harmless before)
+              optional=True),
+    Extension("lmscale_jax.prep._token_ids", ["lmscale_jax/prep/_token_ids.c"],
+              extra_compile_args=FLAGS, optional=True),
+])

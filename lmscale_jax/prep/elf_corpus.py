@@ -158,9 +158,11 @@ def section_headers(elf, data) -> np.ndarray:
   return np.frombuffer(data, _SHDR_DTYPE, count=n, offset=off).copy()  # no view of the mmap
 
 
-def function_symbols(shdrs: np.ndarray, data) -> dict:
-  """address → (size, section index) for sized STT_FUNC symbols of .symtab then .dynsym."""
-  funcs = {}
+def function_table(shdrs: np.ndarray, data) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(addresses, sizes, section indices), by address, of the sized STT_FUNC symbols of .symtab
+  then .dynsym, the first symbol of each address winning: all in numpy (a dict built per symbol
+  was ~0.4 s of 1.4 s of symbol reading on 21 MB of code, paid again by every part of a file)."""
+  tables = []
   for kind in (_SHT_SYMTAB, _SHT_DYNSYM):
     for sec in shdrs[shdrs["type"] == kind]:
       if sec["entsize"] != _SYM_DTYPE.itemsize:
@@ -169,12 +171,19 @@ def function_symbols(shdrs: np.ndarray, data) -> dict:
       if int(sec["offset"]) + n * _SYM_DTYPE.itemsize > len(data):
         raise ValueError("symbol table extends past the end of the file")
       syms = np.frombuffer(data, _SYM_DTYPE, count=n, offset=int(sec["offset"]))
-      keep = syms[((syms["info"] & 0xF) == _STT_FUNC) & (syms["size"] > 0)
-                  & (syms["shndx"] > 0) & (syms["shndx"] < _SHN_LORESERVE)]
-      for value, size, shndx in zip(keep["value"].tolist(), keep["size"].tolist(),
-                                    keep["shndx"].tolist()):
-        funcs.setdefault(value, (size, shndx))
-  return funcs
+      tables.append(syms[((syms["info"] & 0xF) == _STT_FUNC) & (syms["size"] > 0)
+                         & (syms["shndx"] > 0) & (syms["shndx"] < _SHN_LORESERVE)])
+  if not tables:
+    return np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint16)
+  syms = np.concatenate(tables)
+  addrs, first = np.unique(syms["value"], return_index=True)  # sorted; each one's first symbol
+  return addrs, syms["size"][first], syms["shndx"][first]
+
+
+def function_symbols(shdrs: np.ndarray, data) -> dict:
+  """address → (size, section index) for sized STT_FUNC symbols of .symtab then .dynsym."""
+  addrs, sizes, shndx = function_table(shdrs, data)
+  return dict(zip(addrs.tolist(), zip(sizes.tolist(), shndx.tolist())))
 
 
 REPEATS_SIZE = 1 << 18  # functions remembered by bytes (~40 MB)
@@ -198,14 +207,14 @@ def extract_file(path: str) -> tuple[FileResult, list]:
   return res, lines
 
 
-def _part(addrs: list, funcs: dict, part: int, parts: int) -> list:
-  """The ``part``-th of ``parts`` contiguous address ranges of ~equal code size."""
+def _part(sizes: np.ndarray, part: int, parts: int) -> np.ndarray:
+  """Which of the functions (by address; their sizes) are the ``part``-th of ``parts``
+  contiguous address ranges of ~equal code size: a boolean mask."""
   if parts == 1:
-    return addrs
-  sizes = np.fromiter((funcs[a][0] for a in addrs), np.float64, len(addrs))
+    return np.ones(len(sizes), bool)
+  sizes = sizes.astype(np.float64)
   start = np.concatenate([[0.0], np.cumsum(sizes)[:-1]]) / max(1.0, sizes.sum())
-  which = np.minimum((start * parts).astype(np.int64), parts - 1)
-  return [a for a, w in zip(addrs, which.tolist()) if w == part]
+  return np.minimum((start * parts).astype(np.int64), parts - 1) == part
 
 
 def iter_functions(path: str, res: FileResult, part: int = 0, parts: int = 1,
@@ -238,12 +247,12 @@ def iter_functions(path: str, res: FileResult, part: int = 0, parts: int = 1,
       executable = (shdrs["type"] == _SHT_PROGBITS) & ((shdrs["flags"] & _SHF_EXECINSTR) != 0)
       sections = list(zip(shdrs["addr"].tolist(), shdrs["offset"].tolist(),
                           shdrs["size"].tolist(), executable.tolist()))
-      funcs = function_symbols(shdrs, data)
+      addrs, sizes, shndxs = function_table(shdrs, data)
       function_text = code_pretokenizer().function_text
-      addrs = _part(sorted(funcs), funcs, part, parts)
+      mine = _part(sizes, part, parts)
       _add_seconds(res, "elf_parse", time.perf_counter() - t0)
-      for addr in addrs:
-        fsize, shndx = funcs[addr]
+      for addr, fsize, shndx in zip(addrs[mine].tolist(), sizes[mine].tolist(),
+                                    shndxs[mine].tolist()):
         if shndx >= len(sections):
           continue
         s_addr, s_off, s_size, executable = sections[shndx]

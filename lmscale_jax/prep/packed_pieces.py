@@ -123,9 +123,7 @@ def write_shard(task) -> dict:
 
   def records():
     for piece, lo, hi in ranges:
-      seqs = np.load(f"{piece}-{split}.npy", mmap_mode="r")
-      for seq in seqs[lo:hi]:
-        yield dataset.encode_record(np.asarray(seq))
+      yield from dataset.encode_records(np.load(f"{piece}-{split}.npy", mmap_mode="r")[lo:hi])
 
   t0 = time.perf_counter()
   os.makedirs(os.path.dirname(base), exist_ok=True)

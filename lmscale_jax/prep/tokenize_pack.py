@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 
-from lmscale_jax.prep import corpus_extract
-from lmscale_jax.prep.packing import Packer
+from lmscale_jax.prep import corpus_extract, pretokenize
+from lmscale_jax.prep.packing import pack_documents
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.store.dataset import NEXT
@@ -27,17 +27,26 @@ class PretokenIds(dict):
   WordPiece over those words, so a text's ids are the concatenation of its words' ids. A few
   thousand distinct pretokens make this memo ~10× faster than ``encode_batch`` (which pays for
   added-token matching and an Encoding object per text) with identical output (tested).
+  ``compiled``: the ``_token_ids`` module, whose ``Encoder`` is :meth:`encode`'s loop in C (one
+  table probe per instruction, no Python object); Python's own loop is the fallback.
   """
 
-  def __init__(self, tok):
+  def __init__(self, tok, compiled=None):
     super().__init__()
     self.tok = tok
     self.instructions = _InstructionIds(self)
+    if compiled is not None:
+      encoder = compiled.Encoder(self.word_ids, _SEPARATOR, self.instructions.separator)
+      self.encode = lambda text: np.frombuffer(encoder.encode(text), np.uint16)
 
   def __missing__(self, word: str) -> tuple:
     ids = tuple(self.tok.encode(word, add_special_tokens=False).ids)
     self[word] = ids
     return ids
+
+  def word_ids(self, word: str) -> bytes:
+    """One word's ids (uint16 bytes): what the compiled Encoder asks for each new word."""
+    return np.array(self[word], np.uint16).tobytes()
 
   def encode(self, text: str) -> np.ndarray:
     # One lookup per instruction (its words' ids and the separator's, as uint16 bytes) instead
@@ -58,22 +67,22 @@ class _InstructionIds(dict):
   def __init__(self, words: PretokenIds, size: int = 1 << 18):
     super().__init__()
     self.words, self.size = words, size
-    self.separator = words[NEXT]
-    self.separator_len = len(self.separator)
+    self.separator = np.array(words[NEXT], np.uint16).tobytes()
+    self.separator_len = len(self.separator) // 2
 
   def __missing__(self, instruction: str) -> bytes:
     if len(self) >= self.size:
       self.clear()
     words = self.words
     ids = self[instruction] = np.array([*itertools.chain.from_iterable(
-        [words[w] for w in instruction.split()]), *self.separator], np.uint16).tobytes()
+        [words[w] for w in instruction.split()]), *words[NEXT]], np.uint16).tobytes()
     return ids
 
 
 def ensure_worker(init: tuple) -> None:
   """This process set up for ``init`` (``init_worker``'s arguments), once: the preparation's
   one process pool serves every pass, so pass 3's workers are set up by its first task."""
-  if _worker.get("init") != init:
+  if _worker.get("init") != init or _worker["compiled"] is not pretokenize.token_ids_module():
     init_worker(*init)
 
 
@@ -83,14 +92,15 @@ def init_worker(path: str, kind: str, seq_len: int, packing: str,
   from tokenizers import Tokenizer
 
   tok = Tokenizer.from_file(path)
+  compiled = pretokenize.token_ids_module()
   if kind == "binary":
-    memo = PretokenIds(tok)
+    memo = PretokenIds(tok, compiled)
     encode = lambda texts: [memo.encode(t) for t in texts]  # noqa: E731
   else:
     encode = lambda texts: [  # noqa: E731
         np.asarray(e.ids, np.uint16) for e in tok.encode_batch(texts, add_special_tokens=False)]
   special = toklib.validate(tok, path)
-  _worker = {"encode": encode, "seq_len": seq_len, "packing": packing,
+  _worker = {"encode": encode, "seq_len": seq_len, "packing": packing, "compiled": compiled,
              "val_fraction": val_fraction, "special": special,
              "init": (path, kind, seq_len, packing, val_fraction)}
 
@@ -108,28 +118,22 @@ def tokenize_lines(batches) -> tuple[dict, dict]:
   in the workers, in parallel; the cost is at most a window of part-filled sequences per piece.
   """
   w, sp = _worker, _worker["special"]
-  packers = {s: Packer(w["seq_len"], sp["[CLS]"], sp["[SEP]"], sp["[PAD]"], w["packing"])
-             for s in dataset.SPLITS}
-  out = {s: {"seqs": [], "items": 0, "content_tokens": 0} for s in dataset.SPLITS}
+  docs = {s: [] for s in dataset.SPLITS}
+  out = {s: {"items": 0, "content_tokens": 0} for s in dataset.SPLITS}
   seconds = {"tokenize": 0.0, "pack": 0.0}
   for batch in batches:
     t0 = time.perf_counter()
     parsed = [corpus_extract.parse_corpus_line(line) for line in batch]
     encoded = w["encode"]([text for _, text in parsed])
-    t1 = time.perf_counter()
     for (digest, _), ids in zip(parsed, encoded):
-      split = split_of(digest, w["val_fraction"])
-      o = out[split]
-      o["items"] += 1
-      o["content_tokens"] += len(ids)
-      o["seqs"].extend(packers[split].add(ids))
-    seconds["tokenize"] += t1 - t0
-    seconds["pack"] += time.perf_counter() - t1
+      docs[split_of(digest, w["val_fraction"])].append(ids)
+    seconds["tokenize"] += time.perf_counter() - t0
   t0 = time.perf_counter()
   for split, o in out.items():
-    o["seqs"].extend(packers[split].flush())
-    o["seqs"] = (np.stack(o["seqs"]) if o["seqs"] else
-                 np.zeros((0, w["seq_len"]), np.uint16))
+    o["items"] = len(docs[split])
+    o["content_tokens"] = sum(map(len, docs[split]))
+    o["seqs"] = pack_documents(docs[split], w["seq_len"], sp["[CLS]"], sp["[SEP]"], sp["[PAD]"],
+                               w["packing"], compiled=w["compiled"])
   seconds["pack"] += time.perf_counter() - t0
   return out, seconds
 

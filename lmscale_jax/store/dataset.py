@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -88,6 +88,19 @@ def encode_record(ids: np.ndarray) -> bytes:
   if ids.ndim != 1:
     raise DatasetError(f"a record is one sequence; got shape {ids.shape}")
   return record_prefix(ids.shape[0]) + ids.astype("<u2", copy=False).tobytes()
+
+
+def encode_records(seqs: np.ndarray) -> Iterator[bytes]:
+  """:func:`encode_record` of each row of ``seqs`` ([n, seq_len]): one conversion of the whole
+  array, then slices (per row, a numpy view and a tobytes were ~40% of a shard's write time
+  besides the compression)."""
+  seqs = np.asarray(seqs)
+  if seqs.ndim != 2:
+    raise DatasetError(f"records are rows of a [n, seq_len] array; got shape {seqs.shape}")
+  prefix, step = record_prefix(seqs.shape[1]), 2 * seqs.shape[1]
+  data = seqs.astype("<u2", copy=False).tobytes()
+  for at in range(0, len(data), step):
+    yield prefix + data[at:at + step]
 
 
 def decode_record(record: bytes, seq_len: int, where: str = "record") -> np.ndarray:
