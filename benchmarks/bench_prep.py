@@ -12,8 +12,9 @@ of the compiled backend: no pretokens, no Python per instruction), iced-x86's de
 floor of its Python loop: every instruction a hit), (2) our extraction (symbols + decoding +
 normalised pretokens) with each backend of ``--backends`` (pretokenize.code_pretokenizer's:
 compiled = prep/_pretokens.c over capstone, python = iced-x86), (3) the whole ``prepare_binary``
-pipeline for each backend and worker count, with its ``stage_seconds``. Each system runs
-``--repeat`` times, the fastest counts (a shared machine only ever slows a run down). Rates are
+pipeline for each backend and worker count, with its ``stage_seconds``. Every system runs once
+per round, ``--repeat`` rounds, and its fastest run counts (a shared machine only ever slows a
+run down; rounds make the systems compared sample the same stretches of it). Rates are
 per core of wall time (``mb_s_core``) and per CPU-second (``mb_per_cpu_s``: this process and its
 workers, which a loaded machine disturbs less); ``scaling`` is the rate of N workers over N ×
 the rate of one. Prints a table with the ratio to capstone alone; appends JSON lines to
@@ -184,10 +185,6 @@ def prepare_only(files: list[str], workers: int, backend: str,
     shutil.rmtree(out, ignore_errors=True)
 
 
-def best(fn, repeat: int):
-  return min((fn() for _ in range(repeat)), key=lambda r: r[0])
-
-
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--input", nargs="+", default=["/usr/lib/x86_64-linux-gnu", "/usr/bin"])
@@ -229,33 +226,46 @@ def main() -> int:
                  **(counts or {}), **extra})
 
   blobs = function_bytes(files)
-  row("capstone disasm_lite alone", 1, *best(lambda: capstone_only(blobs), a.repeat))
-  for w in a.workers:
-    if w > 1:
-      row("capstone disasm_lite alone", w,
-          *best(lambda: capstone_concurrent(blobs, w), a.repeat))
-      rows[-1]["scaling"] = rows[-1]["mb_s_core"] / rows[0]["mb_s_core"]
-  if "compiled" in a.backends:
-    row("capstone C decode alone (compiled, no pretokens)", 1,
-        *best(lambda: compiled_decode_only(blobs), a.repeat), backend="compiled")
-  row("iced-x86 decode alone (no pretokens)", 1, *best(lambda: iced_only(blobs), a.repeat))
-  row("lmscale pretokens, memo warm (all hits)", 1, *best(lambda: pretokens_warm(blobs),
-                                                         a.repeat))
-  blobs = None  # its bytes are not needed any more
   names = {"compiled": "compiled capstone", "python": "iced"}
-  for b in a.backends:
-    row(f"lmscale extraction (symbols+{names[b]}+pretokens)", 1,
-        *best(lambda: extraction_only(files, b), a.repeat), backend=b)
-  for b in a.backends:
-    one = None
-    for w in a.workers:
-      t, cpu, st = best(lambda: prepare_only(files, w, b, a.shard_size_mb), a.repeat)
-      row(f"lmscale prepare_binary end-to-end ({names[b]})", w, t, cpu, st["code_bytes"],
-          stage_seconds=st["stage_seconds"], backend=b, shard_size_mb=a.shard_size_mb,
-          sequences=st["sequences"])
-      one = rows[-1]["mb_s_core"] if w == 1 else one
-      if one is not None:
-        rows[-1]["scaling"] = rows[-1]["mb_s_core"] / one
+  # (system, workers, run, row extras); a run returns (seconds, cpu seconds, code bytes[, more])
+  systems = [("capstone disasm_lite alone", 1, lambda: capstone_only(blobs), {})]
+  systems += [("capstone disasm_lite alone", w, lambda w=w: capstone_concurrent(blobs, w), {})
+              for w in a.workers if w > 1]
+  if "compiled" in a.backends:
+    systems.append(("capstone C decode alone (compiled, no pretokens)", 1,
+                    lambda: compiled_decode_only(blobs), {"backend": "compiled"}))
+  systems.append(("iced-x86 decode alone (no pretokens)", 1, lambda: iced_only(blobs), {}))
+  systems.append(("lmscale pretokens, memo warm (all hits)", 1, lambda: pretokens_warm(blobs),
+                  {}))
+  systems += [(f"lmscale extraction (symbols+{names[b]}+pretokens)", 1,
+               lambda b=b: extraction_only(files, b), {"backend": b}) for b in a.backends]
+  systems += [(f"lmscale prepare_binary end-to-end ({names[b]})", w,
+               lambda b=b, w=w: prepare_only(files, w, b, a.shard_size_mb),
+               {"backend": b, "shard_size_mb": a.shard_size_mb})
+              for b in a.backends for w in a.workers]
+  # Every system once per round, ``--repeat`` rounds, the fastest run of each counting: this
+  # machine's speed drifts by ±30% over minutes (measured), so the runs compared (one worker
+  # against two, ours against capstone) must sample the same stretches of it.
+  fastest: dict = {}
+  for _ in range(a.repeat):
+    for i, (_, _, run, _) in enumerate(systems):
+      result = run()
+      if i not in fastest or result[0] < fastest[i][0]:
+        fastest[i] = result
+  blobs = None
+  for i, (system, w, _, extra) in enumerate(systems):
+    result = fastest[i]
+    if system.startswith("lmscale prepare"):
+      t, cpu, st = result
+      row(system, w, t, cpu, st["code_bytes"], stage_seconds=st["stage_seconds"],
+          sequences=st["sequences"], **extra)
+    else:
+      row(system, w, *result, **extra)
+    if w > 1:
+      one = next(r for r in rows if r["system"] == system and r["workers"] == 1)
+      rows[-1]["scaling"] = rows[-1]["mb_s_core"] / one["mb_s_core"]
+    elif system.startswith("lmscale prepare"):
+      rows[-1]["scaling"] = 1.0
   base = rows[0]
   date = datetime.date.today().isoformat()
   load = os.getloadavg()[0]

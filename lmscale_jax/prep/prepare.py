@@ -397,6 +397,8 @@ def _prepare(o: Options) -> dict:
     t = time.time()
     tok = _tokenizer(o, work, chunks, pmap)
     stages["tokenizer"] = time.time() - t
+    if o.workers > 1:  # this process only waits through pass 3 (one worker runs in it)
+      dataset.import_tfds_in_background()
     result = shard_writer.write_shards(o, work, chunks, tok, pmap)
   stages.update(result["seconds"])
   result["stage_seconds"] = {k: round(v, 3) for k, v in stages.items()}
