@@ -28,8 +28,8 @@ import time
 import numpy as np
 
 from lmscale_jax.errors import PrepareError
-from lmscale_jax.prep import (corpus_extract, corpus_layout, packed_pieces,
-                              prepare, shard_writer, tokenize_pack, worker_pool)
+from lmscale_jax.prep import (corpus_extract, corpus_layout, packed_pieces, prepare, pretokenize,
+                              shard_writer, tokenize_pack, worker_pool)
 from lmscale_jax.prep.cluster_extract import (load_plan, missing, read_json, save_npy, share,
                                               slice_file, work_dir, work_path)
 from lmscale_jax.prep.elf_corpus import FileResult
@@ -130,7 +130,7 @@ def _sampled_texts(work: str, k: int, kept_at: list[int], stride: int) -> list[s
 
 
 def _count_slice(args) -> collections.Counter:
-  return toklib.count_pretokens(_sampled_texts(*args))
+  return toklib.count_pretokens(_sampled_texts(*args), pretokenize.token_ids_module())
 
 
 def _tokenizer(work: str, o: Options, kept_at: list[int], total: int, workers: int) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lmscale_jax.errors import PrepareError
-from lmscale_jax.prep import corpus_layout, elf_corpus, text_corpus
+from lmscale_jax.prep import corpus_layout, elf_corpus, pretokenize, text_corpus
 from lmscale_jax.prep.elf_corpus import FileResult, InputError
 from lmscale_jax.prep.options import Options
 from lmscale_jax.store import dataset
@@ -301,5 +301,5 @@ def count_sample(args) -> collections.Counter:
       yield from (lines[i][TEXT_AT:] for i in range((-at) % stride, len(lines), stride))
       at += len(lines)
 
-  return toklib.count_pretokens(texts())
+  return toklib.count_pretokens(texts(), pretokenize.token_ids_module())
 

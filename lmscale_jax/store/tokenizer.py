@@ -68,16 +68,14 @@ def _pretoken_wordpiece(texts: Iterable[str], vocab_size: int):
   return from_pretoken_counts(count_pretokens(texts), vocab_size)
 
 
-def count_pretokens(texts: Iterable[str]) -> collections.Counter:
+def count_pretokens(texts: Iterable[str], compiled=None) -> collections.Counter:
   """Word counts of pretoken texts, specials excluded: all a binary tokenizer is built from.
   Counts of parts of a corpus add up (``Counter`` +) to the whole's, so each node of a cluster
   preparation can count its share and one step builds the tokenizer."""
   # Counted per instruction first (" [NEXT] "-separated; ~4× fewer items than words, and the
   # distinct instructions are few), then spread to their words: the same counts, ~2× faster.
-  # prep/_token_ids.c's count does both in C where it is built (measured on libc: 3.7× faster).
-  from lmscale_jax.prep import pretokenize
-
-  compiled = pretokenize.token_ids_module()
+  # ``compiled``: prep/_token_ids.c's module (prep passes pretokenize.token_ids_module(): store
+  # does not import prep), whose count does both in C (measured on libc: 3.7× faster).
   if compiled is not None:
     counts = collections.Counter(compiled.count(texts, f" {NEXT} ", words=True))
   else:
