@@ -29,14 +29,18 @@ class _OpenSequence:
   pieces: list  # token-id arrays, in order
 
 
+def check_settings(seq_len: int, mode: str) -> None:
+  if mode not in ("greedy", "none"):
+    raise ValueError(f"packing {mode!r}: expected 'greedy' or 'none'")
+  if seq_len < 4:
+    raise ValueError(f"seq_len {seq_len} too short: need room for [CLS] x [SEP]")
+
+
 class Packer:
 
   def __init__(self, seq_len: int, cls_id: int, sep_id: int, pad_id: int, mode: str = "greedy",
                window: int = 64):
-    if mode not in ("greedy", "none"):
-      raise ValueError(f"packing {mode!r}: expected 'greedy' or 'none'")
-    if seq_len < 4:
-      raise ValueError(f"seq_len {seq_len} too short: need room for [CLS] x [SEP]")
+    check_settings(seq_len, mode)
     self.seq_len, self.cls, self.sep, self.pad = seq_len, cls_id, sep_id, pad_id
     self.mode, self.window = mode, window
     self._open: list[_OpenSequence] = []
@@ -98,7 +102,7 @@ def pack_documents(docs: list[np.ndarray], seq_len: int, cls_id: int, sep_id: in
     packer = Packer(seq_len, cls_id, sep_id, pad_id, mode, window)
     seqs = [s for ids in docs for s in packer.add(ids)] + list(packer.flush())
     return np.stack(seqs) if seqs else np.zeros((0, seq_len), np.uint16)
-  Packer(seq_len, cls_id, sep_id, pad_id, mode, window)  # the same checks of the settings
+  check_settings(seq_len, mode)
   ids = np.concatenate(docs).astype(np.uint16, copy=False) if docs else np.zeros(0, np.uint16)
   lengths = np.array([len(d) for d in docs], np.int64)
   out = compiled.pack(ids, lengths, seq_len, cls_id, sep_id, pad_id, window, mode == "greedy")

@@ -75,7 +75,7 @@ class _InstructionIds(dict):
       self.clear()
     words = self.words
     ids = self[instruction] = np.array([*itertools.chain.from_iterable(
-        [words[w] for w in instruction.split()]), *words[NEXT]], np.uint16).tobytes()
+        [words[w] for w in instruction.split()])], np.uint16).tobytes() + self.separator
     return ids
 
 
