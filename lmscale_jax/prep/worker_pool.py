@@ -6,17 +6,82 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import importlib
+import itertools
 import multiprocessing
 import signal
 import threading
 
 from lmscale_jax.errors import PrepareError
 
+_claims = None  # a spawned worker's view of the pool's claim slots (_Claims)
 
-def _worker_init() -> None:
+
+def _worker_init(claims) -> None:
+  global _claims
+  _claims = claims
   # Ctrl-C reaches the whole process group: only the parent reacts (one line, exit 130); a
   # worker's KeyboardInterrupt would print a traceback per worker.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _Claims:
+  """Who runs each queued task: a spawned worker, or the parent when it would otherwise wait.
+  Tasks are numbered in submission order (``seq``); slot ``seq % len`` holds ``2·seq + who``
+  (0: a worker, 1: the parent) of the latest claim. ``Future.cancel`` would do without this,
+  but on 3.11 a worker dying while a cancelled task is still queued makes the executor's
+  thread raise InvalidStateError, a traceback on top of the run's one line (seen)."""
+
+  def __init__(self, ctx, size: int):
+    self.slots = ctx.Array("q", [-2] * size)  # -2: claimed by nobody (as if seq -1)
+
+  def claim(self, seq: int, who: int) -> bool:
+    """True when ``who`` gets task ``seq``: nobody claimed it, nor a later one in its slot (a
+    later one there means the parent took ``seq`` and its slot moved on)."""
+    slots = self.slots
+    with slots.get_lock():
+      held = slots[seq % len(slots)]
+      if held // 2 >= seq:
+        return False
+      slots[seq % len(slots)] = 2 * seq + who
+      return True
+
+
+def _preload(modules: tuple[str, ...]) -> None:
+  """Each worker's first task: submitted when the pool starts, so it spawns the worker at once
+  (ProcessPoolExecutor spawns on submit) and the worker imports what its tasks need meanwhile."""
+  for name in modules:
+    try:
+      importlib.import_module(name)
+    except ImportError:  # optional (the compiled backend's capstone): a task that needs it says so
+      pass
+
+
+class _Task:
+  """A queued task: a worker runs ``fn(item)`` unless the parent claimed it first."""
+
+  def __init__(self, fn, item, seq: int):
+    self.fn, self.item, self.seq = fn, item, seq
+
+  def __call__(self):
+    return self.fn(self.item) if _claims.claim(self.seq, 0) else None
+
+
+class _Ran:
+  """A task the parent ran: its result, or the exception it raised (raised in the task's
+  turn, so a run reports the first error in input order whoever ran the task)."""
+
+  def __init__(self, fn, item):
+    self.error = None
+    try:
+      self.value = fn(item)
+    except Exception as e:  # noqa: BLE001  (KeyboardInterrupt goes straight up)
+      self.error = e
+
+  def result(self):
+    if self.error is not None:
+      raise self.error
+    return self.value
 
 
 @contextlib.contextmanager
@@ -43,44 +108,80 @@ def _stop_workers(ex: concurrent.futures.ProcessPoolExecutor) -> None:
     p.terminate()
 
 
-# Tasks in flight per worker. Results are consumed in order, so a long task (an 8 MB part of a
-# big library) holds back the submission of the ones after it and the other workers wait.
-# Measured, pass 1 of 21 MB of code at two workers: 1.94–2.21 s with 2, 1.69–1.72 s with 8.
+# Tasks queued per worker (the parent counted). Results are consumed in order, so a long task
+# (an 8 MB part of a big library) holds back the submission of the ones after it and the others
+# wait. Measured, pass 1 of 21 MB of code at two workers: 1.94–2.21 s with 2, 1.69–1.72 s with
+# 8; and with the parent working (a task it runs submits nothing meanwhile) 8 per spawned
+# worker left it idle: 2 workers, 6 runs each, 3.48 s mean with 8 queued, 3.24 s with 16.
 IN_FLIGHT = 8
 
 
 @contextlib.contextmanager
-def ordered_map(workers: int):
-  """An ordered, bounded map over tasks: a process pool, or in-process for one worker. A task
-  that needs a worker set up does it on first use (``tokenize_pack.ensure_worker``): one pool
-  serves every pass of a preparation.
+def ordered_map(workers: int, preload: tuple[str, ...] = ()):
+  """An ordered, bounded map over tasks in ``workers`` processes: this one and ``workers - 1``
+  spawned ones (in-process alone for one worker). A task that needs a worker set up does it on
+  first use (``tokenize_pack.ensure_worker``): one pool serves every pass of a preparation.
+  The spawned processes start at once and import the modules named in ``preload``.
 
-  At most ``IN_FLIGHT × workers`` tasks are in flight, so results never pile up in the parent
-  (they are small: workers write their output to files). A worker that dies (killed, out of
-  memory) ends the run with an error instead of the endless wait of ``multiprocessing.Pool``.
+  This process runs a queued task itself whenever it would otherwise wait for the oldest one
+  (while the spawned ones start: ~0.3 s of imports; between its own serial steps: duplicate
+  checks, the tokenizer), so N workers are N busy processes on N cores, not N and a parent that
+  mostly waits (2 workers, 6 runs each: 3.13 s mean, 3.37 s before). At most ``IN_FLIGHT ×
+  workers`` tasks are queued, so results never pile up here (they are small: workers write
+  their output to files). A worker that dies (killed, out of memory) ends the run with an error
+  instead of the endless wait of ``multiprocessing.Pool``.
   """
   if workers <= 1:
     yield map
     return
   # spawn, not fork: the parent may hold threads (tokenizers, tqdm) that fork would copy.
   ctx = multiprocessing.get_context("spawn")
-  ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
+  window = IN_FLIGHT * workers
+  claims = _Claims(ctx, 4 * window)  # > the tasks ever queued at once (one window)
+  ex = concurrent.futures.ProcessPoolExecutor(workers - 1, mp_context=ctx,
+                                              initializer=_worker_init, initargs=(claims,))
+  numbers = itertools.count()  # task numbers, across every map of the pool
+  with _sigint_blocked():  # any submit may spawn a worker
+    for _ in range(workers - 1):
+      ex.submit(_preload, preload)
 
   def ordered(fn, items):
-    pending = collections.deque()
+    items, end = iter(items), object()
+    pending = collections.deque()  # [future or _Ran, item, seq], in input order
+    queued = 0  # the futures among them
+
+    def run_one_here() -> bool:
+      # The earliest queued task no worker has started yet.
+      for entry in pending:
+        if isinstance(entry[0], concurrent.futures.Future) and not entry[0].done() and \
+            claims.claim(entry[2], 1):
+          entry[0], entry[1] = _Ran(fn, entry[1]), None
+          return True
+      return False
+
     try:
-      for item in items:
-        with _sigint_blocked():  # any submit may spawn a worker
-          pending.append(ex.submit(fn, item))
-        if len(pending) >= IN_FLIGHT * workers:
-          yield pending.popleft().result()
-      while pending:
-        yield pending.popleft().result()
+      while True:
+        while queued < window and (item := next(items, end)) is not end:
+          seq = next(numbers)
+          with _sigint_blocked():  # any submit may spawn a worker
+            pending.append([ex.submit(_Task(fn, item, seq)), item, seq])
+          queued += 1
+        if not pending:
+          return
+        head = pending[0][0]
+        waits = isinstance(head, concurrent.futures.Future)
+        if waits and not head.done() and run_one_here():  # instead of waiting
+          queued -= 1  # one future less: the task it stood for ran here
+          continue
+        pending.popleft()
+        queued -= waits
+        yield head.result()
     except concurrent.futures.process.BrokenProcessPool as e:
       raise PrepareError(f"a worker process died ({e}); rerun to resume") from None
-    finally:
-      for f in pending:
-        f.cancel()
+    finally:  # a map left early (an error, Ctrl-C): its queued tasks are skipped, not run
+      for f, _, seq in pending:
+        if isinstance(f, concurrent.futures.Future):
+          claims.claim(seq, 1)
 
   try:
     yield ordered
@@ -89,3 +190,4 @@ def ordered_map(workers: int):
     raise
   finally:
     ex.shutdown(wait=True, cancel_futures=True)
+

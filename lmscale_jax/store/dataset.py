@@ -196,17 +196,6 @@ def tfds_features(seq_len: int):
   })
 
 
-def import_tfds_in_background() -> None:
-  """Starts importing tensorflow_datasets in a thread: a process that waits on others (the
-  preparation's parent, while its workers run pass 3) then pays nothing for it in
-  :func:`write_tfds_metadata` (measured: 0.4–0.7 s, serial at the end of every preparation)."""
-  import importlib
-  import threading
-
-  threading.Thread(target=importlib.import_module, args=("tensorflow_datasets",),
-                   name="import-tfds", daemon=True).start()
-
-
 def write_tfds_metadata(directory: str, name: str, seq_len: int, splits: dict) -> None:
   """TFDS's dataset_info.json/features.json so ``tfds.builder_from_directory`` reads the shards."""
   import tensorflow_datasets as tfds

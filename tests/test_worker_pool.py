@@ -1,0 +1,138 @@
+"""Preparation's process pool (prep/worker_pool.py) with real spawned processes: results in
+input order, every task run exactly once whether a spawned worker or the parent runs it, errors
+in their turn, a killed worker one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from lmscale_jax.prep import worker_pool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _slow_task(args):
+  """Pool task: sleeps a little (uneven, so the processes interleave); creates its own marker
+  file, which fails if the task already ran; returns (index, pid)."""
+  directory, i = args
+  time.sleep(0.002 + 0.004 * (i % 5))  # 200 tasks: ~2 s in one process
+  with open(os.path.join(directory, f"{i:04d}"), "x"):
+    pass
+  return i, os.getpid()
+
+
+def _fails_at_seven(i):
+  time.sleep(0.002 * (i % 3))
+  if i == 7:
+    raise ValueError(f"bad task {i}")
+  return i
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_results_come_in_input_order_and_the_parent_runs_tasks_instead_of_waiting(
+    tmp_path, workers):
+  with worker_pool.ordered_map(workers) as pmap:
+    got = list(pmap(_slow_task, [(str(tmp_path), i) for i in range(200)]))
+  assert [i for i, _ in got] == list(range(200))
+  pids = {pid for _, pid in got}
+  # The parent took tasks while it would have waited (at least while the workers started:
+  # ~0.3 s of imports), and the spawned workers took the rest.
+  assert os.getpid() in pids and len(pids) >= 2
+  # Every task ran exactly once: each created its marker with "x" (a second run would fail).
+  assert sorted(os.listdir(tmp_path)) == [f"{i:04d}" for i in range(200)]
+
+
+def test_one_pool_serves_several_maps_each_task_once(tmp_path):
+  with worker_pool.ordered_map(2) as pmap:
+    for m in range(3):
+      d = tmp_path / str(m)
+      d.mkdir()
+      assert [i for i, _ in pmap(_slow_task, [(str(d), i) for i in range(40)])] == \
+          list(range(40))
+      assert len(os.listdir(d)) == 40
+
+
+def test_an_error_comes_in_its_turn_whoever_ran_the_task():
+  """The results before the failing task come first, then its error: a run reports the first
+  bad input in input order, the same for any number of workers."""
+  for _ in range(3):
+    got = []
+    with pytest.raises(ValueError, match="bad task 7"):
+      with worker_pool.ordered_map(2) as pmap:
+        for r in pmap(_fails_at_seven, range(40)):
+          got.append(r)
+    assert got == list(range(7))
+
+
+def test_a_killed_worker_ends_the_map_with_one_error_and_no_traceback(tmp_path):
+  """A worker killed (out of memory, kill -9) while the parent has taken queued tasks: the map
+  raises PrepareError and nothing else is printed (Future.cancel() for the parent's share made
+  Python 3.11's executor thread print an InvalidStateError traceback here)."""
+  script = textwrap.dedent("""
+      import os, signal, time
+      from lmscale_jax.errors import PrepareError
+      from lmscale_jax.prep import worker_pool
+
+      def task(args):
+        parent, i = args
+        time.sleep(0.01)
+        if os.getpid() != parent and i >= 20:
+          os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+      if __name__ == "__main__":
+        try:
+          with worker_pool.ordered_map(2) as pmap:
+            list(pmap(task, [(os.getpid(), i) for i in range(400)]))
+        except PrepareError as e:
+          print("error:", e)
+  """)
+  path = tmp_path / "kill_a_worker.py"  # a file: spawned workers import its task from it
+  path.write_text(script)
+  for _ in range(3):
+    p = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, start_new_session=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("error: a worker process died"), (p.stdout, p.stderr)
+    assert p.stderr == "", p.stderr
+
+
+def test_one_worker_runs_every_task_in_this_process(tmp_path):
+  with worker_pool.ordered_map(1) as pmap:
+    got = list(pmap(_slow_task, [(str(tmp_path), i) for i in range(10)]))
+  assert got == [(i, os.getpid()) for i in range(10)]
+
+
+def test_a_map_left_early_skips_its_queued_tasks_and_the_pool_goes_on(tmp_path):
+  """A consumer that stops (an error in the parent, a break) leaves tasks queued: they are
+  skipped, not run, and the pool serves the next map."""
+  first, second = tmp_path / "first", tmp_path / "second"
+  first.mkdir()
+  second.mkdir()
+  with worker_pool.ordered_map(2) as pmap:
+    for i, _ in pmap(_slow_task, [(str(first), i) for i in range(100)]):
+      if i == 3:
+        break
+    time.sleep(0.5)  # what was queued has had time to run, had it not been skipped
+    assert len(os.listdir(first)) < 40  # 4 consumed + the tasks already running, not 100
+    assert [i for i, _ in pmap(_slow_task, [(str(second), i) for i in range(30)])] == \
+        list(range(30))
+
+
+def _loaded(args):
+  time.sleep(0.01)
+  return os.getpid(), args in sys.modules
+
+
+def test_the_workers_import_the_preload_modules_as_they_start_and_a_missing_one_is_skipped():
+  name = "wave"  # a stdlib module the pool's own imports do not load (the control below)
+  for preload, expected in [((), {False}), (("no_such_module_here", name), {True})]:
+    with worker_pool.ordered_map(2, preload=preload) as pmap:
+      got = list(pmap(_loaded, [name] * 300))  # ~3 s alone: the workers get some
+    assert {loaded for pid, loaded in got if pid != os.getpid()} == expected
