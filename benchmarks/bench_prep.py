@@ -216,7 +216,7 @@ def main() -> int:
     except ImportError as e:
       p.error(f"--backends compiled: the compiled pretokenizer is unavailable ({e}); "
               "run bash tools/setup.sh or pass --backends python")
-  device, rows = _host.cpu_name(), []
+  device, code, rows = _host.cpu_name(), _host.code_version(), []
 
   def row(system: str, workers: int, seconds: float, cpu: float, code: int,
           counts: dict | None = None, **extra) -> None:
@@ -278,7 +278,7 @@ def main() -> int:
       r.update(ratio_vs_capstone=r["mb_s_core"] / base["mb_s_core"],
                cpu_ratio_vs_capstone=r["mb_per_cpu_s"] / base["mb_per_cpu_s"],
                date=date, device=device, files=len(files), load_average=load,
-               repeat=a.repeat)
+               repeat=a.repeat, code=code)
       scaling = f"{r['scaling']:.0%}" if "scaling" in r else ""
       print(f"{r['system']:<56} {r['workers']:>7} {r['code_mb']:>8.1f} {r['seconds']:>7.1f} "
             f"{r['mb_s_core']:>10.3f} {r['ratio_vs_capstone']:>11.2f}× "

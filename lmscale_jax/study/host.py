@@ -39,6 +39,16 @@ def host_description(directory: str) -> str:
   return f"{cpu_name()}; disk: {disk}"
 
 
+def code_version() -> str:
+  """The checkout's commit (``git describe --always --dirty``: "95ae098-dirty" with changes
+  not committed), or "unknown" outside a git checkout: which code a result measured."""
+  try:
+    return subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
 @contextlib.contextmanager
 def checkout_importable():
   """The checkout on sys.path while a config file runs here. A run loads its config with the
