@@ -102,8 +102,7 @@ def _sigint_blocked():
 
 
 def _stop_workers(ex: concurrent.futures.ProcessPoolExecutor) -> None:
-  # The run is ending (Ctrl-C, a bad input): don't wait for the tasks still running, which may
-  # take many seconds each. ProcessPoolExecutor has no public way to do this before 3.14.
+  # ProcessPoolExecutor has no public way to do this before 3.14.
   for p in list((getattr(ex, "_processes", None) or {}).values()):
     p.terminate()
 
@@ -185,9 +184,10 @@ def ordered_map(workers: int, preload: tuple[str, ...] = ()):
 
   try:
     yield ordered
-  except BaseException:
-    _stop_workers(ex)
-    raise
   finally:
+    # Stopped, not waited for: every result the run used has arrived (its files written), and
+    # on an error or Ctrl-C the tasks still running may take seconds each. Their normal exit,
+    # the teardown of what they imported, was 0.06 s serial at the end of every run.
+    _stop_workers(ex)
     ex.shutdown(wait=True, cancel_futures=True)
 
