@@ -40,13 +40,19 @@ def host_description(directory: str) -> str:
 
 
 def code_version() -> str:
-  """The checkout's commit (``git describe --always --dirty``: "95ae098-dirty" with changes
-  not committed), or "unknown" outside a git checkout: which code a result measured."""
+  """The checkout's commit, "+changes" when files it tracks differ from it (results files
+  aside: the benchmarks append to them), or "unknown" outside a git checkout: which code a
+  result measured."""
   try:
-    return subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    git = ["git", "-C", ROOT]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                              ":(exclude)benchmarks/results"], capture_output=True, text=True,
+                             check=True).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
+  return commit + ("+changes" if changed else "")
 
 
 @contextlib.contextmanager
