@@ -374,9 +374,11 @@ def prepare(o: Options) -> dict:
 
 # What the pool's tasks import and the libraries they load on first use: imported by each
 # worker as it starts (0.2–0.3 s, measured), while this process imports TFDS.
-WORKER_MODULES = ("lmscale_jax.prep.corpus_extract", "lmscale_jax.prep.packed_pieces",
-                  "elftools.elf.elffile", "capstone", "tokenizers",
-                  "array_record.python.array_record_module")
+WORKER_MODULES = {
+    "common": ("lmscale_jax.prep.corpus_extract", "lmscale_jax.prep.packed_pieces",
+               "tokenizers", "array_record.python.array_record_module"),
+    "binary": ("elftools.elf.elffile", "capstone"),
+}
 
 
 def _prepare(o: Options) -> dict:
@@ -399,11 +401,13 @@ def _prepare(o: Options) -> dict:
   # the workers (so with N busy workers the stages add up to ~N × the pass's wall time).
   stages = {"elf_parse": 0.0, "decode_pretokenize": 0.0, "extract_write": 0.0, "dedup": 0.0}
   # One process pool for every pass (spawning one per pass cost each its workers' start-up).
-  with worker_pool.ordered_map(o.workers, preload=WORKER_MODULES) as pmap:
+  preload = WORKER_MODULES["common"] + WORKER_MODULES.get(o.kind, ())
+  with worker_pool.ordered_map(o.workers, preload=preload) as pmap:
     # finalize's TFDS: imported (~0.3 s) while the pool's workers start, not at the end where
-    # it was serial (2 workers, 8 runs each: 3.49 s mean against 3.58). In a thread during pass 3 it slowed this process's own tasks more (the
-    # GIL; 2 workers, 6 runs each: 3.13 s mean against 3.01); in a process of its own it cost
-    # the cores what it saved (3.55 s against 3.44, 8 runs each).
+    # it was serial (2 workers, 8 runs each: 3.49 s mean against 3.58). In a thread during
+    # pass 3 it slowed this process's own tasks more (the GIL; 2 workers, 6 runs each: 3.13 s
+    # mean against 3.01); in a process of its own it cost the cores what it saved (3.55 s
+    # against 3.44, 8 runs each).
     importlib.import_module("tensorflow_datasets")
     chunks = corpus_extract.extract(o, work, files, skipped, stages, pmap)
     extract_stats = corpus_extract.chunks(work)[-1][1]["stats"]

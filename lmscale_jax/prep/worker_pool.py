@@ -190,4 +190,3 @@ def ordered_map(workers: int, preload: tuple[str, ...] = ()):
     # the teardown of what they imported, was 0.06 s serial at the end of every run.
     _stop_workers(ex)
     ex.shutdown(wait=True, cancel_futures=True)
-
