@@ -17,7 +17,9 @@ per round, ``--repeat`` rounds, and its fastest run counts (a shared machine onl
 run down; rounds make the systems compared sample the same stretches of it). Rates are
 per core of wall time (``mb_s_core``) and per CPU-second (``mb_per_cpu_s``: this process and its
 workers, which a loaded machine disturbs less); ``scaling`` is the rate of N workers over N ×
-the rate of one. Prints a table with the ratio to capstone alone; appends JSON lines to
+the rate of one (fastest runs), ``scaling_median`` the median over rounds of the same ratio
+within a round (one worker and N run back to back: a machine whose speed drifts over minutes
+moves both alike). Prints a table with the ratio to capstone alone; appends JSON lines to
 ``benchmarks/results/<date>-cpu-prep.jsonl``.
 """
 
@@ -30,6 +32,7 @@ import mmap
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -246,12 +249,11 @@ def main() -> int:
   # Every system once per round, ``--repeat`` rounds, the fastest run of each counting: this
   # machine's speed drifts by ±30% over minutes (measured), so the runs compared (one worker
   # against two, ours against capstone) must sample the same stretches of it.
-  fastest: dict = {}
+  runs: dict = {i: [] for i in range(len(systems))}
   for _ in range(a.repeat):
     for i, (_, _, run, _) in enumerate(systems):
-      result = run()
-      if i not in fastest or result[0] < fastest[i][0]:
-        fastest[i] = result
+      runs[i].append(run())
+  fastest = {i: min(results, key=lambda r: r[0]) for i, results in runs.items()}
   blobs = None
   for i, (system, w, _, extra) in enumerate(systems):
     result = fastest[i]
@@ -264,6 +266,10 @@ def main() -> int:
     if w > 1:
       one = next(r for r in rows if r["system"] == system and r["workers"] == 1)
       rows[-1]["scaling"] = rows[-1]["mb_s_core"] / one["mb_s_core"]
+      j = next(k for k, s in enumerate(systems) if s[0] == system and s[1] == 1)
+      paired = [alone[0] / (w * together[0]) for alone, together in zip(runs[j], runs[i])]
+      rows[-1]["scaling_rounds"] = [round(x, 4) for x in paired]
+      rows[-1]["scaling_median"] = statistics.median(paired)
     elif system.startswith("lmscale prepare"):
       rows[-1]["scaling"] = 1.0
   base = rows[0]
@@ -271,7 +277,8 @@ def main() -> int:
   load = os.getloadavg()[0]
   print(f"\n{len(files)} ELF files, {device}, load average {load:.1f} at the end")
   print(f"{'system':<56} {'workers':>7} {'code MB':>8} {'s':>7} {'MB/s/core':>10} "
-        f"{'vs capstone':>12} {'MB/cpu-s':>9} {'vs capstone':>12} {'scaling':>8}")
+        f"{'vs capstone':>12} {'MB/cpu-s':>9} {'vs capstone':>12} {'scaling':>8} "
+        f"{'median/round':>12}")
   os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, f"{date}-cpu-prep.jsonl"), "a") as f:
     for r in rows:
@@ -280,9 +287,11 @@ def main() -> int:
                date=date, device=device, files=len(files), load_average=load,
                repeat=a.repeat, code=code)
       scaling = f"{r['scaling']:.0%}" if "scaling" in r else ""
+      median = f"{r['scaling_median']:.0%}" if "scaling_median" in r else ""
       print(f"{r['system']:<56} {r['workers']:>7} {r['code_mb']:>8.1f} {r['seconds']:>7.1f} "
             f"{r['mb_s_core']:>10.3f} {r['ratio_vs_capstone']:>11.2f}× "
-            f"{r['mb_per_cpu_s']:>9.3f} {r['cpu_ratio_vs_capstone']:>11.2f}× {scaling:>8}")
+            f"{r['mb_per_cpu_s']:>9.3f} {r['cpu_ratio_vs_capstone']:>11.2f}× {scaling:>8} "
+            f"{median:>12}")
       f.write(json.dumps(r) + "\n")
   counts = {k: v for r in rows for k, v in r.items()
             if k in ("instructions", "memo_entries", "shape_entries", "branch_opcodes")}
@@ -300,9 +309,11 @@ def main() -> int:
         f"({'met' if ends[0]['mb_s_core'] >= GOAL_MB_S_CORE else 'not met'})",
         f"≥ {GOAL_RATIO}× capstone alone: {ends[0]['ratio_vs_capstone']:.2f}× "
         f"({'met' if ends[0]['ratio_vs_capstone'] >= GOAL_RATIO else 'not met'})",
-        *(f"{r['workers']} workers scale {r['scaling']:.0%} (goal {GOAL_SCALING:.0%})"
+        *(f"{r['workers']} workers scale {r['scaling']:.0%}, median of the rounds "
+          f"{r['scaling_median']:.0%} (goal {GOAL_SCALING:.0%})"
           for r in ends if r["workers"] > 1),
-        *(f"capstone alone scales {r['scaling']:.0%} with {r['workers']} processes"
+        *(f"capstone alone scales {r['scaling']:.0%}, median of the rounds "
+          f"{r['scaling_median']:.0%}, with {r['workers']} processes"
           for r in rows if r["system"].startswith("capstone") and "scaling" in r)]))
   return 0
 

@@ -136,3 +136,24 @@ def test_the_workers_import_the_preload_modules_as_they_start_and_a_missing_one_
     with worker_pool.ordered_map(2, preload=preload) as pmap:
       got = list(pmap(_loaded, [name] * 300))  # ~3 s alone: the workers get some
     assert {loaded for pid, loaded in got if pid != os.getpid()} == expected
+
+
+def _environment_of(i):
+  time.sleep(0.01)
+  return os.getpid(), os.environ.get("OPENBLAS_NUM_THREADS")
+
+
+@pytest.mark.parametrize("ours", [None, "3"])
+def test_spawned_workers_get_one_blas_thread_unless_the_environment_says_otherwise(
+    monkeypatch, ours):
+  # Their tasks never call BLAS; OpenBLAS's thread per core cost each one's start 0.08 CPU-s.
+  if ours is None:
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+  else:
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", ours)
+  with worker_pool.ordered_map(2) as pmap:
+    got = set(pmap(_environment_of, range(100)))
+  spawned = {value for pid, value in got if pid != os.getpid()}
+  assert spawned == {ours or "1"}
+  assert {value for pid, value in got if pid == os.getpid()} <= {ours}  # this one's unchanged
+  assert os.environ.get("OPENBLAS_NUM_THREADS") == ours

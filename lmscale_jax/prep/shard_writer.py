@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 
-from tqdm import tqdm
-
-from lmscale_jax.prep import packed_pieces, tokenize_pack
+from lmscale_jax.prep import packed_pieces, progress, tokenize_pack
 from lmscale_jax.prep.options import Options
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
@@ -60,17 +58,17 @@ def write_shards(o: Options, work: str, chunks: list[str], tok, pmap) -> dict:
   init = (os.path.join(work, dataset.TOKENIZER), o.kind, o.seq_len, o.packing, o.val_fraction)
   os.makedirs(os.path.join(work, packed_pieces.PIECES), exist_ok=True)
   counts = []
-  for info in tqdm(pmap(packed_pieces.pack_piece,
-                        [(packed_pieces.piece_base(work, i), _piece_lines, piece, init)
-                         for i, piece in enumerate(tasks)]),
-                   total=len(tasks), unit="piece", desc="tokenize+pack", disable=not o.progress):
+  for info in progress.over(pmap(packed_pieces.pack_piece,
+                                 [(packed_pieces.piece_base(work, i), _piece_lines, piece, init)
+                                  for i, piece in enumerate(tasks)]),
+                            o.progress, total=len(tasks), unit="piece", desc="tokenize+pack"):
     packed_pieces.add_seconds(seconds, info["seconds"])
     counts.append(info)
   shards = packed_pieces.shard_tasks(work, counts,
                                      packed_pieces.records_per_shard(o.seq_len, o.shard_size_mb),
                                      o.compression)
-  infos = list(tqdm(pmap(packed_pieces.write_shard, shards), total=len(shards), unit="shard",
-                    desc="shards", disable=not o.progress))
+  infos = list(progress.over(pmap(packed_pieces.write_shard, shards), o.progress,
+                             total=len(shards), unit="shard", desc="shards"))
   for info in infos:
     packed_pieces.add_seconds(seconds, {"write": info.pop("seconds", 0.0)})
   return packed_pieces.result(counts, shards, infos, special,
