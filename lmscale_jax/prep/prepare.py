@@ -24,7 +24,6 @@ import collections
 import dataclasses
 import errno
 import hashlib
-import importlib
 import json
 import os
 import re
@@ -196,7 +195,7 @@ def pretokenizer_params(o: Options) -> dict:
   """The compiled backend (prep/_pretokens.c) writes capstone's text, which differs from the
   python backend's on ~0.005% of instructions: a run never resumes with the other one. Its
   absence means the python backend (every run before the compiled one existed). Called in the
-  parent, before the pool: a bad $LMSCALE_PRETOKENIZER is one line here, not in a worker."""
+  parent, before any task: a bad $LMSCALE_PRETOKENIZER is one line here, not in a worker."""
   if o.kind != "binary":
     return {}
   from lmscale_jax.prep.pretokenize import code_pretokenizer
@@ -380,34 +379,41 @@ WORKER_MODULES = {
 }
 
 
-def _prepare(o: Options) -> dict:
-  t0 = time.time()
-  check_options(o)
-  check_overlap(o)
-  workers = o.workers or os.cpu_count() or 1
-  o = dataclasses.replace(o, workers=workers)
+def _open_run(o: Options) -> tuple[list[str], dict]:
+  """The input files (and those skipped), the output directory created or resumed."""
   files, skipped, notes = corpus_extract.list_files(o)
   for note in notes:
     print(note, file=sys.stderr)
   params = o.output_params()
   params["input_files"] = input_key(files)
   params.update(pretokenizer_params(o))
-  resumed = open_output(o, params)
-  work = os.path.join(o.output, WORK)
-  if resumed and o.progress:
+  if open_output(o, params) and o.progress:
     print(f"resuming the unfinished preparation in {o.output}")
+  return files, skipped
+
+
+def _prepare(o: Options) -> dict:
+  t0 = time.time()
+  check_options(o)
+  check_overlap(o)
+  workers = o.workers or os.cpu_count() or 1
+  o = dataclasses.replace(o, workers=workers)
+  work = os.path.join(o.output, WORK)
   # stage_seconds: each stage's seconds of work, in pass order; a worker stage is summed over
   # the workers (so with N busy workers the stages add up to ~N × the pass's wall time).
   stages = {"elf_parse": 0.0, "decode_pretokenize": 0.0, "extract_write": 0.0, "dedup": 0.0}
-  # One process pool for every pass (spawning one per pass cost each its workers' start-up).
+  # One process pool for every pass (spawning one per pass cost each its workers' start-up),
+  # started before the inputs are listed: its workers start meanwhile (the listing and the
+  # output directory were 0.06 s of a 3.3 s run, the other core idle).
   preload = WORKER_MODULES["common"] + WORKER_MODULES.get(o.kind, ())
-  with worker_pool.ordered_map(o.workers, preload=preload) as pmap:
-    # finalize's TFDS: imported (~0.3 s) while the pool's workers start, not at the end where
-    # it was serial (2 workers, 8 runs each: 3.49 s mean against 3.58). In a thread during
-    # pass 3 it slowed this process's own tasks more (the GIL; 2 workers, 6 runs each: 3.13 s
-    # mean against 3.01); in a process of its own it cost the cores what it saved (3.55 s
-    # against 3.44, 8 runs each).
-    importlib.import_module("tensorflow_datasets")
+  # finalize's TFDS: imported (~0.3 s) while the pool's workers start, not at the end where
+  # it was serial (2 workers, 8 runs each: 3.49 s mean against 3.58). In a thread during pass 3
+  # it slowed this process's own tasks more (the GIL; 2 workers, 6 runs each: 3.13 s mean
+  # against 3.01); in a process of its own it cost the cores what it saved (3.55 s against
+  # 3.44, 8 runs each).
+  with worker_pool.ordered_map(o.workers, preload=preload,
+                               imports_here=("tensorflow_datasets",)) as pmap:
+    files, skipped = _open_run(o)
     chunks = corpus_extract.extract(o, work, files, skipped, stages, pmap)
     extract_stats = corpus_extract.chunks(work)[-1][1]["stats"]
     t = time.time()
