@@ -498,6 +498,21 @@ def test_file_parts_concatenate_to_the_whole_file():
   assert parts == whole and len(whole) > 100
 
 
+def test_small_files_go_to_the_pool_in_batches_and_split_files_part_by_part():
+  from lmscale_jax.prep import corpus_extract
+
+  mb = corpus_extract.BATCH_BYTES
+  sizes = [mb // 4] * 3 + [mb // 2, 3 * mb, mb // 8, 20 * mb, mb // 8]
+  tasks = [(i, ("binary", f"f{i}", part, parts, f"t{i}-{part}", None, None))
+           for i, size in enumerate(sizes)
+           for parts in [corpus_extract.file_parts("binary", size)] for part in range(parts)]
+  got = corpus_extract.batches(tasks, sizes)
+  assert [args for batch in got for args in batch] == [args for _, args in tasks]  # each once
+  files = [[(args[1], args[2]) for args in batch] for batch in got]
+  assert files == [[("f0", 0), ("f1", 0), ("f2", 0), ("f3", 0)],  # 1.25 MB: closed at ≥ 1 MB
+                   [("f4", 0)], [("f5", 0)], [("f6", 0)], [("f6", 1)], [("f6", 2)], [("f7", 0)]]
+
+
 def test_an_unfinished_run_of_the_other_pretokenizer_backend_names_the_way_to_resume_it(
     tmp_path, monkeypatch):
   """The backends' texts differ on ~0.005% of instructions, so a run never mixes them: a run

@@ -5,6 +5,7 @@ helpers every stage shares."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -117,13 +118,15 @@ def _extract_slice(work: str, p: dict, o: Options, k: int, workers: int) -> None
   os.makedirs(tmpdir)
   first, end = p["slices"][k]
   files = p["files"]
-  args = [(o.kind, files[i], part, parts, os.path.join(tmpdir, f"{t:06d}.tsv"), o.txt_docs,
-           o.text_field) for t, (i, part, parts) in enumerate(p["tasks"][first:end], first)]
+  tasks = [(i, (o.kind, files[i], part, parts, os.path.join(tmpdir, f"{t:06d}.tsv"), o.txt_docs,
+                o.text_field)) for t, (i, part, parts) in enumerate(p["tasks"][first:end], first)]
+  sizes = {i: os.path.getsize(files[i]) for i, _ in tasks}
   lengths, digests, results = [], [], []
   corpus_extract.REPEATS.clear()
   with worker_pool.ordered_map(workers) as pmap, corpus_extract.input_errors(), \
       open(slice_file(work, k, ".txt.partial"), "wb") as txt:
-    for res, out in pmap(corpus_extract.extract_worker, args):
+    for res, out in itertools.chain.from_iterable(
+        pmap(corpus_extract.extract_files, corpus_extract.batches(tasks, sizes))):
       with open(out["txt"], "rb") as f:
         shutil.copyfileobj(f, txt, 1 << 20)
       os.unlink(out["txt"])
