@@ -46,17 +46,17 @@ def file_parts(kind: str, size: int) -> int:
 # holds about this many bytes. Most inputs are small (136 of /usr's first 159 ELF files are under
 # 256 KB: 1–5 ms tasks), and a spawned worker finishing a task that short often found none
 # queued for it yet (the parent's threads that feed it wait for the GIL: up to 5 ms each).
-BATCH_BYTES = 1 << 20
+BATCH_BYTES = 1 << 20  # ≤ PART_BYTES: a split file's parts are never batched
 
 
 def batches(tasks: list[tuple[int, tuple]], sizes) -> list[list[tuple]]:
   """Pass 1's pool tasks from ``tasks`` ((file number, extract_worker's arguments), in input
   order) and ``sizes`` (bytes by file number): consecutive small whole files batched
-  (BATCH_BYTES), each part of a split file and each larger file a task of its own. They depend
-  only on the file sizes, as the output does."""
+  (BATCH_BYTES), each larger file a task of its own, and so each part of a split one (larger
+  than PART_BYTES). They depend only on the file sizes, as the output does."""
   out, batch, held = [], [], 0
   for i, args in tasks:
-    if args[3] > 1 or sizes[i] >= BATCH_BYTES:
+    if sizes[i] >= BATCH_BYTES:
       out += [batch] if batch else []
       out.append([args])
       batch, held = [], 0

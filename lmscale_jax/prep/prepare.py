@@ -406,11 +406,11 @@ def _prepare(o: Options) -> dict:
   # started before the inputs are listed: its workers start meanwhile (the listing and the
   # output directory were 0.06 s of a 3.3 s run, the other core idle).
   preload = WORKER_MODULES["common"] + WORKER_MODULES.get(o.kind, ())
-  # finalize's TFDS: imported (~0.3 s) while the pool's workers start, not at the end where
-  # it was serial (2 workers, 8 runs each: 3.49 s mean against 3.58). In a thread during pass 3
-  # it slowed this process's own tasks more (the GIL; 2 workers, 6 runs each: 3.13 s mean
-  # against 3.01); in a process of its own it cost the cores what it saved (3.55 s against
-  # 3.44, 8 runs each).
+  # finalize's TFDS: imported (~0.3 s) while the pool's workers start and take pass 1's first
+  # tasks (ordered_map's imports_here), not at the end where it was serial (2 workers, 8 runs
+  # each: 3.49 s mean against 3.58). In a thread during pass 3 it slowed this process's own
+  # tasks more (the GIL; 2 workers, 6 runs each: 3.13 s mean against 3.01); in a process of its
+  # own it cost the cores what it saved (3.55 s against 3.44, 8 runs each).
   with worker_pool.ordered_map(o.workers, preload=preload,
                                imports_here=("tensorflow_datasets",)) as pmap:
     files, skipped = _open_run(o)
