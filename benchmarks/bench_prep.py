@@ -19,7 +19,9 @@ per core of wall time (``mb_s_core``) and per CPU-second (``mb_per_cpu_s``: this
 workers, which a loaded machine disturbs less); ``scaling`` is the rate of N workers over N ×
 the rate of one (fastest runs), ``scaling_median`` the median over rounds of the same ratio
 within a round (one worker and N run back to back: a machine whose speed drifts over minutes
-moves both alike). Prints a table with the ratio to capstone alone; appends JSON lines to
+moves both alike); it is ``cpu_ratio`` (CPU-seconds of one over N's) × ``busy_ratio`` (``busy``,
+CPU-seconds per core-second of wall, of N over one's), which tell the machine's share of a
+shortfall (capstone alone's ``cpu_ratio``) from the pipeline's. Prints a table with the ratio to capstone alone; appends JSON lines to
 ``benchmarks/results/<date>-cpu-prep.jsonl``.
 """
 
@@ -224,7 +226,7 @@ def main() -> int:
   def row(system: str, workers: int, seconds: float, cpu: float, code: int,
           counts: dict | None = None, **extra) -> None:
     rows.append({"system": system, "workers": workers, "code_mb": code / 1e6,
-                 "seconds": seconds, "cpu_seconds": cpu,
+                 "seconds": seconds, "cpu_seconds": cpu, "busy": cpu / (workers * seconds),
                  "mb_s_core": code / 1e6 / seconds / workers, "mb_per_cpu_s": code / 1e6 / cpu,
                  **(counts or {}), **extra})
 
@@ -266,6 +268,11 @@ def main() -> int:
     if w > 1:
       one = next(r for r in rows if r["system"] == system and r["workers"] == 1)
       rows[-1]["scaling"] = rows[-1]["mb_s_core"] / one["mb_s_core"]
+      # scaling = cpu_ratio × busy_ratio exactly: the CPU-seconds the same work took (the
+      # machine's cores slowing each other, the workers' start-up) and how busy the N cores
+      # were kept against the one (serial steps, a pass's last task: the pool's structure).
+      rows[-1]["cpu_ratio"] = one["cpu_seconds"] / rows[-1]["cpu_seconds"]
+      rows[-1]["busy_ratio"] = rows[-1]["busy"] / one["busy"]
       j = next(k for k, s in enumerate(systems) if s[0] == system and s[1] == 1)
       paired = [alone[0] / (w * together[0]) for alone, together in zip(runs[j], runs[i])]
       rows[-1]["scaling_rounds"] = [round(x, 4) for x in paired]
@@ -310,10 +317,12 @@ def main() -> int:
         f"≥ {GOAL_RATIO}× capstone alone: {ends[0]['ratio_vs_capstone']:.2f}× "
         f"({'met' if ends[0]['ratio_vs_capstone'] >= GOAL_RATIO else 'not met'})",
         *(f"{r['workers']} workers scale {r['scaling']:.0%}, median of the rounds "
-          f"{r['scaling_median']:.0%} (goal {GOAL_SCALING:.0%})"
+          f"{r['scaling_median']:.0%} (goal {GOAL_SCALING:.0%}): CPU-seconds ratio "
+          f"{r['cpu_ratio']:.2f} × cores kept busy {r['busy_ratio']:.2f}"
           for r in ends if r["workers"] > 1),
         *(f"capstone alone scales {r['scaling']:.0%}, median of the rounds "
-          f"{r['scaling_median']:.0%}, with {r['workers']} processes"
+          f"{r['scaling_median']:.0%}, with {r['workers']} processes: CPU-seconds ratio "
+          f"{r['cpu_ratio']:.2f} × cores kept busy {r['busy_ratio']:.2f}"
           for r in rows if r["system"].startswith("capstone") and "scaling" in r)]))
   return 0
 

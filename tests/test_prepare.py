@@ -221,6 +221,40 @@ def test_identical_for_any_worker_count_with_many_pass3_pieces(built, tmp_path, 
   assert one["content_tokens"] == two["content_tokens"] == built[1]["content_tokens"]
 
 
+def test_pass3_removes_each_chunk_once_packed_and_each_piece_once_its_shards_are_written(
+    built, tmp_path, monkeypatch):
+  """What no later step reads goes as pass 3 goes, not all at the end (one process unlinking
+  while the other cores idled): as shard k starts, no chunk's text is left, every sequence
+  file shards k… read is there and none that only earlier shards read."""
+  from lmscale_jax.prep import packed_pieces
+
+  monkeypatch.setattr(shard_writer, "PIECE_BYTES", 64 << 10)
+  work = tmp_path / "out" / prepare.WORK
+  seen, write, listed, pieces = [], packed_pieces.write_shard, [], shard_writer.pieces
+  monkeypatch.setattr(shard_writer, "pieces", lambda *a: listed.append(pieces(*a)) or listed[-1])
+
+  def spy(task):
+    seen.append((task, {str(p) for p in (work / packed_pieces.PIECES).glob("*.npy")},
+                 list(work.glob("corpus-*.txt"))))
+    return write(task)
+
+  monkeypatch.setattr(packed_pieces, "write_shard", spy)
+  prepare.prepare(opts(tmp_path / "out", workers=1, chunk_mb=0.3, shard_size_mb=0.05,
+                       tokenizer=str(built[0] / dataset.TOKENIZER)))
+  tasks = [task for task, _, _ in seen]
+
+  def reads(shards):
+    return {packed_pieces.sequences_file(piece, split)
+            for split, _, ranges, _ in shards for piece, _, _ in ranges}
+
+  assert len(tasks) > 10 and len({chunk for chunk, _, _ in listed[0]}) > 1
+  for k, (_, files, texts) in enumerate(seen):
+    assert texts == [], k
+    assert reads(tasks[k:]) <= files, k
+    assert not (reads(tasks[:k]) - reads(tasks[k:])) & files, k
+  assert not work.exists()
+
+
 def test_packing_none_pads_more(built, tmp_path):
   _, greedy = built
   none = prepare.prepare(opts(tmp_path / "none", workers=1, packing="none",
@@ -282,6 +316,8 @@ def test_kill_and_rerun_completes_identically(built, tmp_path, wait_for):
   proc.wait()
   assert not (out / dataset.METADATA).exists()
   kept = sorted((out / prepare.WORK).rglob("*.json"))
+  if wait_for.startswith("shards"):  # the rerun does without them: pass 3 removed them
+    assert not list((out / prepare.WORK).glob("corpus-*.txt"))
   # What kills during finalize's writes of stats.json and of the manifest leave (CI runs'
   # kills landed in both).
   (out / f".{dataset.STATS}.k1ll3d.tmp").write_text("{")

@@ -152,10 +152,11 @@ def list_files(o: Options) -> tuple[list[str], dict, list[str]]:
 
 
 def _resume(work: str, skipped: dict) -> tuple[list, set, dict, int]:
-  """What earlier runs finished: (complete chunks, digests already kept, stats, next file)."""
+  """What earlier runs finished: (complete chunks, digests already kept, stats, next file).
+  After the last chunk, no digests: pass 3 removes each chunk once its pieces are packed."""
   done = chunks(work)
   seen: set[bytes] = set()
-  for path, _ in done:
+  for path, _ in ([] if done and done[-1][1].get("last") else done):
     with open(path, encoding="utf-8") as f:
       seen.update(parse_corpus_line(line)[0] for line in f)
   stats = done[-1][1]["stats"] if done else empty_stats()

@@ -6,7 +6,8 @@ rerun trusts). Once every piece is done, the shards of a fixed record count are 
 pieces in order by prefix sums, so each shard is one worker's task too. The parent only hands
 out tasks: it used to encode and write every record itself (12.7 µs a record, ~27 MB/s of
 input whatever the cores). Single-node preparation and the cluster stages (``cluster_stages``)
-share this; the cost is the uncompressed sequences on disk until the dataset is finalised.
+share this; the cost is the uncompressed sequences on disk until their shards are written
+(``shard_writer`` removes them then, the cluster's ``finish`` at the end).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ PIECES, SHARDS = "pieces", "shards"
 
 def piece_base(work: str, index: int) -> str:
   return os.path.join(work, PIECES, f"{index:06d}")
+
+
+def sequences_file(base: str, split: str) -> str:
+  """A piece's packed sequences of one split."""
+  return f"{base}-{split}.npy"
 
 
 def save_npy(path: str, array: np.ndarray) -> None:
@@ -59,7 +65,7 @@ def pack_piece(task) -> dict:
   counts = {}
   for split, r in out.items():
     seqs = r["seqs"]
-    save_npy(f"{base}-{split}.npy", seqs)
+    save_npy(sequences_file(base, split), seqs)
     counts[split] = {"items": r["items"], "content_tokens": r["content_tokens"],
                      "sequences": len(seqs),
                      "tokens": int(np.count_nonzero(seqs != special["[PAD]"])),
@@ -99,6 +105,19 @@ def shard_tasks(work: str, counts: list[dict], per: int, compression: str) -> li
   return out
 
 
+def read_last_by(tasks: list[tuple]) -> dict[int, list[str]]:
+  """The pieces' sequence files each shard of ``tasks`` (:func:`shard_tasks`') is the last to
+  read: once it and every shard before it are written, nothing reads them again."""
+  last = {}
+  for k, (split, _, ranges, _) in enumerate(tasks):
+    for piece, _, _ in ranges:
+      last[sequences_file(piece, split)] = k
+  out: dict[int, list[str]] = {}
+  for path, k in last.items():
+    out.setdefault(k, []).append(path)
+  return out
+
+
 def done_shard(base: str, records: int) -> dict | None:
   """The sidecar of a shard an earlier run finished, if it is the one this run writes."""
   try:
@@ -123,7 +142,7 @@ def write_shard(task) -> dict:
 
   def records():
     for piece, lo, hi in ranges:
-      yield from dataset.encode_records(np.load(f"{piece}-{split}.npy", mmap_mode="r")[lo:hi])
+      yield from dataset.encode_records(np.load(sequences_file(piece, split), mmap_mode="r")[lo:hi])
 
   t0 = time.perf_counter()
   os.makedirs(os.path.dirname(base), exist_ok=True)
