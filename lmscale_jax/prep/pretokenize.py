@@ -382,7 +382,12 @@ class CompiledPretokenizer:
     # The C function itself: no Python frame between the caller and the decoder.
     self.function_text = _pretokens.function_text
     self.decode_only = _pretokens.decode_only
-    self.decoder = _package_version("capstone")  # what decodes, with its version
+
+  @property
+  def decoder(self) -> str:
+    """What decodes, with its version: looked up when a dataset records it (the lookup was
+    12–22 ms of each pool worker's start, and workers never read it)."""
+    return _package_version("capstone")
 
 
 def _package_version(name: str) -> str:
