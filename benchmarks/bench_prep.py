@@ -1,7 +1,7 @@
 """Data-preparation throughput: MB of machine code per second per core, against capstone alone.
 
   python benchmarks/bench_prep.py [--input PATH…] [--max-input-bytes N] [--workers 1 2]
-                                  [--repeat 2] [--backends compiled python]
+                                  [--repeat 2] [--backends compiled python] [--scaling-only]
 
 On the same ELF files, in one run: (1) capstone's ``disasm_lite`` over every function's bytes and
 nothing else (the reference: what the pipeline cost before it decoded with iced-x86), also in
@@ -205,6 +205,10 @@ def main() -> int:
   # train shard of 64 MB, written by one worker while the others wait (measured: 0.88 s of a
   # 4.9 s two-worker run). 8 MB keeps the many-shards regime of the corpora the rate is about.
   p.add_argument("--shard-size-mb", type=float, default=8.0)
+  p.add_argument("--scaling-only", action="store_true",
+                 help="run only what the scaling needs: capstone alone and the pipeline at each "
+                      "--workers (more rounds in the time, on corpora large enough that the "
+                      "workers' start-up is not the point)")
   p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   a = p.parse_args()
   if a.repeat < 1 or any(w < 1 for w in a.workers):
@@ -236,14 +240,15 @@ def main() -> int:
   systems = [("capstone disasm_lite alone", 1, lambda: capstone_only(blobs), {})]
   systems += [("capstone disasm_lite alone", w, lambda w=w: capstone_concurrent(blobs, w), {})
               for w in a.workers if w > 1]
-  if "compiled" in a.backends:
+  if "compiled" in a.backends and not a.scaling_only:
     systems.append(("capstone C decode alone (compiled, no pretokens)", 1,
                     lambda: compiled_decode_only(blobs), {"backend": "compiled"}))
-  systems.append(("iced-x86 decode alone (no pretokens)", 1, lambda: iced_only(blobs), {}))
-  systems.append(("lmscale pretokens, memo warm (all hits)", 1, lambda: pretokens_warm(blobs),
-                  {}))
-  systems += [(f"lmscale extraction (symbols+{names[b]}+pretokens)", 1,
-               lambda b=b: extraction_only(files, b), {"backend": b}) for b in a.backends]
+  if not a.scaling_only:
+    systems.append(("iced-x86 decode alone (no pretokens)", 1, lambda: iced_only(blobs), {}))
+    systems.append(("lmscale pretokens, memo warm (all hits)", 1,
+                    lambda: pretokens_warm(blobs), {}))
+    systems += [(f"lmscale extraction (symbols+{names[b]}+pretokens)", 1,
+                 lambda b=b: extraction_only(files, b), {"backend": b}) for b in a.backends]
   systems += [(f"lmscale prepare_binary end-to-end ({names[b]})", w,
                lambda b=b, w=w: prepare_only(files, w, b, a.shard_size_mb),
                {"backend": b, "shard_size_mb": a.shard_size_mb})
