@@ -129,6 +129,8 @@ def test_a_3_task_array_chain_writes_the_single_node_dataset_byte_for_byte(tmp_p
   assert not (slurm.dir / "failed").exists(), slurm.logs()
   assert_same_dataset(single_node[0], out)
   assert not (out / prepare.WORK).exists()
+  stages = json.loads((out / dataset.STATS).read_text())["stage_seconds"]
+  assert stages.keys() == single_node[1]["stage_seconds"].keys() and stages["write"] > 0
 
 
 def test_a_rerun_redoes_only_the_units_without_a_marker(tmp_path, single_node):

@@ -270,6 +270,8 @@ def finish(output: str) -> dict:
   seconds = dict(lay["seconds"])
   for c in counts:
     packed_pieces.add_seconds(seconds, c["seconds"])
+  for info in infos:  # every shards task's, whichever run of the array wrote it
+    packed_pieces.add_seconds(seconds, {"write": info.pop("seconds", 0.0)})
   tok = toklib.load(work_path(work, dataset.TOKENIZER))
   result = packed_pieces.result(counts, tasks, infos, toklib.validate(tok, "tokenizer"),
                                 tok.get_vocab_size(with_added_tokens=True), seconds)

@@ -134,11 +134,11 @@ def done_shard(base: str, records: int) -> dict | None:
 
 def write_shard(task) -> dict:
   """Pool task: one shard from its ranges of the pieces' sequences; its sidecar last. Returns
-  the sidecar's info and, when written in this run, its ``seconds``."""
+  the sidecar's info, with ``seconds`` only when written in this run."""
   split, base, ranges, compression = task
   info = done_shard(base, sum(hi - lo for _, lo, hi in ranges))
   if info is not None:
-    return info
+    return {k: v for k, v in info.items() if k != "seconds"}  # this run wrote nothing
 
   def records():
     for piece, lo, hi in ranges:
@@ -147,8 +147,9 @@ def write_shard(task) -> dict:
   t0 = time.perf_counter()
   os.makedirs(os.path.dirname(base), exist_ok=True)
   info = dataset.write_array_record(base + ".array_record", records(), compression)
+  info["seconds"] = time.perf_counter() - t0  # the sidecar's too: a cluster's finish adds them
   dataset.atomic_write_json(base + ".json", info)
-  return {**info, "seconds": time.perf_counter() - t0}
+  return info
 
 
 def result(counts: list[dict], tasks: list[tuple], infos: list[dict], special: dict,
