@@ -500,7 +500,7 @@ def test_the_tokenizer_sample_counted_per_piece_in_workers_is_the_one_of_one_pro
                                                    for j in range(1 + i % 9))))
   o = opts(tmp_path, tokenizer_sample_mb=sample_mb, workers=2)
   with worker_pool.ordered_map(2) as pmap:
-    counts = prepare._sample_counts(o, chunks, pmap)
+    counts = prepare._sample_counts(o, str(tmp_path), chunks, pmap)
   assert counts == toklib.count_pretokens(corpus_extract.iter_texts(chunks, sample_mb << 20))
   assert len(shard_writer.pieces(chunks)) > 8
 

@@ -215,7 +215,7 @@ def input_key(files: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------- pass 2
-def _sample_counts(o: Options, chunks: list[str], pmap) -> collections.Counter:
+def _sample_counts(o: Options, work: str, chunks: list[str], pmap) -> collections.Counter:
   """The binary tokenizer's pretoken counts of ``iter_texts``' sample, counted in the workers
   (the parent counted them alone: 0.67 s of a two-worker run's ~5 s, measured), one ~4 MB piece
   a task. Per piece, not in a few large groups: pass 3 waits for the last count, and with two
@@ -224,7 +224,7 @@ def _sample_counts(o: Options, chunks: list[str], pmap) -> collections.Counter:
   a piece's counts are ~400 words since the counting is compiled)."""
   stride = corpus_layout.sample_stride(sum(os.path.getsize(p) for p in chunks),
                                        o.tokenizer_sample_mb << 20)
-  ranges = shard_writer.pieces(chunks)
+  ranges = shard_writer.piece_list(work, chunks)  # pass 3's tasks too: listed once
   starts = [0]
   for lines in pmap(corpus_extract.count_lines, ranges):
     starts.append(starts[-1] + lines)
@@ -243,7 +243,7 @@ def _tokenizer(o: Options, work: str, chunks: list[str], pmap):
     if o.tokenizer:
       tok = toklib.load(o.tokenizer)
     elif o.kind == "binary":
-      tok = toklib.from_pretoken_counts(_sample_counts(o, chunks, pmap), o.vocab_size)
+      tok = toklib.from_pretoken_counts(_sample_counts(o, work, chunks, pmap), o.vocab_size)
     else:
       tok = toklib.train(corpus_extract.iter_texts(chunks, o.tokenizer_sample_mb << 20),
                          vocab_size=o.vocab_size, kind=o.kind, model=o.tokenizer_model,

@@ -46,8 +46,9 @@ def pieces(chunks: list[str], piece_bytes: int | None = None) -> list[tuple[str,
 
 
 def piece_list(work: str, chunks: list[str]) -> list[tuple[str, int, int]]:
-  """:func:`pieces` of the chunks, kept in ``work`` once computed: pass 3 removes each chunk
-  once its pieces are packed, so a rerun takes the pieces from here, not from the chunks."""
+  """:func:`pieces` of the chunks, computed once (by pass 2, or pass 3 where a tokenizer is
+  given) and kept in ``work``: pass 3 removes each chunk once its pieces are packed, so a rerun
+  takes the pieces from here, not from the chunks."""
   path = os.path.join(work, PIECE_LIST)
   try:
     with open(path) as f:
