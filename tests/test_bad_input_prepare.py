@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -350,6 +351,34 @@ def test_bad_utf8_names_file_line_and_file_offset(tmp_path):
   with pytest.raises(prepare.PrepareError,
                      match=rf"c.txt:3001: not UTF-8 text \(.* at byte {offset} of the file\)"):
     prepare.prepare(text_opts(tmp_path / "out", [src]))
+
+
+@pytest.mark.parametrize("line,says", [
+    ('{"text": "a \\ud800 b"}', r"lone surrogate \(\\ud800"),
+    ('{"text": "x", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ('{"text": "\\udfff"}', r"lone surrogate \(\\udfff"),
+])
+def test_valid_json_that_is_no_text_is_one_line_naming_file_and_line(tmp_path, line, says):
+  """Valid JSON all the same: a lone surrogate escape is no character (encoding it raised in a
+  worker), and 100,000 levels exceed Python's parser (a RecursionError): both were tracebacks.
+  Like a malformed line, the run stops at the line (a document is never silently dropped)."""
+  src = text_file(tmp_path / "c.jsonl", n=300)
+  with open(src, "a") as f:
+    f.write('{"text": "a \\ud83d\\ude00 pair is one character"}\n' + line + "\n")
+  r = cli("prepare_text.py", "--input", src, "--output", tmp_path / "out", "--vocab-size", 300,
+          "--workers", 1, "--no-progress", timeout=120)
+  assert re.search(rf"^error: {re.escape(str(src))}:302: .*{says}", one_line(r)), r.stderr
+
+
+@pytest.mark.parametrize("content", ["[" * 100_000 + "]" * 100_000, '{"version": "\\ud800"}',
+                                     '{"model": {}}'])
+def test_a_given_tokenizer_that_is_none_is_refused_before_any_work(tmp_path, content):
+  # It was read after pass 1 (the extraction: hours on a large corpus), then refused.
+  (tmp_path / "tok.json").write_text(content)
+  with pytest.raises(prepare.PrepareError, match=r"--tokenizer .*tok.json: not a Hugging Face"):
+    prepare.prepare(text_opts(tmp_path / "out", [text_file(tmp_path / "c.jsonl")],
+                              tokenizer=str(tmp_path / "tok.json")))
+  assert not (tmp_path / "out").exists()
 
 
 def test_prepare_binary_counts_named_non_regular_inputs(tmp_path, capfd):

@@ -98,3 +98,8 @@ def check_options(o: Options) -> None:
     raise PrepareError(f"--txt-docs {o.txt_docs!r}: expected 'line' or 'blank'")
   if o.tokenizer and not os.path.isfile(o.tokenizer):
     raise PrepareError(f"--tokenizer {o.tokenizer!r}: no such file")
+  if o.tokenizer:  # read now, not after pass 1 (hours on a large corpus): 10-50 ms
+    try:
+      toklib.load(o.tokenizer)
+    except toklib.TokenizerError as e:
+      raise PrepareError(f"--tokenizer {e}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from typing import Iterator
 
 from lmscale_jax.prep.elf_corpus import FileResult
@@ -64,22 +65,31 @@ def _lines(path: str) -> Iterator[tuple[int, int, str]]:
       offset += len(raw)
 
 
-def _documents(path: str, txt_docs: str, text_field: str) -> Iterator[str]:
+def _json_line(path: str, lineno: int, line: str):
+  """One .jsonl line's value; whatever json cannot parse is one InputError naming the line."""
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError as e:
+    raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+  except RecursionError:  # valid JSON, but nested deeper than Python's parser goes (~1,000)
+    raise InputError(f"{path}:{lineno}: JSON nested too deeply to read (over "
+                     f"{sys.getrecursionlimit():,} levels); flatten or drop the line") from None
+
+
+def _documents(path: str, txt_docs: str, text_field: str) -> Iterator[tuple[int, str]]:
+  """(line number where it starts, text) of each document."""
   if path.endswith(".jsonl"):
     for lineno, _, line in _lines(path):
       if not line.strip():
         continue
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+      obj = _json_line(path, lineno, line)
       if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
         raise InputError(f"{path}:{lineno}: expected an object with a string field "
                          f"{text_field!r} (--text-field)")
-      yield obj[text_field]
+      yield lineno, obj[text_field]
   elif txt_docs == "line":
-    for _, _, line in _lines(path):
-      yield line
+    for lineno, _, line in _lines(path):
+      yield lineno, line
   else:  # paragraphs
     para, size, first = [], 0, 0
     for lineno, offset, line in _lines(path):
@@ -93,21 +103,27 @@ def _documents(path: str, txt_docs: str, text_field: str) -> Iterator[str]:
                            f"(lines {first}..{lineno}); separate documents by blank lines or "
                            "use --txt-docs line")
       elif para:
-        yield "".join(para)
+        yield first, "".join(para)
         para, size = [], 0
     if para:
-      yield "".join(para)
+      yield first, "".join(para)
 
 
 def iter_documents(path: str, res: FileResult, txt_docs: str = "line",
                    text_field: str = "text") -> Iterator[tuple[bytes, str]]:
   """Yields (digest, text) per non-empty document; whitespace runs become single spaces."""
-  for doc in _documents(path, txt_docs, text_field):
+  for lineno, doc in _documents(path, txt_docs, text_field):
     text = " ".join(doc.split())  # the corpus format is one line per document
     if not text:
       continue
+    try:
+      raw = text.encode()
+    except UnicodeEncodeError as e:  # only JSON makes one: "\ud800" is a valid escape
+      raise InputError(f"{path}:{lineno}: the text holds a lone surrogate "
+                       f"({text[e.start].encode('unicode_escape').decode()}, half of a "
+                       "UTF-16 pair: no character); fix or drop the line") from None
     res.functions += 1
-    res.code_bytes += len(text.encode())
+    res.code_bytes += len(raw)
     yield function_digest(text), text
   if not res.functions:
     res.skip = "no_documents"
