@@ -5,6 +5,7 @@ in their turn, a killed worker one line."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -157,3 +158,83 @@ def test_spawned_workers_get_one_blas_thread_unless_the_environment_says_otherwi
   assert spawned == {ours or "1"}
   assert {value for pid, value in got if pid == os.getpid()} <= {ours}  # this one's unchanged
   assert os.environ.get("OPENBLAS_NUM_THREADS") == ours
+
+
+def alive_in_group(pgid: int) -> list[str]:
+  """The processes of process group ``pgid`` still alive, as "pid command line", read from
+  /proc (a zombie is dead: only its pid is left, for a parent to reap)."""
+  out = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        command = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except (OSError, ValueError):
+      continue  # ended meanwhile
+    if state != "Z" and int(group) == pgid:
+      out.append(f"{pid} {command}")
+  return out
+
+
+def wait_until_gone(pgid: int, timeout: float = 10) -> list[str]:
+  """Waits up to ``timeout`` s for every process of the group to end; returns those left."""
+  deadline = time.time() + timeout
+  while (left := alive_in_group(pgid)) and time.time() < deadline:
+    time.sleep(0.05)
+  return left
+
+
+def kill_group(pgid: int) -> None:
+  """What a test started goes, whatever the test found (never a process left behind)."""
+  try:
+    os.killpg(pgid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+
+
+@pytest.mark.parametrize("how,sig", [("parent", signal.SIGKILL), ("parent", signal.SIGTERM),
+                                     ("group", signal.SIGTERM)])
+def test_the_workers_and_the_resource_tracker_end_with_the_parent_however_it_ends(
+    tmp_path, how, sig):
+  """kill -9 (the OOM killer), a SIGTERM to the parent alone (Python's default: it ends at
+  once), or to its whole group (`timeout`, systemd): the spawned workers and multiprocessing's
+  resource tracker end within seconds. They lived on under ppid 1, each blocked on a pipe it
+  held itself."""
+  script = textwrap.dedent("""
+      import time
+      from lmscale_jax.prep import worker_pool
+
+      def task(i):
+        time.sleep(0.05)
+        return i
+
+      if __name__ == "__main__":
+        with worker_pool.ordered_map(3) as pmap:
+          for _ in pmap(task, range(100_000)):
+            pass
+  """)
+  path = tmp_path / "pool_forever.py"
+  path.write_text(script)
+  p = subprocess.Popen([sys.executable, str(path)], cwd=ROOT, start_new_session=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.time() + 60
+    while len(alive_in_group(p.pid)) < 4:  # the parent, two workers, the resource tracker
+      assert p.poll() is None and time.time() < deadline, alive_in_group(p.pid)
+      time.sleep(0.05)
+    (os.kill if how == "parent" else os.killpg)(p.pid, sig)
+    p.wait(timeout=30)
+    assert wait_until_gone(p.pid) == []
+  finally:
+    kill_group(p.pid)
+    p.wait(timeout=30)
+
+
+def test_the_pool_is_capped_at_the_cpus_this_process_may_use_with_one_warning(capfd):
+  cpus = len(os.sched_getaffinity(0))
+  assert worker_pool.usable_workers(0) == cpus and capfd.readouterr().err == ""
+  assert worker_pool.usable_workers(cpus) == cpus and capfd.readouterr().err == ""
+  assert worker_pool.usable_workers(1000) == cpus
+  err = capfd.readouterr().err
+  assert err.count("\n") == 1 and f"--workers 1000: this process may use {cpus} CPUs" in err

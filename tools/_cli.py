@@ -2,8 +2,8 @@
 
 Every numeric option is checked where it is parsed (type, finite, range; the bounds are
 ``lmscale_jax.prep.options``'), and every way a run ends badly is one line on stderr: a user
-error or a bad argument (exit 2), a full disk (exit 1), Ctrl-C (exit 130, the rerun resumes). A
-bug keeps its traceback.
+error or a bad argument (exit 2), a full disk (exit 1), Ctrl-C (exit 130) or SIGTERM (exit 143;
+the rerun resumes after either). A bug keeps its traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import errno
 import json
 import math
 import os
+import signal
 import sys
+import threading
 
 from lmscale_jax.errors import UserError
 from lmscale_jax.prep import options as prep_options
@@ -21,6 +23,7 @@ from lmscale_jax.prep import prepare
 from lmscale_jax.store import dataset
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a process SIGTERM ended
 
 
 class Parser(argparse.ArgumentParser):
@@ -124,13 +127,30 @@ def options(kind: str, a: argparse.Namespace) -> prep_options.Options:
          if kind == "text" else {}))
 
 
+class Terminated(KeyboardInterrupt):
+  """SIGTERM (``timeout``, systemd, a batch system), raised in the main thread as Ctrl-C's
+  KeyboardInterrupt is, so it unwinds the same way (process pools stopped, locks released);
+  Python's default ended the process at once: exit 143, no line, the workers left running."""
+
+
+def _terminated(signum, frame):
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding: a second would interrupt it
+  raise Terminated
+
+
 def guarded(fn, interrupted: str) -> int:
-  """Runs ``fn() -> exit status``; a user error, a full disk or Ctrl-C becomes one line."""
+  """Runs ``fn() -> exit status``; a user error, a full disk, Ctrl-C or SIGTERM becomes one
+  line."""
+  here = threading.current_thread() is threading.main_thread()  # where signal handlers run
+  before = signal.signal(signal.SIGTERM, _terminated) if here else None
   try:
     return fn()
   except UserError as e:  # bad input: one line; a bug keeps its traceback
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USAGE
+  except Terminated:
+    print(f"error: terminated (SIGTERM); {interrupted}", file=sys.stderr)
+    return EXIT_TERMINATED
   except KeyboardInterrupt:
     print(f"error: interrupted; {interrupted}", file=sys.stderr)
     return EXIT_INTERRUPTED
@@ -139,6 +159,9 @@ def guarded(fn, interrupted: str) -> int:
       raise
     print(f"error: no space left on the device ({e.filename or 'output'})", file=sys.stderr)
     return 1
+  finally:
+    if here:
+      signal.signal(signal.SIGTERM, before)
 
 
 def run(kind: str, argv=None) -> int:

@@ -17,7 +17,7 @@ import sys
 
 import _cli
 
-from lmscale_jax.prep import cluster_extract, cluster_stages
+from lmscale_jax.prep import cluster_extract, cluster_stages, worker_pool
 from lmscale_jax.prep import options as prep_options
 
 ARRAY_STAGES = ("extract", "dedup", "pack", "shards")
@@ -62,7 +62,7 @@ def _stage(stage: str, argv) -> int:
   p.add_argument("--workers", type=_cli.number(int, 0, prep_options.MAX_WORKERS),
                  default=_env_int("SLURM_CPUS_PER_TASK", 0), help="processes (0 = all cores)")
   a = p.parse_args(argv)
-  workers = a.workers or os.cpu_count() or 1
+  workers = worker_pool.usable_workers(a.workers)
 
   def go() -> int:
     if stage == "extract":

@@ -24,7 +24,7 @@ class Options:
   tokenizer_model: str = "wordpiece"
   tokenizer_sample_mb: int = 64
   lowercase: bool = False
-  workers: int = 0                # 0 = os.cpu_count()
+  workers: int = 0                # 0 = every CPU this process may use
   max_input_bytes: int = 0
   packing: str = "greedy"
   compression: str = "zstd"       # per-record shard compression: zstd | snappy | none

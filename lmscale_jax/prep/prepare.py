@@ -396,7 +396,7 @@ def _prepare(o: Options) -> dict:
   t0 = time.time()
   check_options(o)
   check_overlap(o)
-  workers = o.workers or os.cpu_count() or 1
+  workers = worker_pool.usable_workers(o.workers)
   o = dataclasses.replace(o, workers=workers)
   work = os.path.join(o.output, WORK)
   # stage_seconds: each stage's seconds of work, in pass order; a worker stage is summed over

@@ -11,19 +11,72 @@ import itertools
 import multiprocessing
 import os
 import signal
+import sys
 import threading
+import time
 
 from lmscale_jax.errors import PrepareError
 
 _claims = None  # a spawned worker's view of the pool's claim slots (_Claims)
+# What only the parent reacts to (see _worker_init), blocked while a worker is spawned.
+PARENT_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-def _worker_init(claims) -> None:
+def _worker_init(claims, parent: int) -> None:
   global _claims
   _claims = claims
-  # Ctrl-C reaches the whole process group: only the parent reacts (one line, exit 130); a
-  # worker's KeyboardInterrupt would print a traceback per worker.
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  # Ctrl-C reaches the whole process group, and so does the SIGTERM of `timeout`, systemd or a
+  # batch system: only the parent reacts (one line, exit 130 or 143) and stops the workers. A
+  # worker's KeyboardInterrupt would print a traceback per worker, and a worker that died of
+  # SIGTERM first made the parent's line "a worker process died".
+  for sig in PARENT_SIGNALS:
+    signal.signal(sig, signal.SIG_IGN)
+  _die_with_parent(parent)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+  """SIGKILL to this worker when its parent ends, however it ends (kill -9, the OOM killer):
+  an orphan waits forever on its task queue, whose writing end it holds itself, and keeps
+  multiprocessing's resource tracker waiting on its pipe too (seen: both left under ppid 1
+  after a kill -9 of prepare_binary.py). PDEATHSIG fires when the parent's *thread* that
+  spawned this process ends: on 3.11 ProcessPoolExecutor spawns in the thread that calls
+  submit (``_adjust_process_count``), and ordered_map submits its workers' first tasks as it
+  starts, so that thread is the one inside the pool's ``with`` and outlives the pool. Where
+  prctl is missing (not Linux) a thread watches the parent's pid instead."""
+  try:
+    import ctypes  # numpy imports it anyway: nothing to the worker's start
+
+    armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0,
+                                                    0) == 0
+  except (OSError, AttributeError):
+    armed = False
+  if os.getppid() != parent:  # it ended before prctl: no signal will come
+    os._exit(1)
+  if not armed:
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
+def _watch_parent(parent: int, every_s: float = 1.0) -> None:
+  while os.getppid() == parent:
+    time.sleep(every_s)
+  os._exit(1)
+
+
+def usable_workers(requested: int) -> int:
+  """The pool size for ``--workers requested`` (0: all): at most the CPUs this process may run
+  on (``os.sched_getaffinity``: a container's or taskset's share, not the machine's). More only
+  take turns on them (``--workers 1000`` on 2 cores spawned 999 interpreters: 54 s for a 2 s
+  job), and the output is the same for any number, so the cap changes nothing in it."""
+  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  cpus = cpus or 1
+  if requested > cpus:
+    many = "s" if cpus > 1 else ""
+    print(f"--workers {requested}: this process may use {cpus} CPU{many}, so {cpus} worker{many} "
+          "run (the output is the same for any number)", file=sys.stderr)
+  return min(requested, cpus) if requested else cpus
 
 
 class _Claims:
@@ -87,16 +140,17 @@ class _Ran:
 
 
 @contextlib.contextmanager
-def _sigint_blocked():
+def _signals_blocked():
   """A submit may spawn a worker (fork + exec), which keeps the blocked signal mask until
-  ``_worker_init`` ignores SIGINT: a Ctrl-C while it imports would otherwise give tracebacks.
-  Blocked, not ignored: the parent's Ctrl-C meanwhile is never lost (another thread takes it at
-  once, or it stays pending until the submit returns); ignoring it lost it: a run Ctrl-C'd as
-  pass 2's first tasks were submitted went on to the end, exit 0."""
+  ``_worker_init`` ignores PARENT_SIGNALS: a Ctrl-C while it imports would otherwise give
+  tracebacks, a SIGTERM a dead worker. Blocked, not ignored: the parent's Ctrl-C meanwhile is
+  never lost (another thread takes it at once, or it stays pending until the submit returns);
+  ignoring it lost it: a run Ctrl-C'd as pass 2's first tasks were submitted went on to the
+  end, exit 0."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  old = signal.pthread_sigmask(signal.SIG_BLOCK, PARENT_SIGNALS)
   try:
     yield
   finally:
@@ -123,9 +177,9 @@ def _spawn_environment():
 
 
 def _stop_workers(ex: concurrent.futures.ProcessPoolExecutor) -> None:
-  # ProcessPoolExecutor has no public way to do this before 3.14.
+  # ProcessPoolExecutor has no public way to do this before 3.14. SIGKILL: they ignore SIGTERM.
   for p in list((getattr(ex, "_processes", None) or {}).values()):
-    p.terminate()
+    p.kill()
 
 
 # Tasks queued per worker (the parent counted). Results are consumed in order, so a long task
@@ -152,7 +206,8 @@ def ordered_map(workers: int, preload: tuple[str, ...] = (), imports_here: tuple
   mostly waits (2 workers, 6 runs each: 3.13 s mean, 3.37 s before). At most ``IN_FLIGHT ×
   workers`` tasks are queued, so results never pile up here (they are small: workers write
   their output to files). A worker that dies (killed, out of memory) ends the run with an error
-  instead of the endless wait of ``multiprocessing.Pool``.
+  instead of the endless wait of ``multiprocessing.Pool``, and the workers end with this
+  process however it ends (``_die_with_parent``).
   """
   if workers <= 1:
     _preload(imports_here)
@@ -163,10 +218,11 @@ def ordered_map(workers: int, preload: tuple[str, ...] = (), imports_here: tuple
   window = IN_FLIGHT * workers
   claims = _Claims(ctx, 4 * window)  # > the tasks ever queued at once (one window)
   ex = concurrent.futures.ProcessPoolExecutor(workers - 1, mp_context=ctx,
-                                              initializer=_worker_init, initargs=(claims,))
+                                              initializer=_worker_init,
+                                              initargs=(claims, os.getpid()))
   numbers = itertools.count()  # task numbers, across every map of the pool
   later = [imports_here]  # imported by the first map, once it has queued tasks
-  with _sigint_blocked(), _spawn_environment():  # spawns every worker
+  with _signals_blocked(), _spawn_environment():  # spawns every worker
     for _ in range(workers - 1):
       ex.submit(_preload, preload)
 
@@ -188,7 +244,7 @@ def ordered_map(workers: int, preload: tuple[str, ...] = (), imports_here: tuple
       while True:
         while queued < window and (item := next(items, end)) is not end:
           seq = next(numbers)
-          with _sigint_blocked():  # any submit may spawn a worker
+          with _signals_blocked():  # any submit may spawn a worker
             pending.append([ex.submit(_Task(fn, item, seq)), item, seq])
           queued += 1
         if later:
