@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from typing import Any, Iterable, Iterator
 
@@ -115,6 +116,28 @@ def decode_record(record: bytes, seq_len: int, where: str = "record") -> np.ndar
 
 
 # --------------------------------------------------------------------------- files
+def not_regular(path: str) -> str | None:
+  """What ``path`` is when it exists but is no regular file ("a directory", "a FIFO", …), else
+  None. Opening a FIFO to read blocks until something writes to it: every reader of a file a
+  user names asks this first, so a FIFO is one line instead of a hang."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return None  # missing: the caller's own message says what was expected there
+  for test, kind in ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"),
+                     (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                     (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    if test(mode):
+      return kind
+  return "not a regular file"
+
+
+def error_reason(e: BaseException) -> str:
+  """An exception as the reason of a one-line error: its message, or its type where it has
+  none (array_record raises ``RuntimeError('')`` for a shard cut at a 64 KiB block boundary)."""
+  return str(e).strip() or f"{type(e).__name__} without a message"
+
+
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
   h = hashlib.sha256()
   with open(path, "rb") as f:
@@ -257,11 +280,15 @@ class DatasetMeta:
     if not os.path.exists(mpath):
       raise DatasetError(f"{mpath}: missing; {path!r} is not a complete lmscale_jax dataset "
                          "(an interrupted preparation? rerun it to finish)")
+    if kind := not_regular(mpath):
+      raise DatasetError(f"{mpath} is {kind}: expected the dataset's metadata file (JSON)")
     try:
       with open(mpath) as f:
         raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
       raise DatasetError(f"{mpath}: not readable JSON: {e}") from e
+    if not isinstance(raw, dict):
+      raise DatasetError(f"{mpath}: a JSON {type(raw).__name__}, expected an object")
     if raw.get("format") not in (FORMAT, FORMAT_1):
       raise DatasetError(f"{mpath}: format {raw.get('format')!r}, expected {FORMAT!r} (or "
                          f"{FORMAT_1!r}); re-prepare it with tools/prepare_binary.py or "
@@ -314,6 +341,8 @@ class DatasetMeta:
     from array_record.python import array_record_module
 
     p = os.path.join(self.path, shard["file"])
+    if kind := not_regular(p):
+      return f"{p} is {kind}, not a shard file"
     try:
       size = os.path.getsize(p)
     except OSError as e:
@@ -329,7 +358,7 @@ class DatasetMeta:
       n = r.num_records()
       r.close()
     except Exception as e:  # array_record raises plain RuntimeError on corrupt footers
-      return f"{p}: unreadable ArrayRecord file: {e}"
+      return f"{p}: unreadable ArrayRecord file: {error_reason(e)}"
     if n != shard["records"]:
       return f"{p}: {n} records, expected {shard['records']} (metadata.json)"
     return None

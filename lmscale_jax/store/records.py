@@ -15,6 +15,7 @@ call, ~350 us per call on a 64k-record, 64 MB shard of group_size 1, while seek+
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -48,12 +49,14 @@ class ShardRecords:
   def __init__(self, meta: dataset.DatasetMeta, split: str, shards=None):
     paths = meta.shard_paths(split)  # raises DatasetError for a split with zero shards
     counts = np.array([s["records"] for s in meta.splits[split]["shards"]], np.int64)
+    sizes = [s.get("bytes") for s in meta.splits[split]["shards"]]
     self.shards = list(range(len(paths))) if shards is None else [int(i) for i in shards]
     if not self.shards or not all(0 <= i < len(paths) for i in self.shards):
       raise ValueError(f"shards {self.shards}: expected a non-empty subset of the "
                        f"{len(paths)} shards of split {split!r}")
     self.paths = [paths[i] for i in self.shards]
     self.counts = counts[self.shards]
+    self.sizes = [sizes[i] for i in self.shards]  # metadata.json's, to say why one fails
     self.split_starts = (np.cumsum(counts) - counts)[self.shards]  # for error messages
     self.ends = np.cumsum(self.counts)
     self.starts = self.ends - self.counts
@@ -115,6 +118,8 @@ class ShardRecords:
       from array_record.python import array_record_module
 
       path = self.paths[shard]
+      if kind := dataset.not_regular(path):  # a FIFO would block the open forever
+        return self._unopenable(shard, f"{path} is {kind}, not an ArrayRecord shard file")
       try:
         # Records are ~1 KB and read at random: no readahead, no thread pool, small buffer.
         reader = array_record_module.ArrayRecordReader(
@@ -126,12 +131,26 @@ class ShardRecords:
           raise RuntimeError("reader not ok")
         n = reader.num_records()
       except Exception as e:  # array_record raises RuntimeError/OSError on bad files
-        return self._unopenable(shard, f"{path}: cannot open ArrayRecord shard: {e}", e)
+        return self._unopenable(
+            shard, f"{path}: cannot open ArrayRecord shard: {self._why(shard, e)}", e)
       if n != self.counts[shard]:
         return self._unopenable(
             shard, f"{path}: {n} records, metadata.json says {self.counts[shard]}")
       self._readers[shard] = reader
       return reader
+
+  def _why(self, shard: int, error: Exception) -> str:
+    """The reason a shard cannot be opened: the reader's, and its size against metadata.json's
+    when they differ (the reader says nothing at all for a file cut at a block boundary)."""
+    reason = dataset.error_reason(error)
+    try:
+      size = os.path.getsize(self.paths[shard])
+    except OSError:
+      return reason
+    want = self.sizes[shard]
+    if want is not None and size != want:
+      reason += f"; the file has {size} bytes, metadata.json says {want} (cut short or replaced)"
+    return reason
 
   def _unopenable(self, shard: int, message: str, cause: Exception | None = None):
     """Error mode: raises. Skip mode: one warning; the shard's reader becomes a stand-in
@@ -166,7 +185,7 @@ class ShardRecords:
   def _unreadable(self, shard: int, reader, index: int, error: Exception) -> bytes:
     """Reading split record ``index`` failed (the caller holds the shard's lock). Error mode:
     raises DatasetError naming it. Skip mode: warns once, returns the all-[PAD] record."""
-    message = f"{self.where(index)}: unreadable (corrupt shard?): {error}"
+    message = f"{self.where(index)}: unreadable (corrupt shard?): {dataset.error_reason(error)}"
     unopenable = isinstance(reader, _UnopenableShard)  # reported when opened
     if not unopenable:
       # A Riegeli reader that failed stays failed: reopen it, else the shard's other
