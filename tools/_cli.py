@@ -65,13 +65,57 @@ def output_file(text: str) -> str:
   return text
 
 
+def append_file(text: str) -> str:
+  """An argparse type: a file to append to (a results file), checked as :func:`output_file`
+  and, when it exists, a regular file this process may write."""
+  output_file(text)
+  if kind := dataset.not_regular(text):
+    raise argparse.ArgumentTypeError(f"{text!r} is {kind}: expected a file to append to")
+  if os.path.exists(text) and not os.access(text, os.W_OK):
+    raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+  return text
+
+
+def output_dir(text: str) -> str:
+  """An argparse type: a directory to create or write into, checked before any work (an
+  export restored its checkpoint, then failed on a parent that is a file): it is no file, and
+  it or its nearest existing parent is a directory this process may write."""
+  if os.path.exists(text) and not os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory: expected a "
+                                     "directory to create or write into")
+  where = os.path.abspath(text)
+  while not os.path.exists(where):
+    where = os.path.dirname(where)
+  if not os.path.isdir(where):
+    raise argparse.ArgumentTypeError(f"{text!r}: {where!r} is a file, not a directory")
+  if not os.access(where, os.W_OK | os.X_OK):
+    raise argparse.ArgumentTypeError(f"{text!r}: directory {where!r} is not writable")
+  return text
+
+
+def input_file(text: str) -> str:
+  """An argparse type: a file to read, checked before any work: it exists and is a regular
+  file (a FIFO would block its reader forever, a device never end; preparation skips both)
+  this process may read. "" passes: argparse parses a default of "" (not given) too."""
+  if not text:
+    return text
+  if not os.path.exists(text):
+    raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+  if kind := dataset.not_regular(text):
+    raise argparse.ArgumentTypeError(f"{text!r} is {kind}: expected a regular file to read")
+  if not os.access(text, os.R_OK):
+    raise argparse.ArgumentTypeError(f"{text!r} is not readable (permissions)")
+  return text
+
+
 def add_model_source(p: argparse.ArgumentParser) -> None:
   """The trained model a tool reads (lmscale_jax.inference.trained_model): a run's workdir
   (latest or --step checkpoint, the dataset's tokenizer) or a directory tools/export_hf.py
   wrote."""
   p.add_argument("--workdir", default="", help="a training run's --workdir")
   p.add_argument("--step", type=number(int, 0, 1 << 62), default=None)
-  p.add_argument("--tokenizer", default="", help="(--workdir) the dataset's tokenizer.json")
+  p.add_argument("--tokenizer", default="", type=input_file,
+                 help="(--workdir) the dataset's tokenizer.json")
   p.add_argument("--hf", default="", metavar="OUT", help="a directory tools/export_hf.py wrote")
 
 
