@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -188,16 +189,20 @@ def test_val_fraction_is_checked_where_parsed(tmp_path, value):
                               val_fraction=float(value)))
 
 
-def test_a_split_without_sequences_is_an_error_not_a_dataset(tmp_path):
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_split_without_sequences_is_an_error_not_a_dataset_and_what_it_says_is_true(
+    tmp_path, existing):
+  """"nothing was written to DIR" was said while DIR/_work/ stayed (of no use to a rerun:
+  another --val-fraction or more input starts afresh)."""
   src = text_file(tmp_path / "c.jsonl", n=50)
   out = tmp_path / "out"
+  if existing:
+    out.mkdir()  # empty: a directory with files no preparation wrote is refused first
   with pytest.raises(prepare.PrepareError,
                      match=r"split 'validation' would have 0 sequences \(0 of 50 documents.*"
-                           r"larger --val-fraction"):
+                           rf"larger --val-fraction; nothing was written to {out}"):
     prepare.prepare(text_opts(out, [src], val_fraction=1e-6))
-  assert not {dataset.STATS, dataset.TOKENIZER, dataset.METADATA, "dataset_info.json"} & \
-      set(os.listdir(out))
-  assert not [n for n in os.listdir(out) if ".array_record" in n]
+  assert (os.listdir(out) == []) if existing else not out.exists()
 
 
 # ----------------------------------------------------------------------------- case 8/11: options
@@ -309,6 +314,42 @@ def test_a_run_killed_or_terminated_leaves_no_process_and_the_rerun_is_byte_iden
   assert r.returncode == 0, r.stderr
   assert "input files changed" not in r.stderr
   _same_output(two_worker_dataset, out)
+
+
+def test_a_second_preparation_into_one_output_is_refused_naming_the_first(
+    tmp_path, two_worker_dataset):
+  """The second used to die in a traceback on the first's _work/ files, and with --overwrite
+  both did, leaving no dataset. Now it is one line naming the first (its pid and host) and the
+  fix, and touches nothing: the first, held still meanwhile, ends with the clean dataset."""
+  out = tmp_path / "out"
+  args = _bin_args(out, *small_elves(), workers=2)
+  first = _start(args, start_new_session=True)
+  try:
+    _wait_for(first, out / prepare.WORK / "corpus-00000.json")
+    os.killpg(first.pid, signal.SIGSTOP)  # mid-run, for as long as the second tries
+    for extra in ([], ["--overwrite"]):
+      err = one_line(cli("prepare_binary.py", *args, *extra))
+      assert f"output {str(out)!r} is in use by a single-node preparation (pid {first.pid} on " \
+             f"host {socket.gethostname()}, since " in err and "choose another --output" in err
+    os.killpg(first.pid, signal.SIGCONT)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+  finally:
+    kill_group(first.pid)
+  _same_output(two_worker_dataset, out)
+  assert not (out / prepare.LOCK).exists()  # an exclusive holder removes it as it ends
+
+
+def test_a_refused_run_leaves_no_directory_and_no_lock_behind(tmp_path):
+  out = tmp_path / "new"
+  with pytest.raises(prepare.PrepareError, match="no ELF files found"):
+    prepare.prepare(opts(out, [str(text_file(tmp_path / "c.txt"))]))
+  assert not out.exists()
+  out.mkdir()
+  (out / "thesis.tex").write_text("years of work\n")
+  with pytest.raises(prepare.PrepareError, match="not empty: it holds 'thesis.tex'"):
+    prepare.prepare(opts(out, small_elves(1)))
+  assert os.listdir(out) == ["thesis.tex"]
 
 
 def test_more_workers_than_cpus_run_as_many_as_the_cpus_with_one_warning(tmp_path):

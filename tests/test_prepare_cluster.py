@@ -7,6 +7,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -229,6 +230,29 @@ def test_a_single_node_run_refuses_the_work_of_a_cluster_run(tmp_path):
   cluster_extract.plan(opts(out, small_elves(2)), slices=2, buckets=2)
   with pytest.raises(prepare.PrepareError, match="engine differ.*--overwrite"):
     prepare.prepare(opts(out, small_elves(2)))
+
+
+def test_array_tasks_share_the_output_and_a_single_node_run_is_refused_it_and_the_reverse(
+    tmp_path):
+  """This process holds the output's lock as an array task does (shared), then as a
+  single-node run does (exclusive); the tools run beside it as real processes."""
+  out = tmp_path / "o"
+  inputs = small_elves(2)
+  cluster_extract.plan(opts(out, inputs), slices=2, buckets=2)
+  holder = f"pid {os.getpid()} on host {socket.gethostname()}, since "
+  with cluster_extract.held(str(out), "extract"):
+    err = one_line(cli("prepare_binary.py", "--input", *inputs, "--output", out, "--overwrite"))
+    assert "is in use by a cluster preparation's extract stage (the latest of its holders to " \
+           f"start: {holder}" in err, err
+    r = cli("prepare_cluster.py", "extract", "--output", out, "--task", "0", "--tasks", "2",
+            "--workers", "1")
+    assert r.returncode == 0, r.stderr  # another task of the array: never blocked
+  with prepare.output_lock(str(out)):
+    err = one_line(cli("prepare_cluster.py", "extract", "--output", out, "--task", "1",
+                       "--tasks", "2", "--workers", "1"))
+    assert f"is in use by a single-node preparation ({holder}" in err, err
+  assert os.path.exists(cluster_extract.slice_file(str(out / prepare.WORK), 0, ".json"))
+  assert not os.path.exists(cluster_extract.slice_file(str(out / prepare.WORK), 1, ".json"))
 
 
 @pytest.mark.parametrize("args,says", [

@@ -42,6 +42,15 @@ def save_npy(path: str, array: np.ndarray) -> None:
   packed_pieces.save_npy(path, array)
 
 
+def held(output: str, stage: str):
+  """The output directory's lock for a stage (``prepare.output_lock``): shared by the array
+  tasks and the layout job, which write disjoint units side by side and must never block each
+  other; exclusive for plan and finish, which make and remove the directory's top level as a
+  single-node run does (a stray task of an earlier chain still running refuses them)."""
+  return prepare.output_lock(output, shared=stage not in ("plan", "finish"),
+                             doing=f"a cluster preparation's {stage} stage")
+
+
 def share(units: int, task: int, tasks: int) -> range:
   """Array task ``task`` of ``tasks``: its contiguous share of ``units``."""
   if not 0 <= task < tasks:
@@ -55,6 +64,11 @@ def plan(o: Options, slices: int, buckets: int) -> dict:
   the same options keeps the existing plan (its slices and buckets are fixed)."""
   check_options(o)
   prepare.check_overlap(o)
+  with held(o.output, "plan"):
+    return _plan(o, slices, buckets)
+
+
+def _plan(o: Options, slices: int, buckets: int) -> dict:
   files, skipped, notes = corpus_extract.list_files(o)
   for note in notes:
     print(note, file=sys.stderr)
@@ -103,9 +117,10 @@ def _bucket_file(work: str, b: int, k: int) -> str:
 
 
 def extract(output: str, task: int, tasks: int, workers: int) -> None:
-  p, o = load_plan(output)
-  for k in share(len(p["slices"]), task, tasks):
-    _extract_slice(work_dir(output), p, o, k, workers)
+  with held(output, "extract"):
+    p, o = load_plan(output)
+    for k in share(len(p["slices"]), task, tasks):
+      _extract_slice(work_dir(output), p, o, k, workers)
 
 
 def _extract_slice(work: str, p: dict, o: Options, k: int, workers: int) -> None:
@@ -171,6 +186,11 @@ def missing(what: str, paths: list[str], rerun: str) -> None:
 
 
 def dedup(output: str, task: int, tasks: int) -> None:
+  with held(output, "dedup"):
+    _dedup(output, task, tasks)
+
+
+def _dedup(output: str, task: int, tasks: int) -> None:
   p, _ = load_plan(output)
   work, slices = work_dir(output), len(p["slices"])
   missing("dedup", [slice_file(work, k, ".json") for k in range(slices)], "extract")

@@ -30,8 +30,8 @@ import numpy as np
 from lmscale_jax.errors import PrepareError
 from lmscale_jax.prep import (corpus_extract, corpus_layout, packed_pieces, prepare, pretokenize,
                               shard_writer, tokenize_pack, worker_pool)
-from lmscale_jax.prep.cluster_extract import (load_plan, missing, read_json, save_npy, share,
-                                              slice_file, work_dir, work_path)
+from lmscale_jax.prep.cluster_extract import (held, load_plan, missing, read_json, save_npy,
+                                              share, slice_file, work_dir, work_path)
 from lmscale_jax.prep.elf_corpus import FileResult
 from lmscale_jax.prep.options import Options
 from lmscale_jax.store import dataset
@@ -80,6 +80,11 @@ def _extract_stats(p: dict, o: Options, slice_results: list[list[dict]], keep, l
 
 
 def layout(output: str, workers: int) -> dict:
+  with held(output, "layout"):
+    return _layout(output, workers)
+
+
+def _layout(output: str, workers: int) -> dict:
   p, o = load_plan(output)
   work = work_dir(output)
   if os.path.exists(work_path(work, LAYOUT)):
@@ -215,6 +220,11 @@ def _load_layout(output: str, stage: str) -> tuple[dict, Options, dict]:
 
 
 def pack(output: str, task: int, tasks: int, workers: int) -> None:
+  with held(output, "pack"):
+    _pack(output, task, tasks, workers)
+
+
+def _pack(output: str, task: int, tasks: int, workers: int) -> None:
   _, o, lay = _load_layout(output, "pack")
   work = work_dir(output)
   mine = share(len(lay["pieces"]), task, tasks)
@@ -247,6 +257,11 @@ def _shard_tasks(output: str, o: Options, counts: list[dict]) -> list[tuple]:
 
 
 def shards(output: str, task: int, tasks: int, workers: int) -> None:
+  with held(output, "shards"):
+    _shards(output, task, tasks, workers)
+
+
+def _shards(output: str, task: int, tasks: int, workers: int) -> None:
   _, o, _, counts = _piece_counts(output, "shards")
   all_tasks = _shard_tasks(output, o, counts)
   mine = share(len(all_tasks), task, tasks)
@@ -262,6 +277,11 @@ def shards(output: str, task: int, tasks: int, workers: int) -> None:
 
 
 def finish(output: str) -> dict:
+  with held(output, "finish"):
+    return _finish(output)
+
+
+def _finish(output: str) -> dict:
   p, o, lay, counts = _piece_counts(output, "finish")
   work = work_dir(output)
   tasks = _shard_tasks(output, o, counts)

@@ -21,6 +21,7 @@ only on the input order.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -34,10 +35,11 @@ import time
 from lmscale_jax.errors import PrepareError  # noqa: F401  (tools/_cli.py catches it from here)
 from lmscale_jax.prep import corpus_extract, corpus_layout, shard_writer, worker_pool
 from lmscale_jax.prep.options import Options, check_options
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, dir_lock
 from lmscale_jax.store import tokenizer as toklib
 
 WORK = "_work"
+LOCK = ".prepare.lock"  # in the output directory, while a preparation writes there
 
 
 def _inside(path: str, top: str) -> bool:
@@ -158,12 +160,63 @@ def _resume_or_restart(o: Options, params: dict) -> bool:
   return False
 
 
+def _make_output(out: str) -> bool:
+  """Creates the output directory if missing; True if this call created it."""
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise PrepareError(f"output {out!r} exists and is not a directory")
+  try:
+    os.makedirs(out)
+    return True
+  except FileExistsError:
+    return False
+  except OSError as e:
+    if e.errno == errno.ENOSPC:
+      raise
+    raise PrepareError(f"output {out!r} is not writable: {e.strerror}") from None
+
+
+@contextlib.contextmanager
+def output_lock(out: str, *, shared: bool = False, doing: str = "a single-node preparation"):
+  """Holds the output directory (``LOCK``, by ``store/dir_lock``) while a preparation writes
+  it: two runs into one --output wrecked each other's ``_work/`` (the second died on the
+  first's files; with --overwrite both did, and no dataset was left). Exclusive for a
+  single-node run and for a cluster preparation's plan and finish, which make and remove the
+  directory's top level; shared for the cluster's other stages, whose array tasks write
+  disjoint units side by side by design: they never block each other, while a single-node run
+  is refused a directory a cluster run is writing, and the reverse. The directory is created
+  here if missing, and removed again if nothing else was written into it (a refused or failed
+  run leaves nothing behind)."""
+  if shared and not os.path.isdir(out):
+    yield  # nothing to share: the stage says its plan is missing
+    return
+  created, path = _make_output(out), os.path.join(out, LOCK)
+  try:
+    fd = dir_lock.acquire(path, shared=shared, doing=doing)
+  except dir_lock.Busy as e:
+    holder = (e.record or {}).get("doing", "another preparation")
+    fix = "" if shared else ", or choose another --output"
+    raise PrepareError(f"output {out!r} is in use by {holder} ({e.holder}; lock {path}): wait "
+                       f"for it to end or stop it{fix}") from None
+  except dir_lock.Unusable as e:
+    raise PrepareError(f"output {out!r}: cannot {e.step} {path} ({e.strerror}); use a "
+                       "writable local or NFSv4 directory") from None
+  try:
+    yield
+  finally:
+    dir_lock.release(fd, remove="" if shared else path)  # shared: others may hold it still
+    if created:
+      with contextlib.suppress(OSError):  # not empty: something was written
+        os.rmdir(out)
+
+
 def open_output(o: Options, params: dict) -> bool:
-  """Creates/validates the output directory. Returns True when resuming an earlier run."""
+  """Creates/validates the output directory (held by :func:`output_lock`). Returns True when
+  resuming an earlier run."""
   out, work = o.output, os.path.join(o.output, WORK)
   if os.path.exists(out) and not os.path.isdir(out):
     raise PrepareError(f"output {out!r} exists and is not a directory")
-  names = os.listdir(out) if os.path.isdir(out) else []
+  # The lock is no file of a dataset (an exclusive holder removes it; a kill leaves it).
+  names = [n for n in os.listdir(out) if n != LOCK] if os.path.isdir(out) else []
   if names and o.overwrite:
     _clear_own(out, names)
   elif os.path.exists(os.path.join(work, "params.json")):
@@ -255,19 +308,32 @@ def _tokenizer(o: Options, work: str, chunks: list[str], pmap):
 
 
 # ----------------------------------------------------------------------------- finalize
-def _check_splits(o: Options, result: dict) -> None:
+def _check_splits(o: Options, work: str, result: dict) -> None:
   """A split without sequences is no dataset: say which one and what to change, before
-  anything is moved into the output (nothing there may look complete)."""
+  anything is moved into the output (nothing there may look complete). The work files go: no
+  rerun could use them (another --val-fraction or input starts afresh), and "nothing was
+  written" was said while they stayed."""
   unit = "functions" if o.kind == "binary" else "documents"
   st = result["stats"]
   items = sum(v["items"] for v in st.values())
   for split in dataset.SPLITS:
     if st[split]["sequences"] == 0:
       other = "smaller" if split == "train" else "larger"
+      _remove_work(o.output, work)
       raise PrepareError(f"split {split!r} would have 0 sequences ({st[split]['items']} of "
                          f"{items} {unit} with --val-fraction {o.val_fraction:g}): give more "
                          f"input or a {other} --val-fraction; nothing was written to "
-                         f"{o.output}")
+                         f"{o.output} (the work files were removed)")
+
+
+def _remove_work(out: str, work: str) -> None:
+  """``work`` and its name in the manifest (the manifest too, if it named nothing else)."""
+  shutil.rmtree(work, ignore_errors=True)
+  names = [n for n in _manifest(out) or [] if n != WORK]
+  if names:
+    _write_manifest(out, names)
+  elif os.path.exists(os.path.join(out, MANIFEST)):
+    os.unlink(os.path.join(out, MANIFEST))
 
 
 def _move_into_place(o: Options, work: str, name: str, result: dict) -> dict:
@@ -290,7 +356,7 @@ def _move_into_place(o: Options, work: str, name: str, result: dict) -> dict:
 def finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: float,
               workers: int) -> dict:
   name = "binary_code" if o.kind == "binary" else "text_corpus"
-  _check_splits(o, result)
+  _check_splits(o, work, result)
   before = set(os.listdir(o.output))
   ours = set(_manifest(o.output) or []) | {WORK, *toklib.HF_FILES, dataset.STATS,
                                            dataset.METADATA, *TFDS_FILES}
@@ -410,16 +476,18 @@ def _prepare(o: Options) -> dict:
   # tasks (ordered_map's imports_here), not at the end where it was serial (2 workers, 8 runs
   # each: 3.49 s mean against 3.58). In a thread during pass 3 it slowed this process's own
   # tasks more (the GIL; 2 workers, 6 runs each: 3.13 s mean against 3.01); in a process of its
-  # own it cost the cores what it saved (3.55 s against 3.44, 8 runs each).
-  with worker_pool.ordered_map(o.workers, preload=preload,
-                               imports_here=("tensorflow_datasets",)) as pmap:
-    files, skipped = _open_run(o)
-    chunks = corpus_extract.extract(o, work, files, skipped, stages, pmap)
-    extract_stats = corpus_extract.chunks(work)[-1][1]["stats"]
-    t = time.time()
-    tok = _tokenizer(o, work, chunks, pmap)
-    stages["tokenizer"] = time.time() - t
-    result = shard_writer.write_shards(o, work, chunks, tok, pmap)
-  stages.update(result["seconds"])
-  result["stage_seconds"] = {k: round(v, 3) for k, v in stages.items()}
-  return finalize(o, work, result, extract_stats, t0, workers)
+  # own it cost the cores what it saved (3.55 s against 3.44, 8 runs each). The output's lock
+  # before the pool: a refused run starts no process.
+  with output_lock(o.output):
+    with worker_pool.ordered_map(o.workers, preload=preload,
+                                 imports_here=("tensorflow_datasets",)) as pmap:
+      files, skipped = _open_run(o)
+      chunks = corpus_extract.extract(o, work, files, skipped, stages, pmap)
+      extract_stats = corpus_extract.chunks(work)[-1][1]["stats"]
+      t = time.time()
+      tok = _tokenizer(o, work, chunks, pmap)
+      stages["tokenizer"] = time.time() - t
+      result = shard_writer.write_shards(o, work, chunks, tok, pmap)
+    stages.update(result["seconds"])
+    result["stage_seconds"] = {k: round(v, 3) for k, v in stages.items()}
+    return finalize(o, work, result, extract_stats, t0, workers)

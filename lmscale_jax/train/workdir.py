@@ -10,18 +10,14 @@ changed that alters results, from which step (:func:`check_config_change`, the r
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
-import socket
-import time
 
 from lmscale_jax.cluster import run_state
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.config import legacy
 from lmscale_jax.errors import UserError
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, dir_lock
 from lmscale_jax.train.checkpoint import IncompatibleCheckpoint, step_dir
 
 # What a resume may change, one list per rule (config.json against this run's config; keys as
@@ -183,11 +179,12 @@ def make_workdir(workdir: str) -> None:
 
 
 def lock_workdir(workdir: str) -> bool:
-  """Takes ``workdir/.lock`` (``fcntl.flock``, exclusive) for this process, before anything
-  in the workdir is touched: two runs on one workdir would delete each other's in-flight
-  checkpoints (Orbax cleans tmp directories at start-up) and mix their metrics. Returns True
-  if this call took it, False if this process already holds it. Raises :class:`WorkdirBusy`
-  naming the holder's pid and host (written into the lock file), touching nothing else.
+  """Takes ``workdir/.lock`` (``store/dir_lock``: ``fcntl.flock``, exclusive) for this process,
+  before anything in the workdir is touched: two runs on one workdir would delete each other's
+  in-flight checkpoints (Orbax cleans tmp directories at start-up) and mix their metrics.
+  Returns True if this call took it, False if this process already holds it. Raises
+  :class:`WorkdirBusy` naming the holder's pid and host (written into the lock file), touching
+  nothing else.
 
   A multi-process job: process 0 takes it for everyone (``main`` tells the others through
   ``distributed.agree``). ``flock`` is released by the kernel when the holder exits, however
@@ -200,48 +197,26 @@ def lock_workdir(workdir: str) -> bool:
   make_workdir(workdir)
   path = os.path.join(workdir, LOCK_FILE)
   try:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-  except OSError as e:
-    raise WorkdirError(f"--workdir {workdir}: cannot open {path} ({e.strerror}); give a "
-                       "writable directory") from None
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError as e:
-    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-    os.close(fd)
-    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-      raise WorkdirError(f"--workdir {workdir}: cannot lock {path} ({e.strerror}); the file "
-                         "system may not support flock: use a local or NFSv4 directory") from None
+    _held[key] = dir_lock.acquire(path)
+  except dir_lock.Busy as e:
     raise WorkdirBusy(
-        f"--workdir {workdir} is in use by another run ({_describe_holder(holder)}; lock "
+        f"--workdir {workdir} is in use by another run ({e.holder}; lock "
         f"{path}): wait for it to end or stop it, or give this run another --workdir") from None
-  try:
-    holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                         "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    data = (holder + "\n").encode()
-    os.pwrite(fd, data, 0)
-    os.ftruncate(fd, len(data))  # a longer earlier holder's line
-  except OSError as e:
-    os.close(fd)  # releases the lock: this run does not start
-    raise OSError(e.errno, e.strerror, path) from e  # named: a full disk is one line (main)
-  _held[key] = fd
+  except dir_lock.Unusable as e:
+    if e.step == "open":
+      raise WorkdirError(f"--workdir {workdir}: cannot open {path} ({e.strerror}); give a "
+                         "writable directory") from None
+    raise WorkdirError(f"--workdir {workdir}: cannot lock {path} ({e.strerror}); the file "
+                       "system may not support flock: use a local or NFSv4 directory") from None
   return True
 
 
-def _describe_holder(text: str) -> str:
-  try:
-    holder = json.loads(text)
-    return f"pid {holder['pid']} on host {holder['host']}, since {holder['since']}"
-  except (ValueError, KeyError, TypeError):
-    return "its pid and host are not written yet: it is just starting"
-
-
 def unlock_workdir(workdir: str) -> None:
-  """Releases a lock :func:`lock_workdir` took (the file stays: removing it would let a third
-  run lock a new file while a second still waits on the old one)."""
+  """Releases a lock :func:`lock_workdir` took (the file stays, as a record of the last run's
+  holder)."""
   fd = _held.pop(os.path.realpath(workdir), None)
   if fd is not None:
-    os.close(fd)
+    dir_lock.release(fd)
 
 
 RUN_STATE = run_state.FILE
