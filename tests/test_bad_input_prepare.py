@@ -225,6 +225,28 @@ def test_numeric_options_are_checked_by_the_library(tmp_path, field, value):
     prepare.prepare(opts(tmp_path / "out", small_elves(1), **{field: value}))
 
 
+def test_a_vocabulary_below_what_the_tokenizer_makes_is_refused_naming_the_smallest(tmp_path):
+  """--vocab-size 7 silently made a 55-token vocabulary (the specials and the corpus's
+  alphabet, which a WordPiece trainer always keeps); the smallest it names is one that works."""
+  src = text_file(tmp_path / "c.jsonl")
+  args = ["--input", src, "--output", tmp_path / "out", "--workers", 1, "--no-progress"]
+  err = one_line(cli("prepare_text.py", *args, "--vocab-size", 7))
+  smallest = int(re.search(r"--vocab-size 7: a wordpiece tokenizer of this corpus has at least "
+                           r"(\d+) tokens \(6 special tokens and its alphabet\); rerun with "
+                           r"--vocab-size \1 or more and --overwrite$", err).group(1))
+  r = cli("prepare_text.py", *args, "--vocab-size", smallest, "--overwrite")
+  assert r.returncode == 0, r.stderr
+  assert json.loads(r.stdout)["vocab_size"] == smallest
+
+
+def test_a_bpe_vocabulary_below_its_256_bytes_is_refused_before_any_work(tmp_path):
+  err = one_line(cli("prepare_text.py", "--input", text_file(tmp_path / "c.jsonl"), "--output",
+                     tmp_path / "out", "--tokenizer-model", "bpe", "--vocab-size", 100))
+  assert "--vocab-size 100: a byte-level BPE has at least 262 tokens (6 special tokens and 256 " \
+         "bytes)" in err
+  assert not (tmp_path / "out").exists()
+
+
 def test_full_disk_is_one_line(tmp_path):
   mnt = tmp_path / "small"
   mnt.mkdir()

@@ -127,17 +127,19 @@ def parser(kind: str) -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=number(int, *prep_options.SEQ_LEN), default=512)
   p.add_argument("--vocab-size", type=number(int, 7, 65535),
                  default=8192 if kind == "binary" else 30522,
-                 help="tokenizer vocabulary to train (<= 65535)")
+                 help="tokenizer vocabulary to train (<= 65535; at least the 6 special "
+                 "tokens and the corpus's alphabet, BPE's 256 bytes: a smaller one is refused)")
   p.add_argument("--tokenizer", default="", metavar="tokenizer.json",
                  help="use this tokenizer instead of training one")
   p.add_argument("--tokenizer-model", choices=["wordpiece", "bpe"], default="wordpiece")
   p.add_argument("--tokenizer-sample-mb", type=number(int, 1, 1 << 20), default=64,
-                 help="train the tokenizer on the first N MB of the deduplicated corpus")
+                 help="train the tokenizer on about N MB of the deduplicated corpus (every "
+                 "k-th function/document, so the sample spans all inputs)")
   p.add_argument("--workers", type=number(int, 0, prep_options.MAX_WORKERS), default=0,
-                 help="processes (0 = all cores)")
+                 help="processes (0 = all cores; at most the CPUs this process may use)")
   p.add_argument("--max-input-bytes", type=number(int, 0, 1 << 62), default=0,
                  help="take input files, in order, while they fit in this many bytes; "
-                 "one that would not is skipped (0 = no limit)")
+                 "one that would not is skipped, the first too (0 = no limit)")
   p.add_argument("--packing", choices=["greedy", "none"], default="greedy")
   p.add_argument("--compression", choices=list(dataset.COMPRESSIONS), default="zstd",
                  help="each record's compression in the shards (docs/data-preparation.md: "

@@ -155,6 +155,7 @@ def _tokenizer(work: str, o: Options, kept_at: list[int], total: int, workers: i
       texts = (t for k in range(len(kept_at) - 1) for t in _sampled_texts(work, k, kept_at, stride))
       tok = toklib.train(texts, vocab_size=o.vocab_size, kind=o.kind, model=o.tokenizer_model,
                          lowercase=o.lowercase)
+      prepare.check_trained_size(o, tok)
   except toklib.TokenizerError as e:
     raise PrepareError(str(e)) from None
   dataset.atomic_write_bytes(path, tok.to_str().encode())

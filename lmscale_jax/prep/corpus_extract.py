@@ -142,7 +142,7 @@ def list_files(o: Options) -> tuple[list[str], dict, list[str]]:
       files = [c.path for c in
                elf_corpus.list_inputs(o.inputs, o.max_input_bytes, skipped, notes)]
     else:
-      files = text_corpus.check_inputs(o.inputs, o.max_input_bytes)
+      files = text_corpus.check_inputs(o.inputs, o.max_input_bytes, skipped, notes)
   except InputError as e:
     raise PrepareError(str(e)) from None
   if not files:

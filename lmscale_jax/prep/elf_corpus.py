@@ -56,12 +56,13 @@ def list_inputs(paths: list[str], max_input_bytes: int = 0,
   the ELF bytes taken (the demo's corpus): a file that would cross it is skipped
   (``skipped["over_max_input_bytes"]``) and the listing goes on with the next, so a large
   library early in the order does not end it (the demo's 24 MB stopped at 3 MB, before
-  libLLVM's 110 MB); the first ELF file is taken whatever its size.
+  libLLVM's 110 MB). The first file too (it was taken whatever its size: --max-input-bytes 1
+  took a 4 MB library); when none fits, :func:`nothing_fits` says so.
   """
 
   skipped = skipped if skipped is not None else {}
   notes = notes if notes is not None else []
-  seen, out, total = set(), [], 0
+  seen, out, total, smallest = set(), [], 0, None
 
   def count(reason: str) -> None:
     skipped[reason] = skipped.get(reason, 0) + 1
@@ -105,15 +106,29 @@ def list_inputs(paths: list[str], max_input_bytes: int = 0,
       if magic != ELF_MAGIC:
         count("not_elf")
         continue
-      if max_input_bytes and total + st.st_size > max_input_bytes and out:
+      if max_input_bytes and total + st.st_size > max_input_bytes:
         count("over_max_input_bytes")
+        if smallest is None or st.st_size < smallest[0]:  # the first of equals
+          smallest = (st.st_size, f)
         if f == p:
-          notes.append(f"input {p!r} ({st.st_size:,} bytes) would pass --max-input-bytes "
-                       f"{max_input_bytes:,}: skipped (files_skipped.over_max_input_bytes)")
+          notes.append(over_limit_note(p, st.st_size, max_input_bytes))
         continue
       out.append(Candidate(real, st.st_size))
       total += st.st_size
+  if not out and smallest:
+    raise nothing_fits(max_input_bytes, "ELF file", *smallest)
   return out
+
+
+def over_limit_note(path: str, size: int, max_input_bytes: int) -> str:
+  return (f"input {path!r} ({size:,} bytes) would pass --max-input-bytes {max_input_bytes:,}: "
+          "skipped (files_skipped.over_max_input_bytes)")
+
+
+def nothing_fits(max_input_bytes: int, what: str, size: int, path: str) -> InputError:
+  return InputError(f"--max-input-bytes {max_input_bytes:,}: no input file fits in it (the "
+                    f"smallest {what}, {path!r}, has {size:,} bytes); raise it to at least "
+                    f"{size}")
 
 
 @dataclasses.dataclass
@@ -242,6 +257,9 @@ def iter_functions(path: str, res: FileResult, part: int = 0, parts: int = 1,
       machine = elf["e_machine"]
       if machine != "EM_X86_64":
         res.skip = "machine=" + _MACHINE_NAMES.get(machine, str(machine).removeprefix("EM_"))
+        return
+      if elf.elfclass != 64:  # x86-64 code with 32-bit pointers, in ELF32 tables: counted as
+        res.skip = "abi=x32"  # corrupt before (section_headers reads ELF64 only)
         return
       shdrs = section_headers(elf, data)
       executable = (shdrs["type"] == _SHT_PROGBITS) & ((shdrs["flags"] & _SHF_EXECINSTR) != 0)

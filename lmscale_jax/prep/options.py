@@ -57,6 +57,9 @@ MAX_WORKERS = 4096
 # Below 1e-6 no item lands in validation (splits are drawn in steps of one millionth); above
 # one half "validation" would be the larger split, surely a mistake.
 VAL_FRACTION = (1e-6, 0.5)
+# A byte-level BPE starts from every byte: its vocabulary is never smaller (a WordPiece's
+# alphabet depends on the corpus: prepare.check_trained_size says so after training).
+BPE_MIN_VOCAB = len(dataset.SPECIAL_TOKENS) + 256
 
 
 def show_range(lo: float, hi: float) -> str:
@@ -82,6 +85,10 @@ def check_options(o: Options) -> None:
       toklib.check_vocab_size(o.vocab_size)
     except toklib.TokenizerError as e:
       raise PrepareError(str(e)) from None
+    if o.kind == "text" and o.tokenizer_model == "bpe" and o.vocab_size < BPE_MIN_VOCAB:
+      raise PrepareError(f"--vocab-size {o.vocab_size}: a byte-level BPE has at least "
+                         f"{BPE_MIN_VOCAB} tokens ({len(dataset.SPECIAL_TOKENS)} special tokens "
+                         "and 256 bytes); give a larger --vocab-size")
   _finite("--seq-len", o.seq_len, *SEQ_LEN)
   if o.packing not in ("greedy", "none"):
     raise PrepareError(f"--packing {o.packing!r}: expected 'greedy' or 'none'")

@@ -301,10 +301,23 @@ def _tokenizer(o: Options, work: str, chunks: list[str], pmap):
       tok = toklib.train(corpus_extract.iter_texts(chunks, o.tokenizer_sample_mb << 20),
                          vocab_size=o.vocab_size, kind=o.kind, model=o.tokenizer_model,
                          lowercase=o.lowercase)
+      check_trained_size(o, tok)
   except toklib.TokenizerError as e:
     raise PrepareError(str(e)) from None
   dataset.atomic_write_bytes(path, tok.to_str().encode())
   return tok
+
+
+def check_trained_size(o: Options, tok) -> None:
+  """A trained text tokenizer holds at least the special tokens and its initial alphabet (the
+  corpus's characters as WordPiece pieces; BPE's 256 bytes), whatever --vocab-size asks:
+  --vocab-size 7 made a 55-token vocabulary without a word."""
+  size = tok.get_vocab_size(with_added_tokens=True)
+  if size > o.vocab_size:
+    raise PrepareError(f"--vocab-size {o.vocab_size}: a {o.tokenizer_model} tokenizer of this "
+                       f"corpus has at least {size} tokens ({len(dataset.SPECIAL_TOKENS)} special "
+                       "tokens and its alphabet); rerun with --vocab-size "
+                       f"{size} or more and --overwrite")
 
 
 # ----------------------------------------------------------------------------- finalize

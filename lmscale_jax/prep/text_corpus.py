@@ -17,31 +17,51 @@ from lmscale_jax.prep.elf_corpus import FileResult
 from lmscale_jax.prep.elf_corpus import InputError
 from lmscale_jax.prep.elf_corpus import describe_non_regular
 from lmscale_jax.prep.elf_corpus import function_digest
+from lmscale_jax.prep.elf_corpus import nothing_fits
+from lmscale_jax.prep.elf_corpus import over_limit_note
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # One document is one corpus line, tokenized as a whole: bound it so memory stays bounded.
 MAX_DOC_BYTES = 16 << 20
 
 
-def check_inputs(paths: list[str], max_input_bytes: int = 0) -> list[str]:
-  out, total = [], 0
+def check_inputs(paths: list[str], max_input_bytes: int = 0, skipped: dict | None = None,
+                 notes: list | None = None) -> list[str]:
+  """The input files that fit in ``max_input_bytes`` (0: all), in order, every path checked;
+  as ``elf_corpus.list_inputs``, one that would not fit is skipped, the first too, counted in
+  ``skipped["over_max_input_bytes"]`` and told in ``notes`` (neither was: nothing said it)."""
+  out, total, smallest = [], 0, None
+  skipped = skipped if skipped is not None else {}
+  notes = notes if notes is not None else []
   for p in paths:
-    try:
-      st = os.stat(p)
-    except FileNotFoundError:
-      raise InputError(f"input file {p!r} does not exist") from None
-    except OSError as e:
-      raise InputError(f"input file {p!r}: cannot be read ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-      raise InputError(f"input {p!r} is {describe_non_regular(st.st_mode)}: expected a regular "
-                       ".txt or .jsonl file")
-    if not p.endswith(TEXT_SUFFIXES):
-      raise InputError(f"input file {p!r}: expected a .txt or .jsonl file")
-    if max_input_bytes and total + st.st_size > max_input_bytes and out:
-      continue  # as elf_corpus.list_inputs: the files that fit, every path checked
+    size = _input_size(p)
+    if max_input_bytes and total + size > max_input_bytes:
+      if smallest is None or size < smallest[0]:  # the first of equals
+        smallest = (size, p)
+      skipped["over_max_input_bytes"] = skipped.get("over_max_input_bytes", 0) + 1
+      notes.append(over_limit_note(p, size, max_input_bytes))
+      continue
     out.append(p)
-    total += st.st_size
+    total += size
+  if not out and smallest:
+    raise nothing_fits(max_input_bytes, "file", *smallest)
   return out
+
+
+def _input_size(p: str) -> int:
+  """The size of a regular .txt / .jsonl file, or one InputError saying what it is instead."""
+  try:
+    st = os.stat(p)
+  except FileNotFoundError:
+    raise InputError(f"input file {p!r} does not exist") from None
+  except OSError as e:
+    raise InputError(f"input file {p!r}: cannot be read ({e.strerror})") from None
+  if not stat.S_ISREG(st.st_mode):
+    raise InputError(f"input {p!r} is {describe_non_regular(st.st_mode)}: expected a regular "
+                     ".txt or .jsonl file")
+  if not p.endswith(TEXT_SUFFIXES):
+    raise InputError(f"input file {p!r}: expected a .txt or .jsonl file")
+  return st.st_size
 
 
 def _lines(path: str) -> Iterator[tuple[int, int, str]]:
