@@ -108,6 +108,16 @@ def input_file(text: str) -> str:
   return text
 
 
+def check_split(meta: dataset.DatasetMeta, split: str) -> None:
+  """Every shard of ``split`` is there, a regular file of its size and record count (no
+  checksums: seconds for any dataset), before a tool restores a model to read it: a damaged
+  shard is its one line now, not once the restore is done."""
+  meta.shard_paths(split)  # a split without shards: its own line
+  for shard in meta.splits[split]["shards"]:
+    if problem := meta.shard_problem(shard, checksums=False):
+      raise dataset.DatasetError(f"{problem} (inspect_shards --verify checks every shard)")
+
+
 def add_model_source(p: argparse.ArgumentParser) -> None:
   """The trained model a tool reads (lmscale_jax.inference.trained_model): a run's workdir
   (latest or --step checkpoint, the dataset's tokenizer) or a directory tools/export_hf.py
