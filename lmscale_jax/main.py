@@ -17,7 +17,6 @@ failed: rerun to resume; lmscale_jax/cluster/supervisor.py); 130 on Ctrl-C (the 
 checkpoint is kept: rerun to resume); a traceback only for a bug.
 """
 
-import errno
 import logging as std_logging
 import os
 import re
@@ -26,6 +25,8 @@ import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from lmscale_jax import errors
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
@@ -46,17 +47,43 @@ _INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Orbax and Grain log every save/restore phase at INFO; keep their warnings only."""
+  """Orbax and Grain log every save/restore phase at INFO: keep their warnings and errors,
+  except the errors of a full disk. A save that fails for lack of space logs one error with a
+  traceback per writer thread (5-8 on a full tmpfs, 500-950 lines); the run reports it in its
+  one disk-full line (:func:`_one_line`), and ``--v=1`` still shows them."""
 
   def filter(self, record):
-    return record.levelno >= std_logging.WARNING or not any(
-        f"/{lib}/" in record.pathname for lib in ("orbax", "grain"))
+    if not any(f"/{lib}/" in record.pathname for lib in ("orbax", "grain")):
+      return True
+    if record.levelno < std_logging.WARNING:
+      return False
+    cause = record.exc_info[1] if record.exc_info else RuntimeError(record.getMessage())
+    return errors.disk_full(cause) is None or logging.vlog_is_on(1)
+
+
+def _without_closed_loop_callbacks(hook):
+  """``sys.unraisablehook``, without tensorstore's reports of a callback into a closed event
+  loop: when a checkpoint save fails (a full disk), Orbax closes its asyncio loop while
+  tensorstore's other writes of that save are still running, and each completion was reported
+  as an unraisable "RuntimeError: Event loop is closed" (50-110 tracebacks of asyncio frames).
+  The failure itself is raised and reported by the run; every other unraisable exception
+  still reaches ``hook``."""
+
+  def unraisablehook(report):
+    frames = traceback.extract_tb(report.exc_traceback)
+    if (report.exc_type is RuntimeError and str(report.exc_value) == "Event loop is closed"
+        and frames and all(f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
+      return
+    hook(report)
+
+  return unraisablehook
 
 
 def main(argv):
   if len(argv) > 1:
     sys.exit(f"error: unexpected arguments {argv[1:]} (flags are --name=value). {_USAGE}")
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  sys.unraisablehook = _without_closed_loop_callbacks(sys.unraisablehook)
   try:
     _run(FLAGS.config, FLAGS.workdir)
   except KeyboardInterrupt:
@@ -67,7 +94,7 @@ def main(argv):
     # hung for 240 s in one CI run (data.workers=1).
     _leave("error: interrupted (Ctrl-C); the last complete checkpoint in "
            f"{FLAGS.workdir}/checkpoints is kept: rerun the same command to resume from it",
-           _INTERRUPTED, at_once=True)
+           _INTERRUPTED)
   except Exception as e:
     if _multi_process():
       _multi_process_failure(e, FLAGS.config)
@@ -75,6 +102,10 @@ def main(argv):
     if line is None:
       raise  # a bug: keep its traceback
     logging.vlog(1, "traceback", exc_info=True)
+    # Training has finished or abandoned any save in flight and stopped its loader workers
+    # (train.trainer); a save that failed (a full disk mid-save) leaves its writer threads'
+    # coroutines, which printed 50-110 "Event loop is closed" tracebacks under the
+    # interpreter's shutdown: _leave exits without it.
     _leave(line, 1)
 
 
@@ -124,48 +155,46 @@ def _run(config, workdir: str) -> None:
                            allow_config_change=FLAGS.allow_config_change)
 
 
-def _disk_full(e: BaseException) -> OSError | None:
-  """The ENOSPC/EDQUOT error behind ``e`` (libraries wrap them), or None."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-      return e
-    e = e.__cause__ or e.__context__
-  return None
-
-
 def _one_line(e: Exception) -> str | None:
   """The ``error:`` line for a user error or a full disk; None for a bug."""
-  from lmscale_jax.errors import UserError
-
-  if isinstance(e, UserError):
+  if isinstance(e, errors.UserError):
     return f"error: {e}"
-  full = _disk_full(e)
+  full = errors.disk_full(e)
   if full is not None:
     where = f" writing {full.filename}" if full.filename else ""
-    return (f"error: {full.strerror or 'no space left on device'}{where} (workdir "
-            f"{FLAGS.workdir}): free space or give a --workdir with room; the last complete "
-            "checkpoint is kept, a rerun resumes from it")
+    return (f"error: {full.reason}{where} (workdir {FLAGS.workdir}): free space or give a "
+            f"--workdir with room; {_last_checkpoint(FLAGS.workdir)}")
   return None
 
 
-def _leave(line: str, code: int, at_once: bool = False) -> None:
+def _last_checkpoint(workdir: str) -> str:
+  """What a rerun resumes from, for the disk-full line."""
+  from lmscale_jax.train import checkpoint
+
+  try:
+    step = checkpoint.latest_complete_step(workdir)
+  except OSError:
+    step = None
+  if step is None:
+    return "no checkpoint was complete yet: a rerun starts afresh"
+  return (f"the last complete checkpoint, {checkpoint.step_dir(workdir, step)}, is kept: a "
+          "rerun resumes from it")
+
+
+def _leave(line: str, code: int) -> None:
+  """Prints ``line`` and exits at once, without the interpreter's shutdown: an async checkpoint
+  save still in flight (a second Ctrl-C) or one that failed leaves threads that print
+  tracebacks when the interpreter goes down under them. Orbax never takes a save's tmp
+  directory for a checkpoint, and the next run removes it. Peers of a multi-process job may be
+  blocked in a collective (see ``distributed.exit_now``)."""
   from lmscale_jax.cluster import distributed
 
   if _multi_process():
     import jax
 
-    print(f"{line.replace('error:', f'error: process {jax.process_index()}:', 1)}",
-          file=sys.stderr, flush=True)
-    distributed.exit_now(code)  # peers may be blocked in a collective (see exit_now)
+    line = line.replace("error:", f"error: process {jax.process_index()}:", 1)
   print(line, file=sys.stderr, flush=True)
-  if at_once:
-    # Without the interpreter's shutdown: an async checkpoint save still in flight would fail
-    # in its thread with a traceback. Its tmp directory is never taken for a checkpoint (Orbax
-    # renames complete saves only) and the next run cleans it up.
-    distributed.exit_now(code)
-  sys.exit(code)
+  distributed.exit_now(code)
 
 
 def _multi_process_failure(e: Exception, config) -> None:
@@ -180,7 +209,7 @@ def _multi_process_failure(e: Exception, config) -> None:
   me = f"error: process {jax.process_index()}:"
   if _one_line(e) is None:
     logging.exception("process %d failed", jax.process_index())
-  full = _disk_full(e)
+  full = errors.disk_full(e)
   text = _one_line(e).removeprefix("error: ") if full else f"{type(e).__name__}: {e}"
   print(f"{me} {text}", file=sys.stderr, flush=True)
   distributed.exit_now(1)

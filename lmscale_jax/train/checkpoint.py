@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import threading
 
 import grain
 import jax
@@ -205,7 +206,8 @@ class Checkpointer:
             max_to_keep=keep, create=True, enable_async_checkpointing=True,
             cleanup_tmp_directories=True, step_name_format=STEP_NAMES,
             async_options=ocp.AsyncOptions(
-                post_finalization_callback=self._manifest_before_commit)))
+                post_finalization_callback=self._manifest_before_commit,
+                create_directories_asynchronously=False)))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -257,10 +259,14 @@ class Checkpointer:
       self.wait()
 
   def wait(self) -> None:
-    """Waits for the save in flight; then this process's manifest of it is written."""
-    self.manager.wait_until_finished()
-    if self._saving is not None:
-      step, self._saving = self._saving, None
+    """Waits for the save in flight; then this process's manifest of it is written. A save
+    that failed raises its error here (once: it is no longer in flight)."""
+    step = self._saving
+    try:
+      self.manager.wait_until_finished()  # process 0's manifest is written in here
+    finally:
+      self._saving = None
+    if step is not None:
       if jax.process_index() != 0:
         manifest_lib.write_part(step_dir(self.workdir, step), jax.process_index(),
                                 jax.process_count(), step)
@@ -310,6 +316,31 @@ class Checkpointer:
   def close(self) -> None:
     self.wait()
     self.manager.close()
+
+  def end(self, timeout_s: float | None) -> None:
+    """Closes on the way out of a failed run: the save in flight is finished, so it is kept
+    (its own failure, or one not done within ``timeout_s``, only logged: the run's error is
+    what to report). A save abandoned that way is never taken for a checkpoint (Orbax renames
+    complete saves only) and the next run removes its tmp directory. ``timeout_s`` bounds the
+    wait where a peer process may never finish its part (None: no bound)."""
+    step = self._saving
+    ended = threading.Thread(target=self._close_quietly, args=(step,), daemon=True)
+    ended.start()
+    ended.join(timeout_s)
+    if ended.is_alive():
+      logging.warning("abandoned checkpoint %s, still being written after %.0f s; the last "
+                      "complete checkpoint is kept", step_dir(self.workdir, step), timeout_s)
+
+  def _close_quietly(self, step: int | None) -> None:
+    try:
+      self.close()
+    except Exception as e:
+      if step is None:  # a failure already raised (and reported) by an earlier wait
+        return
+      latest = self.latest_step()
+      logging.warning("checkpoint %s was not completed (%s); the last complete one is %s",
+                      step_dir(self.workdir, step), str(e).strip().splitlines()[0][:300],
+                      "none" if latest is None else step_dir(self.workdir, latest))
 
 
 def restore_params(workdir: str, step: int | None, abstract_state) -> tuple[int, object]:

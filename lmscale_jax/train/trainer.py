@@ -273,8 +273,16 @@ class TrainLog:
     self.writer.console(step, row)
     self.last.update(row)
 
-  def close(self) -> None:
-    self.writer.close()
+  def close(self, quiet: bool = False) -> None:
+    """``quiet``: on the way out of a failed run, where closing can fail for the same reason
+    (a full disk: TensorBoard's flush) and must not hide it."""
+    if not quiet:
+      self.writer.close()
+      return
+    try:
+      self.writer.close()
+    except Exception as e:  # the run's own error is reported; this one only logged
+      logging.vlog(1, "closing the metrics writer failed too: %s", e)
 
 
 def evaluate(steps: steps_lib.Steps, params, eval_batches) -> dict:
@@ -380,6 +388,14 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
     train_iter.close()
     checkpointer.close()
     raise Interrupted() from None
+  except BaseException:
+    # Any other way out (bad data, a full disk, a bug): the save in flight is finished, so a
+    # rerun resumes from it (without this a data error one step after a save lost it: only
+    # its tmp directory was left).
+    train_iter.close()
+    checkpointer.end(None if jax.process_count() == 1
+                     else float(config.distributed.heartbeat_timeout))
+    raise
 
 
 def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, eval_batches,
@@ -397,49 +413,53 @@ def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, e
     workdir_lib.write_run_state(workdir, "running", start, train_config.steps)
 
   log = TrainLog(setup, workdir, start, checkpointer, train_iter)
-  preempted, step = False, start
   try:
-    with preemption.ctrl_c_at_step_boundaries():
-      for step in range(start + 1, train_config.steps + 1):
-        if preemption.ctrl_c_requested():
-          raise KeyboardInterrupt
-        state, metrics = steps.train_step(state, next(train_iter))
-        log.after_step(step, metrics)
-        do_eval = step % train_config.eval_every == 0 or step == train_config.steps
-        # Every process asks at every step and gets the same answer.
-        preempted = checkpointer.reached_preemption(step) and step < train_config.steps
-        do_save = step % config.checkpoint.every == 0 or step == train_config.steps or preempted
-        if do_eval or do_save:
-          log.pause()  # neither counts as training time
-        if do_eval:
-          row = evaluate(steps, state.params, eval_batches)
-          log.eval_row(step, {**row, "eval_seconds": time.perf_counter() - log.paused_at})
-        if do_save:
-          log.check_before_save(step)
-          checkpointer.save(step, state, train_iter)
-        else:
-          checkpointer.poll()  # the manifest of a finished background save (processes > 0)
-        if do_eval or do_save:
-          log.resume()
-        if preempted:
-          checkpointer.wait()  # synchronous: the process may be killed soon after it exits
-          if is_writer:
-            logging.warning("preempted: stopped after step %d of %d; checkpoint %s saved. Rerun "
-                            "the same command to continue from it.", step, train_config.steps,
-                            ckpt_lib.step_dir(workdir, step))
-          break
+    preempted, step, state = _steps(config, steps, state, start, workdir, checkpointer,
+                                    train_iter, eval_batches, log)
     log.finish(step)
-  except (NonFiniteLoss, ckpt_lib.CheckpointDiskFull):
-    # Raised alike in every process (the metrics are global), so waiting for a save still in
-    # flight cannot block on a peer: the last good checkpoint named in the error is complete.
-    checkpointer.close()
+  except BaseException:
+    log.close(quiet=True)  # TensorBoard's buffered events; the run's own error is the report
     raise
-  except KeyboardInterrupt:
-    log.close()  # TensorBoard's buffered events; metrics.jsonl is written line by line
-    raise
-  checkpointer.close()
   log.close()
+  checkpointer.close()
   if is_writer:
     workdir_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,
                              train_config.steps)
   return {**log.last, "step": int(jax.device_get(state.step))}
+
+
+def _steps(config, steps, state, start: int, workdir: str, checkpointer, train_iter,
+           eval_batches, log: TrainLog) -> tuple[bool, int, object]:
+  """The steps ``start + 1 …``: returns (preempted, the last step, the state after it)."""
+  train_config, is_writer = config.train, jax.process_index() == 0
+  preempted, step = False, start
+  with preemption.ctrl_c_at_step_boundaries():
+    for step in range(start + 1, train_config.steps + 1):
+      if preemption.ctrl_c_requested():
+        raise KeyboardInterrupt
+      state, metrics = steps.train_step(state, next(train_iter))
+      log.after_step(step, metrics)
+      do_eval = step % train_config.eval_every == 0 or step == train_config.steps
+      # Every process asks at every step and gets the same answer.
+      preempted = checkpointer.reached_preemption(step) and step < train_config.steps
+      do_save = step % config.checkpoint.every == 0 or step == train_config.steps or preempted
+      if do_eval or do_save:
+        log.pause()  # neither counts as training time
+      if do_eval:
+        row = evaluate(steps, state.params, eval_batches)
+        log.eval_row(step, {**row, "eval_seconds": time.perf_counter() - log.paused_at})
+      if do_save:
+        log.check_before_save(step)
+        checkpointer.save(step, state, train_iter)
+      else:
+        checkpointer.poll()  # the manifest of a finished background save (processes > 0)
+      if do_eval or do_save:
+        log.resume()
+      if preempted:
+        checkpointer.wait()  # synchronous: the process may be killed soon after it exits
+        if is_writer:
+          logging.warning("preempted: stopped after step %d of %d; checkpoint %s saved. Rerun "
+                          "the same command to continue from it.", step, train_config.steps,
+                          ckpt_lib.step_dir(workdir, step))
+        break
+  return preempted, step, state
