@@ -35,7 +35,8 @@ BATCH = 32
 def parser() -> argparse.ArgumentParser:
   p = _cli.Parser(description=__doc__.splitlines()[0])
   _cli.add_model_source(p)
-  p.add_argument("--elf", nargs="+", default=None, metavar="FILE", help="x86-64 ELF files")
+  p.add_argument("--elf", nargs="+", default=None, type=_cli.input_file, metavar="FILE",
+                 help="x86-64 ELF files")
   p.add_argument("--data", default=None, metavar="DATASET_DIR", help="a prepared dataset")
   p.add_argument("--split", choices=list(dataset.SPLITS), default="validation")
   p.add_argument("--pool", choices=["mean", "cls"], default=None,
@@ -52,14 +53,11 @@ def elf_inputs(model, paths: list[str]):
       yield fn.name, path, ids, cut
 
 
-def dataset_inputs(model, path: str, split: str):
-  """(name, shard file, ids, truncated) per [SEP]-separated function of a split's records."""
-  meta = dataset.DatasetMeta.load(path)
+def dataset_inputs(model, meta: dataset.DatasetMeta, split: str):
+  """(name, shard file, ids, truncated) per [SEP]-separated function of a split's records;
+  ``meta`` was checked against the model as it was loaded (trained_model.check_dataset)."""
   sp = meta.special_ids
   cls, sep, pad = sp["[CLS]"], sp["[SEP]"], sp["[PAD]"]
-  if meta.vocab_size != model.cfg.vocab_size:
-    raise UserError(f"{path}: vocabulary {meta.vocab_size}, the model's {model.cfg.vocab_size}: "
-                    "not the dataset this model was trained on")
   reader = records.ShardRecords(meta, split)
   for r in range(len(reader)):
     seq = reader.decode(reader.read(np.array([r])), np.array([r]), meta.vocab_size)[0]
@@ -126,9 +124,12 @@ def main(argv=None) -> int:
     parser_.error("give --elf FILE… or --data DATASET_DIR (one of them)")
 
   def go() -> int:
-    model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
-    inputs = (elf_inputs(model, a.elf) if a.elf is not None
-              else dataset_inputs(model, a.data, a.split))
+    meta = dataset.DatasetMeta.load(a.data) if a.data is not None else None
+    if meta is not None:
+      _cli.check_split(meta, a.split)
+    model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer, data=meta)
+    inputs = (elf_inputs(model, a.elf) if meta is None
+              else dataset_inputs(model, meta, a.split))
     out = embed(model, inputs, a.pool)
     buf = io.BytesIO()
     np.savez(buf, **out)

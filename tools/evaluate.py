@@ -20,7 +20,6 @@ import _cli
 from lmscale_jax.inference import trained_model
 from lmscale_jax.input import loader
 from lmscale_jax.store import dataset
-from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import trainer as train
 
@@ -56,15 +55,17 @@ class WholeSplit:
 
 
 def evaluate(a) -> dict:
-  config, _ = trained_model.read_run(a.workdir)
+  config, shape = trained_model.read_run(a.workdir)
   config.data.path = a.data
   meta = dataset.DatasetMeta.load(a.data)
+  trained_model.check_dataset(shape, meta, a.workdir)  # not Orbax's traceback on restore
+  _cli.check_split(meta, a.split)
   records, b = meta.num_records(a.split), int(config.train.batch_size)
   whole = a.batches is None
   config.train.eval_batches = -(-records // b) if whole else a.batches
   setup = train.build_setup(config, meta)
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
-  step, params = ckpt_lib.restore_params(a.workdir, a.step, steps.abstract_state)
+  step, params = trained_model.restore_params(a.workdir, a.step, steps.abstract_state)
   batches = loader.make_dataset(config, meta, a.split, train=False)
   out = train.evaluate(steps, params, WholeSplit(batches, records, b) if whole else batches)
   return {"workdir": a.workdir, "step": step, "data": a.data, "split": a.split,

@@ -20,7 +20,6 @@ lines that embed a function with them in transformers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -39,9 +38,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--workdir", required=True, help="the training run's --workdir")
   p.add_argument("--step", type=_cli.number(int, 0, 1 << 62), default=None,
                  help="checkpoint step (default: the latest)")
-  p.add_argument("--tokenizer", default="", metavar="tokenizer.json",
+  p.add_argument("--tokenizer", default="", type=_cli.input_file, metavar="tokenizer.json",
                  help="the dataset's tokenizer (default: data.path/tokenizer.json of the run)")
-  p.add_argument("--output", required=True, metavar="OUT", help="directory to create")
+  p.add_argument("--output", required=True, type=_cli.output_dir, metavar="OUT",
+                 help="directory to create")
   return p
 
 
@@ -54,25 +54,20 @@ def check_output(out: str) -> None:
 def last_row(workdir: str, step: int, key: str) -> dict | None:
   """The last row of metrics.jsonl at or before ``step`` that has ``key`` (``eval_loss``: an
   evaluation row, ``loss``: a training row)."""
-  best = None
-  try:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      for line in f:
-        try:
-          row = json.loads(line)
-        except ValueError:  # a line cut by a crash
-          continue
-        if key in row and row.get("step", 0) <= step:
-          best = row
-  except FileNotFoundError:
-    return None
-  return best
+  rows = [r for r in trained_model.metrics_rows(workdir) if key in r and r["step"] <= step]
+  return rows[-1] if rows else None
+
+
+def number(value, spec: str) -> str:
+  """A metric as the card shows it; null is what training writes for a non-finite value."""
+  return "non-finite" if value is None else format(value, spec)
 
 
 def model_card(model: trained_model.TrainedModel) -> str:
   c, cfg, run = model.run_config, model.cfg, model.source
   ev = last_row(run, model.step, "eval_loss")
-  loss = (f"{ev['eval_loss']:.4f} (MLM accuracy {ev.get('eval_mlm_accuracy', float('nan')):.4f}"
+  loss = (f"{number(ev['eval_loss'], '.4f')} (MLM accuracy "
+          f"{number(ev.get('eval_mlm_accuracy', float('nan')), '.4f')}"
           f", step {ev['step']}, {c.train.eval_batches} validation batches)" if ev else
           "not measured (no evaluation row in metrics.jsonl)")
   params = flops.count_params_from_config(cfg)
@@ -107,8 +102,9 @@ fill("push rbp [NEXT] mov rbp rsp [NEXT] [MASK] rsp 0x10")
 def finetuned_card(model: trained_model.TrainedModel) -> str:
   c, cfg, run, head = model.run_config, model.cfg, model.source, model.head
   row = last_row(run, model.step, "loss")
-  loss = (f"{row['loss']:.4f} (in-batch accuracy {row.get('accuracy', float('nan')):.3f}, "
-          f"step {row['step']})" if row else "not logged")
+  loss = (f"{number(row['loss'], '.4f')} (in-batch accuracy "
+          f"{number(row.get('accuracy', float('nan')), '.3f')}, step {row['step']})" if row
+          else "not logged")
   dim = head["projection"]["kernel"].shape[1]
   return f"""---
 library_name: transformers
@@ -151,9 +147,10 @@ e = torch.nn.functional.normalize(v @ head["weight"].T + head["bias"], dim=-1)  
 
 def export(a) -> str:
   check_output(a.output)
-  # Refuse what cannot be represented before restoring anything.
+  # Refuse what cannot be represented, or would fail at the end, before restoring anything.
   _, cfg, _ = trained_model.workdir_shape(a.workdir, a.tokenizer, "float32")
   hf_convert.check_exportable(cfg)
+  trained_model.metrics_rows(a.workdir)  # the model card's source: damaged, one line now
   model = trained_model.from_workdir(a.workdir, a.step, a.tokenizer)
   out = os.path.abspath(a.output)
   parent = os.path.dirname(out)

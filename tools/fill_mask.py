@@ -31,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
   p = _cli.Parser(description=__doc__.splitlines()[0])
   _cli.add_model_source(p)
   p.add_argument("--text", default=None, help="text with one or more [MASK]")
-  p.add_argument("--elf", default=None, metavar="FILE", help="an x86-64 ELF file")
+  p.add_argument("--elf", default=None, type=_cli.input_file, metavar="FILE",
+                 help="an x86-64 ELF file")
   p.add_argument("--function", default=None, metavar="NAME", help="(--elf) its symbol name")
   p.add_argument("--top-k", type=_cli.number(int, 1, 1000), default=5)
   p.add_argument("--json", action="store_true", help="print JSON")

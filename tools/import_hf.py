@@ -59,6 +59,7 @@ def get_config():
 
 def run(a) -> str:
   meta = dataset.DatasetMeta.load(a.data)
+  trained_model.check_hf_files(a.hf)
   keys = hf_convert.model_keys(a.hf)
   for key, have in (("vocab_size", meta.vocab_size), ("seq_len", meta.seq_len)):
     if keys[key] != have:

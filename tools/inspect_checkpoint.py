@@ -7,7 +7,8 @@ metrics logged at its step (workdir/metrics.jsonl), after a summary of the run's
 (workdir/config.json); checkpoints moved aside as corrupt and interrupted saves are listed
 too. --verify re-reads every file against every process's manifest and exits 1 naming each
 bad file (what a resume does before it loads a checkpoint): run it before a long job
-restarts, or in a job script. Reads only.
+restarts, or in a job script. A config.json or metrics.jsonl the tools cannot read (cut short,
+not what training writes) is named in the listing and exits 1 as well. Reads only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import _cli
 
 from lmscale_jax.errors import UserError
+from lmscale_jax.inference import trained_model
+from lmscale_jax.store import dataset
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import checkpoint_manifest as manifest_lib
 
@@ -38,34 +41,27 @@ def main(argv=None) -> int:
 
 
 def config_summary(workdir: str) -> str:
-  path = os.path.join(workdir, "config.json")
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-    m, t, c = saved["model"], saved["config"]["train"], saved["config"]["checkpoint"]
-  except (OSError, ValueError, KeyError) as e:
-    return f"config: {path} unreadable ({type(e).__name__})"
+  """The run's config in one line; a damaged config.json raises its one line (UserError)."""
+  saved = trained_model.run_file(workdir)
+  m, c = saved["model"], saved["config"]
+  t, k = c["train"], c.get("checkpoint") if isinstance(c.get("checkpoint"), dict) else {}
   return (f"config: model {m['layers']} × {m['hidden']} (vocab {m['vocab_size']}, seq "
-          f"{m['seq_len']}); batch {t['batch_size']}, lr {t['learning_rate']:g} "
-          f"({t['schedule']}, warmup {t['warmup_steps']}), train.steps {t['steps']}; "
-          f"checkpoint every {c['every']}, keep {c['keep']}; "
-          f"{len(saved.get('changes', []))} recorded change(s)")
+          f"{m['seq_len']}); batch {t.get('batch_size')}, lr {t.get('learning_rate')} "
+          f"({t.get('schedule')}, warmup {t.get('warmup_steps')}), train.steps "
+          f"{t.get('steps')}; checkpoint every {k.get('every')}, keep {k.get('keep')}; "
+          f"{len(saved.get('changes') or [])} recorded change(s)")
 
 
 def metrics_by_step(workdir: str) -> dict:
   rows: dict = {}
-  try:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      for line in f:
-        try:
-          row = json.loads(line)
-        except ValueError:  # a torn last line of a killed run
-          continue
-        rows.setdefault(row.get("step"), {}).update(
-            {k: row[k] for k in _METRICS if k in row})
-  except OSError:
-    pass
+  for row in trained_model.metrics_rows(workdir):
+    rows.setdefault(row["step"], {}).update({k: row[k] for k in _METRICS if k in row})
   return rows
+
+
+def shown(metrics: dict) -> str:
+  return ", ".join(f"{k} {'non-finite' if v is None else format(v, '.4g')}"
+                   for k, v in metrics.items()) or "no metrics"
 
 
 def _committed(step_dir: str) -> str:
@@ -81,15 +77,17 @@ def describe(workdir: str, step: int, metrics: dict) -> str:
   path = ckpt_lib.step_dir(workdir, step)
   parts = manifest_lib.parts_present(path)
   count = max(parts.values(), default=0)
-  shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.get(step, {}).items()) or "no metrics"
   manifests = (f"manifests {len(parts)}/{count}" if parts else
                "no manifest" if manifest_lib.expects_manifest(path) else "saved before manifests")
   return (f"step {step:>8}  {_committed(path)}  {ckpt_lib.dir_bytes(path) / 2**20:9.2f} MiB  "
-          f"{manifests}  {shown}")
+          f"{manifests}  {shown(metrics.get(step, {}))}")
 
 
 def inspect(workdir: str, step: int | None, verify: bool) -> int:
   root = ckpt_lib.checkpoints_dir(workdir)
+  if os.path.exists(root) and not os.path.isdir(root):
+    raise UserError(f"{root} is {dataset.not_regular(root) or 'a file'}: expected the "
+                    "directory of the run's checkpoints")
   if not os.path.isdir(root):
     raise UserError(f"{workdir}: no checkpoints directory ({root}); give the --workdir of a "
                     "training run")
@@ -100,8 +98,18 @@ def inspect(workdir: str, step: int | None, verify: bool) -> int:
                       f"{', '.join(map(str, steps)) or 'none'}")
     steps = [step]
   print(f"workdir {workdir}")
-  print(config_summary(workdir))
-  metrics = metrics_by_step(workdir)
+  damaged = []  # the run's files a resume or a tool reads: listed, then one error line
+  try:
+    print(config_summary(workdir))
+  except UserError as e:
+    damaged.append(str(e))
+    print(f"config: {e}")
+  try:
+    metrics = metrics_by_step(workdir)
+  except UserError as e:
+    damaged.append(str(e))
+    print(f"metrics: {e}")
+    metrics = {}
   for s in steps:
     print(describe(workdir, s, metrics))
   for name in sorted(os.listdir(root)):
@@ -109,8 +117,11 @@ def inspect(workdir: str, step: int | None, verify: bool) -> int:
       kind = "moved aside (failed verification)" if ckpt_lib.CORRUPT_SUFFIX in name else (
           "interrupted save (removed by the next run)")
       print(f"{name}: {kind}")
+  if damaged:
+    print(f"error: {damaged[0]}" + (f" (and {len(damaged) - 1} more above)"
+                                    if len(damaged) > 1 else ""), file=sys.stderr)
   if not verify:
-    return 0
+    return 1 if damaged else 0
   bad = 0
   for s in steps:
     problems = manifest_lib.verify(ckpt_lib.step_dir(workdir, s))
@@ -121,8 +132,7 @@ def inspect(workdir: str, step: int | None, verify: bool) -> int:
   if bad:
     print(f"error: {bad} of {len(steps)} checkpoint(s) in {root} do not verify (files named "
           "above)", file=sys.stderr)
-    return 1
-  return 0
+  return 1 if bad or damaged else 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ block holds the resolved vocab_size/seq_len), the parameters come from
 (or ``--tokenizer``). Inference runs in float32, as transformers does. A fine-tuning workdir
 (its config.json has a ``finetune`` section) keeps its tokenizer in the workdir and its
 projection head beside the encoder (``head``); an exported one has ``projection.*`` files.
+
+The run's files are checked as they are read (:func:`read_run`, :func:`metrics_rows`,
+:func:`restore_params`), and a model against the dataset it is to read before any weights are
+restored (:func:`check_dataset`): each problem is one :class:`UserError` line naming the file
+and what was expected, the one rule every tool gets from here.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 
 from lmscale_jax.config import defaults as config_defaults
 from lmscale_jax.config import legacy
@@ -51,22 +57,161 @@ class TrainedModel:
 
 
 # --------------------------------------------------------------------------- loading
-def read_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict]:
-  """``workdir/config.json`` → (the run's config, its resolved shape keys)."""
-  path = os.path.join(workdir, "config.json")
+# The run's files the tools read, each checked as it is read: a damaged one (a truncated
+# config.json, a metrics.jsonl that is a directory, a checkpoints file) is one line naming the
+# file and what was expected there, never a traceback from deep in a reader.
+RUN_CONFIG, METRICS = "config.json", "metrics.jsonl"
+# config.json's "model": the resolved shape keys (train.workdir.SHAPE_KEYS) that readers use.
+_SHAPE_INTS = ("vocab_size", "seq_len", "layers", "hidden", "heads", "ffn")
+
+
+def regular_file(path: str, what: str) -> str:
+  """``path``, once it is known to be a regular file (a FIFO would block its reader)."""
+  if kind := dataset.not_regular(path):
+    raise UserError(f"{path} is {kind}: expected {what}")
+  return path
+
+
+def read_json(path: str, what: str):
+  """A JSON file a run wrote, parsed; unreadable or invalid JSON is one line."""
+  try:
+    with open(regular_file(path, what)) as f:
+      return json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+    raise UserError(f"{path}: not valid JSON ({e}; cut short?): expected {what}") from None
+  except OSError as e:
+    raise UserError(f"{path}: cannot read it ({e.strerror or e}): expected {what}") from None
+
+
+def _json_kind(value) -> str:
+  return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+          type(None): "null"}.get(type(value), "a number")
+
+
+def _check_run_config(path: str, saved) -> None:
+  """``config.json`` as training writes it (workdir.save_config): {"config": {…, "model",
+  "data", "train"}, "model": {the resolved shape keys}}."""
+  what = ("a training run's config ({\"config\": …, \"model\": …}, as lmscale_jax.main "
+          "writes it)")
+  if not isinstance(saved, dict):
+    raise UserError(f"{path}: {_json_kind(saved)}, expected {what}")
+  if not {"config", "model"} <= set(saved):
+    hint = " (a Hugging Face model directory: give it as --hf DIR)" if "model_type" in saved \
+        else ""
+    raise UserError(f"{path} is not a training run's config (no 'config' and 'model' "
+                    f"entries){hint}")
+  sections = {"config": saved["config"], "model": saved["model"]}
+  if isinstance(saved["config"], dict):
+    sections.update({f"config.{k}": saved["config"].get(k) for k in ("model", "data", "train")})
+  for key, value in sections.items():
+    if not isinstance(value, dict):
+      raise UserError(f"{path}: {key!r} is {_json_kind(value)}, expected an object")
+  for key in _SHAPE_INTS:
+    value = saved["model"].get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise UserError(f"{path}: model.{key} is {value!r}, expected a positive integer (the "
+                      "run's resolved model shape)")
+
+
+def run_file(workdir: str) -> dict:
+  """``workdir/config.json`` as training wrote it, checked (:func:`_check_run_config`)."""
+  path = os.path.join(workdir, RUN_CONFIG)
   if not os.path.isdir(workdir):
     raise UserError(f"--workdir {workdir}: no such directory")
   if not os.path.exists(path):
     raise UserError(f"{workdir} has no config.json: not a training workdir (give the "
                     "--workdir a run of python -m lmscale_jax.main wrote)")
-  with open(path) as f:
-    saved = json.load(f)
-  if not isinstance(saved, dict) or not {"config", "model"} <= set(saved):
-    hint = " (a Hugging Face model directory: give it as --hf DIR)" if isinstance(
-        saved, dict) and "model_type" in saved else ""
-    raise UserError(f"{path} is not a training run's config (no 'config' and 'model' "
-                    f"entries){hint}")
+  saved = read_json(path, "a training run's config (JSON)")
+  _check_run_config(path, saved)
+  return saved
+
+
+def read_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict]:
+  """``workdir/config.json`` → (the run's config, its resolved shape keys), checked."""
+  saved = run_file(workdir)
   return ml_collections.ConfigDict(legacy.complete(saved["config"])), saved["model"]
+
+
+def check_dataset(shape, meta: dataset.DatasetMeta, source: str, *,
+                  same_seq_len: bool = True) -> None:
+  """A model (``shape``: config.json's "model", or a resolved config) and a dataset it is to
+  read, before any weights are restored: the same vocabulary (token ids of another tokenizer
+  mean other tokens), and for evaluation the same sequence length (the position table)."""
+  keys = ("vocab_size", "seq_len") if same_seq_len else ("vocab_size",)
+  for key in keys:
+    have, want = int(getattr(meta, key)), int(shape[key])
+    if have != want:
+      raise UserError(
+          f"{meta.path}: {key} {have}, the model's ({source}) {want}: not a dataset this model "
+          "can read; give the dataset it was trained on, or one prepared with its tokenizer "
+          f"(tools/prepare_*.py --tokenizer)" + (f" and --seq-len {shape['seq_len']}"
+                                                 if key == "seq_len" else ""))
+
+
+def restore_params(workdir: str, step: int | None, abstract_state) -> tuple[int, object]:
+  """``checkpoint.restore_params`` once ``workdir/checkpoints`` is known to be a directory.
+  Orbax's warnings that the read-only manager it was asked for is read-only are left out: a
+  tool's stderr is its own lines (one, when it fails)."""
+  root = os.path.join(workdir, "checkpoints")
+  if os.path.exists(root) and not os.path.isdir(root):
+    raise UserError(f"{root} is {dataset.not_regular(root) or 'a file'}: expected the directory "
+                    "of the run's checkpoints (restore it, or give the --workdir of a run)")
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)
+  try:
+    return ckpt_lib.restore_params(workdir, step, abstract_state)
+  finally:
+    logging.set_verbosity(verbosity)
+
+
+_METRIC_KEYS = ("loss", "mlm_accuracy", "accuracy", "learning_rate", "eval_loss",
+                "eval_mlm_accuracy")
+
+
+def _metrics_row(path: str, n: int, line: bytes) -> dict:
+  """Line ``n`` of metrics.jsonl: an object with an integer step and numbers (null: not
+  finite, as training writes them) for the metrics the tools show."""
+  try:
+    row = json.loads(line)
+  except (ValueError, UnicodeDecodeError):
+    row = None
+  if not _good_row(row):
+    raise UserError(f"{path}: line {n} is {line[:60].decode(errors='replace')!r}: expected one "
+                    "JSON object per line, with an integer 'step' and numbers (null: "
+                    "non-finite); repair or remove that line")
+  return row
+
+
+def _good_row(row) -> bool:
+  if not isinstance(row, dict) or type(row.get("step")) is not int:  # bool is no step
+    return False
+  return all(row.get(k) is None or type(row[k]) in (int, float) for k in _METRIC_KEYS)
+
+
+def metrics_rows(workdir: str) -> list[dict]:
+  """``workdir/metrics.jsonl``'s rows, checked (:func:`_metrics_row`); none if there is no
+  file. A last line without its newline that is not JSON is a write cut by a kill: left out,
+  as training leaves it out when it resumes (train.metrics); a bad line anywhere else is one
+  error."""
+  path = os.path.join(workdir, METRICS)
+  if not os.path.lexists(path):
+    return []
+  try:
+    with open(regular_file(path, "the run's metrics (JSON lines)"), "rb") as f:
+      lines = f.read().split(b"\n")
+  except OSError as e:
+    raise UserError(f"{path}: cannot read it ({e.strerror or e})") from None
+  if not _is_json(lines[-1]):
+    lines[-1] = b""  # cut by a kill (b"" already after a final newline)
+  return [_metrics_row(path, n, line) for n, line in enumerate(lines, 1) if line.strip()]
+
+
+def _is_json(line: bytes) -> bool:
+  try:
+    json.loads(line)
+    return True
+  except (ValueError, UnicodeDecodeError):
+    return False
 
 
 def resolve(model_config, shape: dict, special_ids: dict, *, dtype: str | None = "float32",
@@ -89,7 +234,7 @@ def run_tokenizer(run_config, tokenizer_path: str = ""):
   if not os.path.exists(path):
     raise UserError(f"{path}: no such file (the tokenizer of the run's data.path); give "
                     "--tokenizer PATH/tokenizer.json of the dataset it trained on")
-  return toklib.with_hf_roles(toklib.load(path))
+  return toklib.with_hf_roles(toklib.load(regular_file(path, "a tokenizer.json file")))
 
 
 def _check_vocab(tok, cfg, where: str) -> None:
@@ -121,23 +266,39 @@ def workdir_shape(workdir: str, tokenizer_path: str, dtype: str | None):
 
 
 def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = "",
-                 dtype: str | None = "float32") -> TrainedModel:
+                 dtype: str | None = "float32",
+                 data: dataset.DatasetMeta | None = None) -> TrainedModel:
+  """A run's model; ``data``: a dataset it is to read, checked against it before the
+  restore (:func:`check_dataset`)."""
   run_config, cfg, tok = workdir_shape(workdir, tokenizer_path, dtype)
+  if data is not None:
+    check_dataset(cfg, data, workdir, same_seq_len=False)
   head = None
   if is_finetuned(run_config):
-    step, params = ckpt_lib.restore_params(
+    step, params = restore_params(
         workdir, step, finetune_state.abstract_state(run_config, cfg))
     params = jax.device_get(params)
     params, head = params["bert"], {"pool": run_config.finetune.pool,
                                     "projection": params["projection"]}
   else:
-    step, params = ckpt_lib.restore_params(workdir, step, abstract_state(run_config, cfg))
+    step, params = restore_params(workdir, step, abstract_state(run_config, cfg))
   return TrainedModel(cfg=cfg, params=jax.device_get(params), tokenizer=tok, source=workdir,
                       step=step, run_config=run_config, head=head)
 
 
+def check_hf_files(hf_dir: str) -> None:
+  """The files of an HF directory that are read, where present, are regular files (a FIFO
+  would block its reader; their contents are hf_convert's and contrastive's to check)."""
+  for name in (hf_convert.CONFIG, hf_convert.WEIGHTS, dataset.TOKENIZER,
+               contrastive.HEAD_WEIGHTS, contrastive.HEAD_CONFIG):
+    path = os.path.join(hf_dir, name)
+    if kind := dataset.not_regular(path):
+      raise UserError(f"{path} is {kind}: expected the model directory's {name} file")
+
+
 def hf_model_config(hf_dir: str) -> ml_collections.ConfigDict:
   """A ``config.model`` for an HF directory: its shape keys over the shared defaults."""
+  check_hf_files(hf_dir)
   model_config = config_defaults.get_base_config().model
   hf = hf_convert.read_config(hf_dir)
   for key, value in hf_convert.model_keys(hf_dir).items():
@@ -155,14 +316,16 @@ def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
   if not os.path.exists(path):
     raise UserError(f"{hf_dir} has no {dataset.TOKENIZER} (export with tools/export_hf.py, "
                     "or save the tokenizer with save_pretrained)")
-  tok = toklib.with_hf_roles(toklib.load(path))
+  tok = toklib.with_hf_roles(toklib.load(regular_file(path, "a tokenizer.json file")))
   cfg = resolve(model_config, model_config, toklib.validate(tok, path), where=hf_dir)
   _check_vocab(tok, cfg, hf_dir)
   return cfg, tok
 
 
-def from_hf(hf_dir: str) -> TrainedModel:
+def from_hf(hf_dir: str, data: dataset.DatasetMeta | None = None) -> TrainedModel:
   cfg, tok = _hf_shape(hf_dir)
+  if data is not None:
+    check_dataset(cfg, data, hf_dir, same_seq_len=False)
   return TrainedModel(cfg=cfg, params=hf_convert.load_params(hf_dir, cfg), tokenizer=tok,
                       source=hf_dir, head=contrastive.load_head(hf_dir, cfg.hidden))
 
@@ -170,10 +333,11 @@ def from_hf(hf_dir: str) -> TrainedModel:
 def architecture(path: str, tokenizer_path: str = "") -> TrainedModel:
   """A run's or an HF directory's model config and tokenizer, no weights (``params`` empty):
   what a model of the same architecture starting from fresh weights needs."""
+  config = regular_file(os.path.join(path, hf_convert.CONFIG), "a run's or a model's config")
   try:
-    with open(os.path.join(path, hf_convert.CONFIG)) as f:
+    with open(config) as f:
       is_hf = "model_type" in json.load(f)
-  except (OSError, ValueError):
+  except (OSError, ValueError, TypeError):  # the readers below say what is wrong
     is_hf = False
   if is_hf:
     cfg, tok = _hf_shape(path, tokenizer_path)
@@ -197,12 +361,15 @@ def random_init(model: TrainedModel, seed: int) -> TrainedModel:
 
 
 def load(workdir: str = "", hf: str = "", step: int | None = None,
-         tokenizer_path: str = "") -> TrainedModel:
-  """``--workdir DIR [--step N] [--tokenizer F]`` or ``--hf DIR``: exactly one."""
+         tokenizer_path: str = "", data: dataset.DatasetMeta | None = None) -> TrainedModel:
+  """``--workdir DIR [--step N] [--tokenizer F]`` or ``--hf DIR``: exactly one (``data``: see
+  :func:`from_workdir`)."""
   if bool(workdir) == bool(hf):
     raise UserError("give exactly one of --workdir DIR (a training run) and --hf DIR (a "
                     "Hugging Face model directory)")
-  return from_workdir(workdir, step, tokenizer_path) if workdir else from_hf(hf)
+  if workdir:
+    return from_workdir(workdir, step, tokenizer_path, data=data)
+  return from_hf(hf, data)
 
 
 # --------------------------------------------------------------------------- using it
