@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
   p = _cli.Parser(description=__doc__.splitlines()[0],
                   epilog="--config.SECTION.KEY=VALUE sets any key of "
                   "lmscale_jax/config/finetune.py (after the flags above)")
-  p.add_argument("--pairs", required=True, metavar="PAIRS.jsonl",
+  p.add_argument("--pairs", required=True, type=_cli.input_file, metavar="PAIRS.jsonl",
                  help="a similarity-benchmark-format file (tools/build_similarity_bench.py)")
   p.add_argument("--workdir", required=True, metavar="OUT", help="the run's directory")
   start = p.add_mutually_exclusive_group(required=True)
@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
                      help="fresh weights of this run's (or HF directory's) architecture")
   p.add_argument("--step", type=_cli.number(int, 0, 1 << 62), default=None,
                  help="(--init-workdir) its checkpoint; default the latest")
-  p.add_argument("--tokenizer", default="", metavar="tokenizer.json",
+  p.add_argument("--tokenizer", default="", type=_cli.input_file, metavar="tokenizer.json",
                  help="(--init-workdir/--init-random of a run) the dataset's tokenizer")
   num = _cli.number
   for flag, kind, lo, hi, what in (

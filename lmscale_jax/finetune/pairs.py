@@ -150,6 +150,9 @@ class PairBatches:
 
 
 def check_same_file(pairs: Pairs, saved: dict) -> None:
+  if "pairs_sha256" not in saved:  # trainer.check_workdir refuses such a workdir first
+    raise PairsError(f"--pairs {pairs.path}: the checkpoint's data state records no pairs file "
+                     "(not a fine-tuning run's checkpoint); use a new --workdir")
   if saved.get("pairs_sha256") != pairs.sha256:
     raise PairsError(
         f"--pairs {pairs.path} is not the file the checkpoint was trained on (sha256 "

@@ -265,11 +265,24 @@ def check_inputs(config, workdir: str) -> finetune_pairs.Pairs:
   check_config(config)
   pairs = finetune_pairs.load(config.data.pairs, config.data.max_groups, config.train.seed)
   finetune_pairs.check_enough(pairs, config.train.batch_size)
+  check_workdir(workdir)
   fresh = not os.path.isdir(workdir) or ckpt_lib.latest_complete_step(workdir) is None
   if fresh and not os.path.isdir(config.init.path):
     raise UserError(f"init.path={config.init.path} (--init-{config.init.source}): no such "
                     "directory")
   return pairs
+
+
+def check_workdir(workdir: str) -> None:
+  """A workdir that holds a run already holds a fine-tuning run: a pretraining run's would
+  otherwise be "resumed" (its data state has no pairs file, its step may be past --steps)."""
+  if not os.path.exists(os.path.join(workdir, trained_model.RUN_CONFIG)):
+    return
+  run_config, _ = trained_model.read_run(workdir)  # a damaged config.json: its one line
+  if not trained_model.is_finetuned(run_config):
+    raise UserError(f"--workdir {workdir} holds a pretraining run (its config.json has no "
+                    "'finetune' section), not a fine-tuning run to resume: give a new "
+                    f"--workdir, and --init-workdir {workdir} to start from that run")
 
 
 def finetune(config, workdir: str, *, allow_config_change: bool = False, pairs=None,
@@ -305,14 +318,15 @@ def _finetune(config, workdir: str, pairs, allow_config_change: bool, say) -> di
   model = start_model or resumed_model(workdir)
   model = dataclasses.replace(model, cfg=finetune_cfg(config, model.cfg))
   config.model = {k: model.cfg[k] for k in MODEL_KEYS}
-  changes = workdir_lib.check_config_change(workdir, config, model.cfg,
-                                            resume_step=resume.step,
-                                            allow_change=allow_config_change)
+  check = workdir_lib.check_config_change(workdir, config, model.cfg,
+                                          resume_step=resume.step,
+                                          allow_change=allow_config_change)
   resume.set_aside()
+  record = workdir_lib.save_config(workdir, config, model.cfg, check, is_writer)
   checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
                                        use_async=bool(config.checkpoint.async_save),
-                                       on_full=str(config.checkpoint.on_full))
-  workdir_lib.save_config(workdir, config, model.cfg, changes, is_writer)
+                                       on_full=str(config.checkpoint.on_full),
+                                       run_record=record)
   if is_writer and start_model is not None:
     dataset.atomic_write_bytes(os.path.join(workdir, TOKENIZER), model.tokenizer.to_str().encode())
   steps = build_steps(config, model.cfg)
