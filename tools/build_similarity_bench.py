@@ -37,7 +37,7 @@ def parser():
                     help="a pinned set of tools/fetch_bench_sources.py, unpacked under --from")
   p.add_argument("--from", dest="from_dir", default="bench_sources", metavar="DIR",
                  help="(--set) where tools/fetch_bench_sources.py unpacked it")
-  p.add_argument("--disjoint-from", nargs="+", default=[], metavar="BENCH",
+  p.add_argument("--disjoint-from", nargs="+", default=[], type=_cli.input_file, metavar="BENCH",
                  help="drop the groups this benchmark shares (by function text or by source "
                  "file + function name): for a training file")
   p.add_argument("--drop-duplicates", action="store_true",

@@ -40,12 +40,14 @@ from lmscale_jax.study.host import cpu_name  # the host, described as the benchm
 
 def parser():
   p = _cli.Parser(description=__doc__.splitlines()[0])
-  p.add_argument("--bench", required=True, help="a file tools/build_similarity_bench.py wrote")
+  p.add_argument("--bench", required=True, type=_cli.input_file,
+                 help="a file tools/build_similarity_bench.py wrote")
   p.add_argument("--workdir", action="append", default=[], metavar="DIR[@STEP]",
                  help="a training run (repeatable; @STEP: that checkpoint)")
   p.add_argument("--step", type=_cli.number(int, 0, 1 << 62), default=None,
                  help="(--workdir) the checkpoint step; default the latest")
-  p.add_argument("--tokenizer", default="", help="(--workdir) the dataset's tokenizer.json")
+  p.add_argument("--tokenizer", default="", type=_cli.input_file,
+                 help="(--workdir) the dataset's tokenizer.json")
   p.add_argument("--hf", action="append", default=[], metavar="OUT",
                  help="a directory tools/export_hf.py wrote (repeatable)")
   p.add_argument("--pool", default="100,1000", help="pool sizes, comma-separated")
@@ -62,8 +64,11 @@ def parser():
                  help="the pretraining inputs, for the leakage check")
   p.add_argument("--train-max-bytes", type=_cli.number(int, 0, 1 << 62), default=0,
                  help="prepare's --max-input-bytes of that corpus (the demo: 24000000)")
-  p.add_argument("--json", default="", metavar="OUT.json", help="write everything as JSON")
-  p.add_argument("--results", default="", metavar="FILE.jsonl", help="append JSON lines")
+  # Checked as they are parsed: a bad output path fails now, not after the evaluation.
+  p.add_argument("--json", default=None, type=_cli.output_file, metavar="OUT.json",
+                 help="write everything as JSON")
+  p.add_argument("--results", default=None, type=_cli.append_file, metavar="FILE.jsonl",
+                 help="append JSON lines")
   return p
 
 

@@ -36,8 +36,8 @@ DOWNLOAD_TIMEOUT_S = 600
 
 def parser():
   p = _cli.Parser(description=__doc__.splitlines()[0])
-  p.add_argument("--output", required=True, metavar="DIR", help="where to unpack (git-ignored: "
-                 "bench_sources)")
+  p.add_argument("--output", required=True, type=_cli.output_dir, metavar="DIR",
+                 help="where to unpack (git-ignored: bench_sources)")
   p.add_argument("--set", choices=list(similarity_sources.SETS), default="eval",
                  help="the pinned packages of the benchmark (eval, the default) or of the "
                  "fine-tuning pairs (train)")

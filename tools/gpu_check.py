@@ -21,10 +21,15 @@ import json
 import os
 import sys
 
-from _cli import Parser, guarded, number
+from _cli import Parser, guarded, number, output_file
 from lmscale_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def json_file(text: str) -> str:
+  """--json's FILE, checked before the check runs (minutes on a GPU); "-" is stdout."""
+  return text if text == "-" else output_file(text)
 
 
 def parse_args(argv=None):
@@ -41,7 +46,7 @@ def parse_args(argv=None):
                       "this node's devices)")
   p.add_argument("--small-batch", type=number(int, 1, 1 << 16), default=8,
                  help="the small per-device batch")
-  p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+  p.add_argument("--json", nargs="?", const="-", type=json_file, metavar="FILE",
                  help="write the report as JSON to FILE (no FILE: to stdout, and the "
                       "progress and PASS/FAIL lines to stderr)")
   p.add_argument("--allow-cpu", action="store_true",

@@ -40,8 +40,12 @@ from lmscale_jax.study.max_batch import load_config, max_batch  # noqa: F401
 
 
 def parse_args(argv=None):
+  # Here, not at the top: benchmarks/bench_step.py imports this file as tools.max_batch, where
+  # _cli (no jax: configure_backend still comes first) is not on the path.
+  import _cli
+
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--config", help="config file (configs/*.py)")
+  ap.add_argument("--config", type=_cli.input_file, help="config file (configs/*.py)")
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                   help="config override, e.g. model.layers=20 (repeatable)")
   ap.add_argument("--name", help="model label in the output (default: the config's stem)")
@@ -63,8 +67,10 @@ def parse_args(argv=None):
   ap.add_argument("--fit-only", action="store_true",
                   help="two compilations per entry: report the affine fit's prediction "
                        "(max_per_device_fit), unverified")
-  ap.add_argument("--json", help="append one JSON object per (model, lever) to this file")
-  ap.add_argument("--render", metavar="JSONL", help="only print the table of a --json file")
+  ap.add_argument("--json", type=_cli.append_file,
+                  help="append one JSON object per (model, lever) to this file")
+  ap.add_argument("--render", type=_cli.input_file, metavar="JSONL",
+                  help="only print the table of a --json file")
   return ap.parse_args(argv)
 
 

@@ -25,16 +25,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _cli import Parser, guarded
+from _cli import Parser, guarded, input_file, output_dir
 from lmscale_jax.study import report as rp
 
 
 def main(argv=None) -> int:
   p = Parser(prog="report.py", description=__doc__,
              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("results", nargs="+", metavar="RESULTS", help="tools/sweep.py JSONL files")
-  p.add_argument("--output", required=True, metavar="DIR", help="where the PNGs go")
-  p.add_argument("--storage", nargs="*", metavar="JSONL",
+  p.add_argument("results", nargs="+", type=input_file, metavar="RESULTS",
+                 help="tools/sweep.py JSONL files")
+  p.add_argument("--output", required=True, type=output_dir, metavar="DIR",
+                 help="where the PNGs go")
+  p.add_argument("--storage", nargs="*", type=input_file, metavar="JSONL",
                  help=f"storage-model rows (default: {rp.STORAGE_GLOB} if any)")
   a = p.parse_args(argv)
   return guarded(lambda: show(*rp.write_report(a.results, a.output, a.storage)), "rerun it")

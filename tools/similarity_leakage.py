@@ -25,9 +25,11 @@ from lmscale_jax.store import dataset
 
 def parser():
   p = _cli.Parser(description=__doc__.splitlines()[0])
-  p.add_argument("--train", required=True, metavar="TRAIN", help="the training pairs file")
-  p.add_argument("--bench", required=True, metavar="BENCH", help="the evaluation benchmark")
-  p.add_argument("--json", type=_cli.output_file, default="", metavar="OUT",
+  p.add_argument("--train", required=True, type=_cli.input_file, metavar="TRAIN",
+                 help="the training pairs file")
+  p.add_argument("--bench", required=True, type=_cli.input_file, metavar="BENCH",
+                 help="the evaluation benchmark")
+  p.add_argument("--json", type=_cli.output_file, default=None, metavar="OUT",
                  help="also write the report here")
   p.add_argument("--check", action="store_true", help="exit 2 if anything is shared")
   return p
