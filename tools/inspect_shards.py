@@ -12,30 +12,43 @@ import sys
 import _cli
 import numpy as np
 
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, records
 
 
-def _show_sources(meta) -> tuple:
-  """The tokenizer and the train shards --show reads, each checked first: a missing file or an
-  empty split is one line naming it, not a traceback from deep in a reader."""
+def _show_sources(meta):
+  """The tokenizer and the train split's records --show reads, each checked first: a missing
+  file or an empty split is one line naming it, not a traceback from deep in a reader."""
   from tokenizers import Tokenizer
 
   tpath = os.path.join(meta.path, dataset.TOKENIZER)
+  if kind := dataset.not_regular(tpath):
+    raise dataset.DatasetError(f"{tpath} is {kind}: expected the dataset's tokenizer.json")
   if not os.path.isfile(tpath):
     raise dataset.DatasetError(f"{tpath}: missing; --show decodes with the dataset's tokenizer")
   try:
     tok = Tokenizer.from_file(tpath)
   except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
     raise dataset.DatasetError(f"{tpath}: not a Hugging Face tokenizer.json ({e})") from None
-  shards = meta.splits.get("train", {}).get("shards", [])
-  meta.shard_paths("train")  # zero shards: its own clear error
-  for shard in shards:
-    if problem := meta.shard_problem(shard, checksums=False):
-      raise dataset.DatasetError(f"{problem} (inspect_shards --verify checks every shard)")
-  usable = [s for s in shards if s["records"] > 0]
-  if not usable:
+  _cli.check_split(meta, "train")
+  if not meta.num_records("train"):
     raise dataset.DatasetError(f"{meta.path}: the train split has no records to show")
-  return tok, [os.path.join(meta.path, s["file"]) for s in usable]
+  # The loader's reader: a record that cannot be read is one line naming shard and record.
+  return tok, records.ShardRecords(meta, "train")
+
+
+def show(meta, n: int, seed: int) -> None:
+  """``n`` random records of the train split, decoded back to text."""
+  tok, reader = _show_sources(meta)
+  rng = np.random.default_rng(seed)
+  for _ in range(n):
+    i = np.array([rng.integers(len(reader))])
+    try:
+      ids = reader.decode(reader.read(i), i, meta.vocab_size)[0]
+    except dataset.DatasetError as e:
+      raise dataset.DatasetError(f"{e} (inspect_shards --verify checks every shard)") from None
+    count = int(np.count_nonzero(ids != meta.pad_id))
+    print(f"--- {reader.where(int(i[0]))}: {count} tokens")
+    print(tok.decode(ids[:count].tolist(), skip_special_tokens=False))
 
 
 def main(argv=None) -> int:
@@ -49,6 +62,21 @@ def main(argv=None) -> int:
   return _cli.guarded(lambda: inspect(a), "nothing was changed")
 
 
+def stats_line(spath: str) -> str:
+  """stats.json's main numbers; it is informative only, so a damaged one is said, not fatal."""
+  if kind := dataset.not_regular(spath):
+    return f"  stats: {spath} is {kind}, not a file"
+  try:
+    with open(spath) as f:
+      st = json.load(f)
+  except (OSError, ValueError) as e:
+    return f"  stats: {spath} unreadable ({dataset.error_reason(e)})"
+  keys = ("input_bytes", "output_bytes", "reduction_pct", "tokens", "pad_fraction",
+          "unk_rate_validation", "wall_seconds", "mb_per_s_per_core")
+  shown = [f"{k}={st[k]}" for k in keys if k in st] if isinstance(st, dict) else []
+  return "  stats: " + (", ".join(shown) or f"{spath} holds none of {', '.join(keys)}")
+
+
 def inspect(a) -> int:
   meta = dataset.DatasetMeta.load(a.dir)
   print(f"dataset {a.dir}: {meta.name}, seq_len {meta.seq_len}, vocab {meta.vocab_size}, "
@@ -58,12 +86,8 @@ def inspect(a) -> int:
     print(f"  {split:<10} {info['records']:>10,} sequences in {len(info['shards'])} shards, "
           f"{size / 1e6:,.1f} MB")
   spath = os.path.join(a.dir, dataset.STATS)
-  if os.path.exists(spath):
-    with open(spath) as f:
-      st = json.load(f)
-    keys = ("input_bytes", "output_bytes", "reduction_pct", "tokens", "pad_fraction",
-            "unk_rate_validation", "wall_seconds", "mb_per_s_per_core")
-    print("  stats: " + ", ".join(f"{k}={st[k]}" for k in keys if k in st))
+  if os.path.lexists(spath):
+    print(stats_line(spath))
   rc = 0
   if a.verify:
     problems = meta.verify(checksums=True)
@@ -74,19 +98,7 @@ def inspect(a) -> int:
           f"verify: {len(problems)} problem(s)")
     rc = 1 if problems else 0
   if a.show:
-    from array_record.python import array_record_module
-
-    tok, paths = _show_sources(meta)
-    rng = np.random.default_rng(a.seed)
-    for _ in range(a.show):
-      path = paths[rng.integers(len(paths))]
-      reader = array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0")
-      i = int(rng.integers(reader.num_records()))
-      ids = dataset.decode_record(reader.read([i])[0], meta.seq_len, f"{path}[{i}]")
-      reader.close()
-      n = int(np.count_nonzero(ids != meta.pad_id))
-      print(f"--- {os.path.basename(path)} record {i}: {n} tokens")
-      print(tok.decode(ids[:n].tolist(), skip_special_tokens=False))
+    show(meta, a.show, a.seed)
   return rc
 
 
