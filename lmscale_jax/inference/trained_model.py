@@ -288,12 +288,17 @@ def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = ""
 
 def check_hf_files(hf_dir: str) -> None:
   """The files of an HF directory that are read, where present, are regular files (a FIFO
-  would block its reader; their contents are hf_convert's and contrastive's to check)."""
+  would block its reader), and its config.json a JSON object; what is in them is
+  hf_convert's and contrastive's to check."""
   for name in (hf_convert.CONFIG, hf_convert.WEIGHTS, dataset.TOKENIZER,
                contrastive.HEAD_WEIGHTS, contrastive.HEAD_CONFIG):
     path = os.path.join(hf_dir, name)
     if kind := dataset.not_regular(path):
       raise UserError(f"{path} is {kind}: expected the model directory's {name} file")
+  path = os.path.join(hf_dir, hf_convert.CONFIG)
+  if os.path.exists(path) and not isinstance(config := read_json(path, "a JSON object"), dict):
+    raise UserError(f"{path}: {_json_kind(config)}, expected a Hugging Face model's config "
+                    "(a JSON object)")
 
 
 def hf_model_config(hf_dir: str) -> ml_collections.ConfigDict:
