@@ -119,6 +119,35 @@ def test_missing_manifest_is_not_loaded(reference, tmp_path):
   assert "verify step 4: ok" in tool.stdout and "verify step 6: 1 problem(s)" in tool.stdout
 
 
+@pytest.mark.parametrize("edit", ["empty", "one_left_out"])
+def test_a_manifest_that_does_not_list_every_file_does_not_verify(reference, tmp_path, edit):
+  """A manifest is a list of everything its process wrote: one emptied (or missing a file)
+  with the data then damaged is not resumed from (it verified, and the restore died in zstd),
+  and inspect_checkpoint --verify names it."""
+  import json
+
+  from lmscale_jax.train import checkpoint
+
+  workdir = copy_of(reference, tmp_path)
+  step_dir = workdir / "checkpoints" / "6"
+  manifest = step_dir / "manifest.process_0-of-1.json"
+  bad = largest(step_dir)
+  rel = os.path.relpath(bad, step_dir)
+  doc = json.loads(manifest.read_text())
+  doc["files"] = {} if edit == "empty" else {k: v for k, v in doc["files"].items() if k != rel}
+  manifest.write_text(json.dumps(doc))
+  flip(bad)
+  choice = checkpoint.choose_resume_step(str(workdir))
+  assert choice.step == 4 and [s for s, _ in choice.failed] == [6]
+  why = (f"{manifest}: lists no files" if edit == "empty" else
+         f"{bad}: not in manifest.process_0-of-1.json")
+  assert why in choice.failed[0][1][0], choice.failed
+  tool = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(workdir),
+                         "--verify"], cwd=dist.ROOT, capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert tool.returncode == 1 and why in tool.stderr, tool.stderr
+
+
 def test_no_checkpoint_verifies_is_one_error(data, cache, reference, tmp_path):
   """Every checkpoint damaged: one error line naming each checkpoint and its bad file, rc 1,
   nothing trained (metrics.jsonl and the checkpoints untouched)."""

@@ -108,13 +108,15 @@ def verify_part(step_dir: str, process: int, count: int) -> list[str]:
     with open(path) as f:
       manifest = json.load(f)
     files = manifest["files"]
+    if not isinstance(files, dict) or not all(isinstance(f, dict) for f in files.values()):
+      raise TypeError("'files' is not a map of file name to size and checksum")
     if manifest.get("format") != FORMAT or manifest.get("algorithm") != ALGORITHM:
       return [f"{path}: unknown manifest format {manifest.get('format')!r}"]
   except FileNotFoundError:
     return [f"{path}: manifest missing (the checkpoint was saved with manifests)"]
   except (OSError, ValueError, KeyError, TypeError) as e:
     return [f"{path}: unreadable manifest ({type(e).__name__}: {e})"]
-  problems = []
+  problems = _listing_problems(step_dir, process, files, name)
   for rel, want in sorted(files.items()):
     file = os.path.join(step_dir, rel)
     try:
@@ -129,6 +131,17 @@ def verify_part(step_dir: str, process: int, count: int) -> list[str]:
   if process == 0:
     problems += _commit_problems(step_dir)
   return problems
+
+
+def _listing_problems(step_dir: str, process: int, files: dict, name: str) -> list[str]:
+  """A manifest must list every file its process wrote: checking only what it lists let one
+  with an empty ``files`` map verify, and the damaged data then failed the restore (in zstd)
+  instead of falling back to an older checkpoint."""
+  if not files:
+    return [f"{os.path.join(step_dir, name)}: lists no files (process {process} writes some "
+            "in every checkpoint)"]
+  return [f"{os.path.join(step_dir, rel)}: not in {name}"
+          for rel in files_of(step_dir, process) if rel not in files]
 
 
 def _commit_problems(step_dir: str) -> list[str]:
