@@ -244,3 +244,34 @@ def test_verify_data_flag_stops_before_training(damaged, tmp_path):
   assert f"error: data verification failed: {shard}: sha256 " in errors[0]
   assert "Traceback" not in r.stderr
   assert not (tmp_path / "w" / "metrics.jsonl").exists()  # no training step ran
+
+
+def test_an_error_while_a_save_is_in_flight_keeps_that_save(clean, tmp_path):
+  """A corrupt validation record met by the evaluation one step after an (asynchronous) save:
+  one error line, no traceback, and that save finished and verifies, so the rerun on intact
+  data resumes from it (the error path abandoned it: only its tmp directory was left, and 70
+  "Event loop is closed" tracebacks)."""
+  from lmscale_jax.train import checkpoint_manifest
+
+  bad = tmp_path / "bad"
+  shutil.copytree(clean, bad)
+  shard = os.path.join(bad, dataset.shard_filename("synthetic", "validation", 0, 2))
+  flip_byte_in_a_record(shard)
+  workdir = tmp_path / "w"
+  run = [sys.executable, "-m", "lmscale_jax.main", f"--config={ROOT}/configs/tiny.py",
+         f"--workdir={workdir}", "--config.train.batch_size=8", "--config.train.steps=12",
+         "--config.checkpoint.every=5", "--config.train.eval_every=6",
+         "--config.train.eval_batches=2", "--config.train.log_every=1"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+  r = subprocess.run(run + [f"--config.data.path={bad}"], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1, r.stderr[-3000:]
+  errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and f"error: {shard}: record " in errors[0], r.stderr[-3000:]
+  assert "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert os.listdir(workdir / "checkpoints") == ["5"]
+  assert checkpoint_manifest.verify(str(workdir / "checkpoints" / "5")) == []
+  r = subprocess.run(run + [f"--config.data.path={clean}"], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and f"resumed from {workdir}/checkpoints/5" in r.stderr, \
+      r.stderr[-3000:]
