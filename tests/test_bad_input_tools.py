@@ -101,6 +101,63 @@ def test_embed_checks_the_dataset_before_restoring_the_model(trained, tmp_path):
   assert "vocab_size 300, the model's" in err and not (tmp_path / "e.npz").exists()
 
 
+def _tokens_swapped(data: str, to) -> str:
+  """The dataset with the ids of "push" and "rbp" exchanged in its tokenizer: the same
+  vocabulary size and shards, another tokenizer (as a dataset prepared from other inputs with
+  one --vocab-size)."""
+  shutil.copytree(data, to)
+  path = to / dataset.TOKENIZER
+  tok = json.loads(path.read_text())
+  vocab = tok["model"]["vocab"]
+  vocab["push"], vocab["rbp"] = vocab["rbp"], vocab["push"]
+  path.write_text(json.dumps(tok))
+  return str(to)
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "embed_data", "fill_mask_tokenizer"])
+def test_another_tokenizer_of_the_same_size_is_one_line(trained, tmp_path, tool):
+  """Was a silent score (or embedding, or prediction) through the wrong token ids: a run is
+  bound to its tokenizer's digest (config.json's "dataset"), checked before the restore."""
+  data, workdir = trained
+  other = _tokens_swapped(data, tmp_path / "other")
+  args = {"evaluate": ("evaluate.py", "--workdir", workdir, "--data", other),
+          "embed_data": ("embed.py", "--workdir", workdir, "--data", other, "--output",
+                         tmp_path / "e.npz"),
+          "fill_mask_tokenizer": ("fill_mask.py", "--workdir", workdir, "--tokenizer",
+                                  os.path.join(other, dataset.TOKENIZER), "--text",
+                                  "push rbp [NEXT] [MASK] rbp rsp")}[tool]
+  err = one_line(cli(*args))
+  assert "has another tokenizer than the run in" in err and workdir in err, err
+  assert "would mean other tokens" in err and not (tmp_path / "e.npz").exists()
+
+
+def test_the_runs_tokenizer_is_found_from_any_working_directory(trained, tmp_path):
+  """data.path as typed was relative: the run's record keeps the dataset's absolute path, so a
+  tool started elsewhere reads the run's tokenizer, not whatever that name means there."""
+  data, workdir = trained
+  run = tmp_path / "run"
+  cwd = os.path.dirname(data)
+  c = small_train_config(os.path.basename(data), steps=2)
+  here = os.getcwd()
+  os.chdir(cwd)
+  try:
+    train.train_and_evaluate(c, str(run))
+  finally:
+    os.chdir(here)
+  assert json.loads((run / "config.json").read_text())["dataset"]["path"] == data
+  elsewhere = tmp_path / "elsewhere"
+  _tokens_swapped(data, elsewhere / os.path.basename(data))
+  answers = []
+  for where in (cwd, elsewhere):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fill_mask.py"),
+                        "--workdir", str(run), "--text", "push rbp [NEXT] [MASK] rbp rsp",
+                        "--json"], cwd=where, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    answers.append(json.loads(r.stdout))
+  assert answers[0] == answers[1]  # "push" and "rbp" swap ids in the copy elsewhere
+
+
 # ----------------------------------------------------------------------------- damaged workdirs
 def damage(workdir: str, how: str, tmp_path) -> str:
   """A copy of the run with one of its files damaged ``how``."""

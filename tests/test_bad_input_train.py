@@ -232,6 +232,135 @@ def test_neutral_changes_resume_silently(data, resumable):
   assert saved.get("changes", []) == [] and saved["config"]["train"]["log_every"] == 2
 
 
+# ----------------------------------------------------------------------------- case 4b: the
+# run's dataset and record
+def _copy_with_tokens_swapped(data, to) -> str:
+  """The same shards and vocabulary size, a tokenizer with two tokens' ids exchanged: what a
+  dataset prepared from other inputs with the same --vocab-size/--seq-len looks like."""
+  shutil.copytree(data, to)
+  path = to / "tokenizer.json"
+  tok = json.loads(path.read_text())
+  vocab = tok["model"]["vocab"]
+  vocab["t10"], vocab["t11"] = vocab["t11"], vocab["t10"]
+  path.write_text(json.dumps(tok))
+  return str(to)
+
+
+def test_a_run_resumes_only_on_a_dataset_of_its_tokenizer(data, resumable, tmp_path):
+  """Another tokenizer with the same vocabulary size and sequence length is refused, with or
+  without --allow_config_change, naming both digests; nothing is written."""
+  from lmscale_jax.train import checkpoint
+  from lmscale_jax.train import trainer as train
+
+  other = _copy_with_tokens_swapped(data, tmp_path / "other")
+  before = (resumable / "config.json").read_bytes()
+  for allow in (False, True):
+    with pytest.raises(checkpoint.IncompatibleCheckpoint) as e:
+      train.train_and_evaluate(small_train_config(other), str(resumable),
+                               allow_config_change=allow)
+    assert str(e.value).startswith(f"data.path {other} has another tokenizer than the run in "
+                                   f"{resumable} was trained with (tokenizer.json sha256 ")
+    assert f"from {data})" in str(e.value) and "would mean other tokens" in str(e.value)
+  assert (resumable / "config.json").read_bytes() == before
+  assert sorted(os.listdir(resumable / "checkpoints")) == ["3"]
+
+
+def test_other_data_of_the_same_tokenizer_is_a_recorded_change_and_a_copy_is_none(
+    data, resumable, tmp_path):
+  """Another corpus with the run's tokenizer: refused without --allow_config_change, recorded
+  as a "dataset" change with it. A copy of the run's dataset elsewhere (staged, or data.path
+  relative to another directory): resumed as the same dataset, its path recorded absolute."""
+  from lmscale_jax.train import checkpoint
+  from lmscale_jax.train import trainer as train
+
+  other = tmp_path / "other"
+  make_synthetic_dataset(str(other), seq_len=64, vocab_size=128, n_train=256, n_val=32, seed=1)
+  with pytest.raises(checkpoint.IncompatibleCheckpoint, match=(
+      f"trained on the dataset {data}, data.path {other} holds other data")):
+    train.train_and_evaluate(small_train_config(other), str(resumable))
+  copy = shutil.copytree(data, tmp_path / "copy")
+  train.train_and_evaluate(small_train_config(copy, steps=4), str(resumable))
+  saved = json.load(open(resumable / "config.json"))
+  assert saved["dataset"]["path"] == str(copy) and os.path.isabs(saved["dataset"]["path"])
+  assert [c["key"] for c in saved["changes"]] == ["train.steps"]
+  train.train_and_evaluate(small_train_config(other, steps=5), str(resumable),
+                           allow_config_change=True)
+  change = json.load(open(resumable / "config.json"))["changes"][-1]
+  assert change["step"] == 5 and change["key"] == "dataset"
+  assert change["from"]["path"] == str(copy) and change["to"]["path"] == str(other)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "empty_object", "a_list"])
+def test_a_lost_or_damaged_config_json_comes_back_from_the_checkpoint(data, resumable, caplog,
+                                                                      damage):
+  """Each checkpoint keeps the run's record: with config.json gone or damaged the resume rules
+  still hold (a changed batch size refused), and the same config resumes and writes it back
+  as it was."""
+  from lmscale_jax.train import checkpoint
+  from lmscale_jax.train import trainer as train
+
+  path = resumable / "config.json"
+  original = json.loads(path.read_text())
+  text = path.read_text()
+  path.unlink()
+  if damage != "missing":
+    path.write_text({"truncated": text[:100], "empty_object": "{}", "a_list": "[]"}[damage])
+  c = small_train_config(data)
+  c.train.batch_size = 16
+  with pytest.raises(checkpoint.IncompatibleCheckpoint, match="train.batch_size=8, this run "
+                     "has train.batch_size=16"):
+    train.train_and_evaluate(c, str(resumable))
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(small_train_config(data, steps=3), str(resumable))
+  assert f"the run's config is the copy kept in checkpoint {resumable}/checkpoints/3" \
+      in caplog.text
+  assert json.loads(path.read_text()) == original
+
+
+def test_checkpoints_without_a_readable_record_are_one_line(data, resumable, tmp_path):
+  """A checkpoint from before records were kept, config.json gone: the resume rules cannot
+  be checked, so nothing resumes (a batch size of 16 over 8 was taken silently)."""
+  r = main([f"--config={ROOT}/configs/tiny.py", f"--workdir={resumable}",
+            f"--config.data.path={data}", "--config.train.batch_size=16",
+            "--config.train.steps=4"])
+  assert r.returncode == 1
+  os.remove(resumable / "config.json")
+  shutil.rmtree(resumable / "checkpoints" / "3" / "config")  # as an older version wrote it
+  for name in os.listdir(resumable / "checkpoints" / "3"):  # its manifest listed no record
+    if name.startswith("manifest."):
+      manifest = resumable / "checkpoints" / "3" / name
+      doc = json.loads(manifest.read_text())
+      doc["files"] = {k: v for k, v in doc["files"].items() if not k.startswith("config/")}
+      manifest.write_text(json.dumps(doc))
+  r = main([f"--config={ROOT}/configs/tiny.py", f"--workdir={resumable}",
+            f"--config.data.path={data}", "--config.train.batch_size=16",
+            "--config.train.steps=4"])
+  assert r.returncode == 1
+  assert one_line(r.stderr) == (
+      f"error: {resumable} holds checkpoint 3 but its config.json is missing, and the "
+      "checkpoint predates the copy of the config each checkpoint keeps: what a resume may "
+      "change cannot be checked. Put config.json back from a copy, or give a new --workdir")
+  assert not (resumable / "config.json").exists()
+
+
+@pytest.mark.parametrize("name,make,kind,expected", [
+    ("metrics.jsonl", "dir", "a directory", "file"),
+    ("config.json", "fifo", "a FIFO", "file"),
+    ("checkpoints", "file", "a regular file", "directory"),
+    ("tensorboard", "file", "a regular file", "directory"),
+    ("run_state.json", "dir", "a directory", "file")])
+def test_a_workdir_entry_of_the_wrong_kind_is_one_line(data, tmp_path, name, make, kind,
+                                                       expected):
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  entry = workdir / name
+  {"dir": entry.mkdir, "file": entry.touch, "fifo": lambda: os.mkfifo(entry)}[make]()
+  r = main(args(data, workdir, **{"train.steps": 2}), timeout=120)
+  assert r.returncode == 1
+  assert one_line(r.stderr) == (f"error: {entry} is {kind}, but a run keeps a {expected} "
+                                "there: move it away, or give another --workdir")
+
+
 def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, resumable):
   """config.json written before model.packed_attention, init_from and train.grad_allreduce
   existed: the run it holds was "cross" with no init, so that resumes as unchanged and
@@ -512,6 +641,36 @@ def test_eval_batches_beyond_the_split_warn_once(data, tmp_path, caplog):
     train.train_and_evaluate(small_train_config(data, steps=1, eval_batches=4),
                              str(tmp_path / "w2"))
   assert "train.eval_batches" not in caplog.text
+
+
+def test_a_step_beyond_the_devices_memory_is_refused_naming_the_batch_that_fits(data, tmp_path):
+  """train.batch_size=100000000 logged "≈278,289 GiB per device" and started: the estimate
+  (which leaves out XLA's temporaries, so a step above it cannot fit) is compared with the
+  device's memory before anything is read; the batch it names passes the same check, and
+  train.memory_check=false lets the user start anyway."""
+  import re
+
+  from lmscale_jax.errors import ConfigError
+  from lmscale_jax.train import preflight
+  from lmscale_jax.train import trainer as train
+
+  r = main(args(data, tmp_path / "w", **{"train.batch_size": 100_000_000}))
+  line = one_line(r.stderr)
+  assert r.returncode == 1 and line.startswith("error: train.batch_size=100000000: a step "
+                                               "needs ≈"), line
+  assert "GiB per device by the memory estimate, more than the " in line
+  assert "train.remat=full" in line and "train.memory_check=false starts anyway" in line
+  fits = int(re.search(r"Use train.batch_size=(\d+) or less", line).group(1))
+  assert not (tmp_path / "w" / "metrics.jsonl").exists()
+  c = small_train_config(data, batch_size=fits)
+  c.model.update(layers=1, hidden=64, heads=2, ffn=128)
+  setup = train.build_setup(c)
+  preflight.check_memory(c, setup.memory_at)  # the batch it names fits
+  c.train.batch_size = fits + 8
+  with pytest.raises(ConfigError):
+    preflight.check_memory(c, train.build_setup(c).memory_at)
+  c.train.memory_check = False
+  preflight.check_memory(c, train.build_setup(c).memory_at)
 
 
 def test_workdir_past_train_steps_is_one_line(data, resumable):

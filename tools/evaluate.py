@@ -55,10 +55,11 @@ class WholeSplit:
 
 
 def evaluate(a) -> dict:
-  config, shape = trained_model.read_run(a.workdir)
+  config, record = trained_model.read_run(a.workdir)
   config.data.path = a.data
   meta = dataset.DatasetMeta.load(a.data)
-  trained_model.check_dataset(shape, meta, a.workdir)  # not Orbax's traceback on restore
+  # Before the restore: not Orbax's traceback, and not a silent score on another tokenizer.
+  trained_model.check_dataset(record["model"], meta, a.workdir, record=record)
   _cli.check_split(meta, a.split)
   records, b = meta.num_records(a.split), int(config.train.batch_size)
   whole = a.batches is None

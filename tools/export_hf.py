@@ -148,7 +148,7 @@ e = torch.nn.functional.normalize(v @ head["weight"].T + head["bias"], dim=-1)  
 def export(a) -> str:
   check_output(a.output)
   # Refuse what cannot be represented, or would fail at the end, before restoring anything.
-  _, cfg, _ = trained_model.workdir_shape(a.workdir, a.tokenizer, "float32")
+  _, cfg, _, _ = trained_model.workdir_shape(a.workdir, a.tokenizer, "float32")
   hf_convert.check_exportable(cfg)
   trained_model.metrics_rows(a.workdir)  # the model card's source: damaged, one line now
   model = trained_model.from_workdir(a.workdir, a.step, a.tokenizer)

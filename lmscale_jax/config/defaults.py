@@ -67,6 +67,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.remat = "none"        # none | dots | full
   c.train.grad_accum_steps = 1  # microbatches per step (lax.scan in the jitted step)
   c.train.fsdp = False          # shard params + optimizer state over the data axis (ZeRO-3)
+  c.train.memory_check = True   # refuse a step whose memory estimate exceeds a device's memory
   c.train.grad_allreduce_dtype = "float32"  # float32 | bfloat16: dtype of the gradient reduction
   # auto | per_tensor | flat: one collective per gradient, or one for them all (auto: flat for
   # CPU processes over gloo, where each collective pays its latency; steps.resolve_grad_allreduce)

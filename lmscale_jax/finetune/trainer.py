@@ -254,8 +254,8 @@ class Log:
       self._log(step, self.current, self.untimed)
       self.current = []
 
-  def close(self) -> None:
-    self.writer.close()
+  def close(self, quiet: bool = False) -> None:
+    self.writer.close(quiet)  # quiet: on the way out of a failed run (MetricsWriter.close)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -305,6 +305,7 @@ def _finetune(config, workdir: str, pairs, allow_config_change: bool, say) -> di
   say = say if is_writer else (lambda line: None)
   config_checks.check_batch(t.batch_size, processes=jax.process_count(),
                             devices_per_process=jax.local_device_count())
+  workdir_lib.check_entries(workdir)
   resume = ckpt_lib.choose_resume_step(workdir)
   if resume.step is not None:  # refused before anything is written (config.json's changes)
     if resume.step > t.steps:
@@ -355,6 +356,10 @@ def _finetune(config, workdir: str, pairs, allow_config_change: bool, say) -> di
   except KeyboardInterrupt:
     checkpointer.close()  # a save in flight finishes: the rerun resumes from it
     raise
+  except BaseException:  # any other way out: the save in flight finishes too (train.trainer)
+    checkpointer.end(None if jax.process_count() == 1
+                     else float(config.distributed.heartbeat_timeout))
+    raise
 
 
 def _loop(config, workdir, steps, checkpointer, batches, state, start: int, say) -> dict:
@@ -386,11 +391,10 @@ def _loop(config, workdir, steps, checkpointer, batches, state, start: int, say)
     if preempted:
       say(f"preempted: stopped after step {step} of {t.steps}; checkpoint "
           f"{ckpt_lib.step_dir(workdir, step)} saved. Rerun the same command to continue")
-  except (NonFiniteLoss, ckpt_lib.CheckpointDiskFull):
-    checkpointer.close()
+  except BaseException:
+    log.close(quiet=True)  # the run's own error is the report
     raise
-  finally:
-    log.close()
+  log.close()
   checkpointer.close()
   if is_writer:
     workdir_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,

@@ -39,6 +39,7 @@ from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import finetune_state
 from lmscale_jax.train import steps as steps_lib
+from lmscale_jax.train import workdir as workdir_lib
 
 
 @dataclasses.dataclass
@@ -127,16 +128,19 @@ def run_file(workdir: str) -> dict:
 
 
 def read_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict]:
-  """``workdir/config.json`` → (the run's config, its resolved shape keys), checked."""
+  """``workdir/config.json`` → (the run's config, the whole record: its ``"model"`` holds the
+  resolved shape keys, its ``"dataset"`` what the run is bound to), checked."""
   saved = run_file(workdir)
-  return ml_collections.ConfigDict(legacy.complete(saved["config"])), saved["model"]
+  return ml_collections.ConfigDict(legacy.complete(saved["config"])), saved
 
 
-def check_dataset(shape, meta: dataset.DatasetMeta, source: str, *,
-                  same_seq_len: bool = True) -> None:
+def check_dataset(shape, meta: dataset.DatasetMeta, source: str, *, same_seq_len: bool = True,
+                  record: dict | None = None) -> None:
   """A model (``shape``: config.json's "model", or a resolved config) and a dataset it is to
   read, before any weights are restored: the same vocabulary (token ids of another tokenizer
-  mean other tokens), and for evaluation the same sequence length (the position table)."""
+  mean other tokens), for evaluation the same sequence length (the position table), and for a
+  run (``record``: its config.json) the tokenizer it was trained with, by digest
+  (``workdir.check_tokenizer``: one of the same size tokenizes differently)."""
   keys = ("vocab_size", "seq_len") if same_seq_len else ("vocab_size",)
   for key in keys:
     have, want = int(getattr(meta, key)), int(shape[key])
@@ -146,6 +150,11 @@ def check_dataset(shape, meta: dataset.DatasetMeta, source: str, *,
           "can read; give the dataset it was trained on, or one prepared with its tokenizer "
           f"(tools/prepare_*.py --tokenizer)" + (f" and --seq-len {shape['seq_len']}"
                                                  if key == "seq_len" else ""))
+  if record is not None:
+    path = os.path.join(meta.path, dataset.TOKENIZER)
+    workdir_lib.check_tokenizer(record, toklib.digest(regular_file(path, "a tokenizer.json "
+                                                                   "file")),
+                                f"dataset {meta.path}", source)
 
 
 def restore_params(workdir: str, step: int | None, abstract_state) -> tuple[int, object]:
@@ -228,13 +237,21 @@ def resolve(model_config, shape: dict, special_ids: dict, *, dtype: str | None =
   return cfg
 
 
-def run_tokenizer(run_config, tokenizer_path: str = ""):
-  """The run's tokenizer: ``tokenizer_path`` or ``data.path/tokenizer.json``."""
-  path = tokenizer_path or os.path.join(run_config.data.path, dataset.TOKENIZER)
+def run_tokenizer(run_config, tokenizer_path: str = "", record: dict | None = None,
+                  workdir: str = ""):
+  """The run's tokenizer: ``tokenizer_path``, or the tokenizer.json of the dataset the run
+  trained on (its record's absolute path; ``data.path`` as typed may be relative to another
+  directory), checked against the run's tokenizer digest where the record has one."""
+  path = tokenizer_path or os.path.join(
+      ((record or {}).get("dataset") or {}).get("path") or run_config.data.path,
+      dataset.TOKENIZER)
   if not os.path.exists(path):
     raise UserError(f"{path}: no such file (the tokenizer of the run's data.path); give "
                     "--tokenizer PATH/tokenizer.json of the dataset it trained on")
-  return toklib.with_hf_roles(toklib.load(regular_file(path, "a tokenizer.json file")))
+  regular_file(path, "a tokenizer.json file")
+  if record is not None:
+    workdir_lib.check_tokenizer(record, toklib.digest(path), path, workdir)
+  return toklib.with_hf_roles(toklib.load(path))
 
 
 def _check_vocab(tok, cfg, where: str) -> None:
@@ -254,15 +271,16 @@ def is_finetuned(run_config) -> bool:
 
 
 def workdir_shape(workdir: str, tokenizer_path: str, dtype: str | None):
-  """(run config, resolved model config, tokenizer) of a run, checked against each other."""
-  run_config, shape = read_run(workdir)
+  """(run config, resolved model config, tokenizer, config.json's record) of a run, checked
+  against each other."""
+  run_config, record = read_run(workdir)
   if is_finetuned(run_config):  # its own copy (lmscale_jax/finetune/trainer.py)
     tokenizer_path = tokenizer_path or os.path.join(workdir, dataset.TOKENIZER)
-  tok = run_tokenizer(run_config, tokenizer_path)
-  cfg = resolve(run_config.model, shape, toklib.validate(tok, "tokenizer"), dtype=dtype,
-                where=workdir)
+  tok = run_tokenizer(run_config, tokenizer_path, record, workdir)
+  cfg = resolve(run_config.model, record["model"], toklib.validate(tok, "tokenizer"),
+                dtype=dtype, where=workdir)
   _check_vocab(tok, cfg, workdir)
-  return run_config, cfg, tok
+  return run_config, cfg, tok, record
 
 
 def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = "",
@@ -270,9 +288,9 @@ def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = ""
                  data: dataset.DatasetMeta | None = None) -> TrainedModel:
   """A run's model; ``data``: a dataset it is to read, checked against it before the
   restore (:func:`check_dataset`)."""
-  run_config, cfg, tok = workdir_shape(workdir, tokenizer_path, dtype)
+  run_config, cfg, tok, record = workdir_shape(workdir, tokenizer_path, dtype)
   if data is not None:
-    check_dataset(cfg, data, workdir, same_seq_len=False)
+    check_dataset(cfg, data, workdir, same_seq_len=False, record=record)
   head = None
   if is_finetuned(run_config):
     step, params = restore_params(
@@ -347,7 +365,7 @@ def architecture(path: str, tokenizer_path: str = "") -> TrainedModel:
   if is_hf:
     cfg, tok = _hf_shape(path, tokenizer_path)
   else:
-    _, cfg, tok = workdir_shape(path, tokenizer_path, "float32")
+    _, cfg, tok, _ = workdir_shape(path, tokenizer_path, "float32")
   return TrainedModel(cfg=cfg, params={}, tokenizer=tok, source=path)
 
 

@@ -13,6 +13,8 @@ Text: BERT normalisation and pre-tokenisation, WordPiece (default) or byte-level
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 
 from typing import Iterable
 
@@ -114,9 +116,30 @@ def from_pretoken_counts(counts: collections.Counter, vocab_size: int):
   return tok
 
 
+def digest(path: str) -> str:
+  """sha256 of the tokenizer ``path`` (a tokenizer.json) as canonical JSON (keys sorted, no
+  spaces): the same tokenizer saved twice, or by another version of ``tokenizers`` with its
+  keys in another order, has one digest; any change to its vocabulary, merges, normalizer or
+  pre-tokenizer gives another. What binds a training run to its dataset
+  (train/workdir.py ``dataset_identity``)."""
+  kind = dataset.not_regular(path)
+  if kind:
+    raise TokenizerError(f"{path} is {kind}: expected a Hugging Face tokenizer.json file")
+  try:
+    with open(path, "rb") as f:
+      tree = json.loads(f.read())
+  except (OSError, ValueError) as e:
+    raise TokenizerError(f"{path}: cannot read the tokenizer ({e})") from e
+  canonical = json.dumps(tree, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+  return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def load(path: str):
   from tokenizers import Tokenizer
 
+  kind = dataset.not_regular(path)
+  if kind:  # a FIFO would block the read forever
+    raise TokenizerError(f"{path} is {kind}: expected a Hugging Face tokenizer.json file")
   try:
     tok = Tokenizer.from_file(path)
   except Exception as e:  # tokenizers raises a bare Exception on malformed JSON

@@ -76,6 +76,26 @@ def check_process_count(workdir: str, num_processes: int) -> None:
         "resume with the same number of processes (or start a new workdir)")
 
 
+# What a step holds: the train state, each process's loader position, and the run's record
+# (workdir/config.json as it was when the step was saved: what a resume is checked against
+# where config.json is lost or damaged; checkpoints from before it lack it). Orbax's
+# JsonCheckpointHandler writes the record to <step>/config/metadata (its default file name).
+RUN_RECORD = "config"
+ITEMS = ("state", "data", RUN_RECORD)
+_RUN_RECORD_FILE = os.path.join(RUN_RECORD, "metadata")
+
+
+def saved_record(workdir: str, step: int) -> dict | None:
+  """The run's record kept in checkpoint ``step``, or None (a checkpoint from before records
+  were kept, or one unreadable: the checkpoint's manifest says whether its files are intact)."""
+  try:
+    with open(os.path.join(step_dir(workdir, step), _RUN_RECORD_FILE)) as f:
+      record = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return record if isinstance(record, dict) and {"config", "model"} <= set(record) else None
+
+
 class CheckpointCorrupt(UserError, ValueError):
   """No checkpoint of the workdir verifies against its manifests: nothing is trained."""
 
@@ -194,14 +214,15 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, *, keep: int, use_async: bool = True,
-               on_full: str = "error"):
+               on_full: str = "error", run_record: dict | None = None):
     self.workdir, self.use_async, self.on_full = workdir, use_async, on_full
+    self.run_record = run_record  # config.json's content, kept in each checkpoint
     self._saving: int | None = None     # the step whose save is in flight
     self._unlisted: int | None = None   # committed, this process's manifest not yet written
     self._size: int | None = None       # bytes of the latest checkpoint, once known
     self.manager = ocp.CheckpointManager(
         checkpoints_dir(workdir),
-        item_names=("state", "data"),
+        item_names=ITEMS,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=True,
             cleanup_tmp_directories=True, step_name_format=STEP_NAMES,
@@ -236,10 +257,12 @@ class Checkpointer:
     if not self._room_for(step, state):
       return False
     self._saving = step
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(data_iterator)), force=True,
-        custom_metadata={manifest_lib.METADATA_KEY: manifest_lib.FORMAT})
+    items = dict(state=ocp.args.StandardSave(state),
+                 data=grain.checkpoint.CheckpointSave(data_iterator))
+    if self.run_record is not None:
+      items[RUN_RECORD] = ocp.args.JsonSave(self.run_record)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True,
+                      custom_metadata={manifest_lib.METADATA_KEY: manifest_lib.FORMAT})
     if not self.use_async:
       self.wait()
     return True
@@ -354,7 +377,7 @@ def restore_params(workdir: str, step: int | None, abstract_state) -> tuple[int,
   if latest is None:
     raise UserError(f"{workdir}: no complete checkpoint under {root} (train with "
                     f"--workdir={workdir} first, or give the workdir of a run)")
-  manager = ocp.CheckpointManager(root, item_names=("state", "data"),
+  manager = ocp.CheckpointManager(root, item_names=ITEMS,
                                  options=ocp.CheckpointManagerOptions(
                                      create=False, read_only=True, step_name_format=STEP_NAMES))
   try:

@@ -38,12 +38,16 @@ def _truncate_after(path: str, step: int) -> None:
   with open(path, "rb") as f:
     lines = f.read().split(b"\n")
   keep = []
-  for line in lines:
+  for n, line in enumerate(lines, 1):
     try:
       row = json.loads(line)
     except ValueError:  # a torn last line (killed mid-write) or an empty one
       continue
-    if int(row.get("step", 0)) <= step:
+    if not (isinstance(row, dict) and isinstance(row.get("step", 0), int)):
+      logging.warning("%s:%d: not a metrics row (an object with an integer step); dropped",
+                      path, n)
+      continue
+    if row.get("step", 0) <= step:
       keep.append(line + b"\n")
   data = b"".join(keep)
   if len(keep) != len([x for x in lines if x]):
@@ -101,10 +105,18 @@ class MetricsWriter:
         parts.append(f"{key} " + fmt.format(v))
     logging.info(" | ".join(parts) + eta)
 
-  def close(self) -> None:
-    if self.enabled:
+  def close(self, quiet: bool = False) -> None:
+    """``quiet``: on the way out of a failed run, where closing can fail for the same reason
+    (a full disk: TensorBoard's flush) and must not hide it (only logged at --v=1)."""
+    if not self.enabled:
+      return
+    try:
       self._jsonl.close()
       self._tb.close()
+    except Exception as e:
+      if not quiet:
+        raise
+      logging.vlog(1, "closing the metrics writer failed too: %s", e)
 
 
 def throughput(*, steps: int, seconds: float, wait_seconds: float, global_batch: int,

@@ -14,6 +14,7 @@ import jax
 from lmscale_jax.cluster import distributed
 from lmscale_jax.cluster.topology import DistributedError
 from lmscale_jax.config import checks as config_checks
+from lmscale_jax.errors import ConfigError
 from lmscale_jax.model import hf_convert
 from lmscale_jax.train import checkpoint
 
@@ -24,6 +25,54 @@ def check_before_runtime(config) -> None:
   config_checks.check_config(config)
   if config.init_from:
     hf_convert.check_matches_model_config(str(config.init_from), config.model)
+
+
+def device_memory() -> tuple[int, str] | None:
+  """``(bytes, what they are)`` one local device can hold: the runtime's allocator limit
+  (``memory_stats()["bytes_limit"]``, on GPUs), or on CPUs this host's memory shared by its
+  CPU devices; None where neither is known."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"a {device.device_kind}'s memory (the runtime's limit)"
+  if device.platform == "cpu" and hasattr(os, "sysconf"):
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    count = jax.local_device_count()
+    return host // count, ("this host's memory" if count == 1 else
+                           f"this host's memory shared by {count} CPU devices")
+  return None
+
+
+def check_memory(config, estimate_at) -> None:
+  """Refuses a step whose memory estimate (``estimate_at(per_device_batch)``, bytes:
+  ``model.flops.memory_estimate_bytes``) exceeds what a device holds, naming the batch that
+  fits and the levers. The estimate leaves out XLA's temporaries (it was 0.64x of the measured
+  peak of bert120m, docs/performance.md), so a step above it cannot fit: starting anyway only
+  fails later, after the start-up and the compile (train.batch_size=100000000 of configs/tiny
+  logged "278,289 GiB per device" and started). ``train.memory_check=false`` skips it."""
+  have = device_memory() if config.train.memory_check else None
+  per_device = config.train.batch_size // jax.device_count()
+  if have is None or estimate_at(per_device) <= have[0]:
+    return
+  grain = jax.device_count() * int(config.train.grad_accum_steps)  # what a batch divides by
+  fits = _largest_fitting(estimate_at, have[0], per_device) * jax.device_count() // grain * grain
+  raise ConfigError(
+      f"train.batch_size={config.train.batch_size}: a step needs ≈"
+      f"{estimate_at(per_device) / 2**30:,.1f} GiB per device by the memory estimate, more "
+      f"than the {have[0] / 2**30:,.1f} GiB of {have[1]}. "
+      + (f"Use train.batch_size={fits} or less" if fits else
+         f"Not even train.batch_size={grain} fits") + ", or the levers: train.remat=full (or dots), train.grad_accum_steps, train.fsdp=true "
+      "(--dry_run prints the estimate); train.memory_check=false starts anyway")
+
+
+def _largest_fitting(estimate_at, limit: int, upper: int) -> int:
+  """The largest per-device batch in 0..upper whose estimate fits ``limit`` (it grows with
+  the batch): a bisection."""
+  lo, hi = 0, upper
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if estimate_at(mid) <= limit else (lo, mid - 1)
+  return lo
 
 
 _SHARED_CHECK_FILE = ".lmscale_shared_check"

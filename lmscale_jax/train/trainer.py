@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,8 @@ class Setup:
   predictions: int
   param_count: int
   flops_per_step: float
-  memory_bytes: float
+  memory_bytes: float           # the estimate of a step at this batch, per device
+  memory_at: Callable[[int], int]  # the same at another per-device batch
 
 
 def build_setup(config: ml_collections.ConfigDict,
@@ -70,15 +72,19 @@ def build_setup(config: ml_collections.ConfigDict,
   predictions = masking.num_predictions(config.data.mask_prob, config.data.max_predictions,
                                         meta.seq_len)
   per_device = config.train.batch_size // devices
+
+  def memory_at(batch: int) -> int:
+    return flops_lib.memory_estimate_bytes(
+        model_cfg, batch, meta.seq_len, predictions,
+        accum_steps=int(config.train.grad_accum_steps),
+        fsdp_devices=devices if config.train.fsdp else 1)
+
   return Setup(
       config=config, meta=meta, model_cfg=model_cfg, predictions=predictions,
       param_count=flops_lib.count_params_from_config(model_cfg),
       flops_per_step=flops_lib.train_flops_per_step(model_cfg, config.train.batch_size,
                                                     meta.seq_len, predictions),
-      memory_bytes=flops_lib.memory_estimate_bytes(
-          model_cfg, per_device, meta.seq_len, predictions,
-          accum_steps=int(config.train.grad_accum_steps),
-          fsdp_devices=devices if config.train.fsdp else 1))
+      memory_bytes=memory_at(per_device), memory_at=memory_at)
 
 
 def describe(setup: Setup) -> str:
@@ -274,15 +280,7 @@ class TrainLog:
     self.last.update(row)
 
   def close(self, quiet: bool = False) -> None:
-    """``quiet``: on the way out of a failed run, where closing can fail for the same reason
-    (a full disk: TensorBoard's flush) and must not hide it."""
-    if not quiet:
-      self.writer.close()
-      return
-    try:
-      self.writer.close()
-    except Exception as e:  # the run's own error is reported; this one only logged
-      logging.vlog(1, "closing the metrics writer failed too: %s", e)
+    self.writer.close(quiet)  # quiet: on the way out of a failed run (MetricsWriter.close)
 
 
 def evaluate(steps: steps_lib.Steps, params, eval_batches) -> dict:
@@ -350,28 +348,32 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   if is_writer and jax.device_count() > 1:
     logging.info("gradient all-reduce: %s (train.grad_allreduce=%s)", steps.grad_allreduce,
                  config.train.grad_allreduce)
+  preflight.check_memory(config, setup.memory_at)
   # The refusals first, from what is on disk: a refused run leaves the workdir as it was.
   # The checkpoint to resume is the newest that verifies (the same in every process).
+  workdir_lib.check_entries(workdir)
   resume = ckpt_lib.choose_resume_step(workdir)
   start = resume.step
   _check_not_past_end(workdir, start, int(train_config.steps))
   # Compared before the autotune (which may take minutes); data.workers is a neutral key.
-  changes = workdir_lib.check_config_change(workdir, config, setup.model_cfg,
-                                            resume_step=start,
-                                            allow_change=allow_config_change)
+  data = workdir_lib.dataset_identity(meta)
+  check = workdir_lib.check_config_change(workdir, config, setup.model_cfg,
+                                          resume_step=start, allow_change=allow_config_change,
+                                          data=data)
   resume.set_aside()  # <step>.corrupt: before the manager, which would list and rotate them
-  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
-                                       use_async=bool(config.checkpoint.async_save),
-                                       on_full=str(config.checkpoint.on_full))
-  start = checkpointer.latest_step()
-  for change in changes or ():
+  for change in check.changes:
     if is_writer:
       logging.warning("config change from step %d on (recorded in config.json): %s: %r -> %r",
                       change["step"], change["key"], change["from"], change["to"])
   if config.data.autotune:  # before config.json, which then records the choice
     config.data.workers = autotune.choose_for_run(config, meta, workdir, steps,
                                                   is_writer=is_writer)
-  workdir_lib.save_config(workdir, config, setup.model_cfg, changes, is_writer)
+  record = workdir_lib.save_config(workdir, config, setup.model_cfg, check, is_writer, data)
+  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
+                                       use_async=bool(config.checkpoint.async_save),
+                                       on_full=str(config.checkpoint.on_full),
+                                       run_record=record)
+  start = checkpointer.latest_step()
   _warn_if_eval_wraps(config, meta, process)
 
   train_iter = prefetch.DevicePrefetcher(steps.batch_sharding, reopen=lambda k: iter(

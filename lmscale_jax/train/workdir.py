@@ -10,14 +10,21 @@ changed that alters results, from which step (:func:`check_config_change`, the r
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import stat
+
+from absl import logging
 
 from lmscale_jax.cluster import run_state
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.config import legacy
 from lmscale_jax.errors import UserError
 from lmscale_jax.store import dataset, dir_lock
+from lmscale_jax.store import tokenizer as toklib
+from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train.checkpoint import IncompatibleCheckpoint, step_dir
 
 # What a resume may change, one list per rule (config.json against this run's config; keys as
@@ -41,6 +48,7 @@ RESULT_KEYS = (
 EXTEND_KEYS = ("train.steps",)
 NEUTRAL_KEYS = (
     "train.log_every", "train.eval_every", "train.eval_batches", "train.remat", "train.fsdp",
+    "train.memory_check",
     "train.grad_allreduce",
     "train.max_consecutive_nonfinite", "checkpoint", "metrics", "distributed", "data.path",
     "data.workers", "data.prefetch_buffer", "data.read_threads", "data.stage_from",
@@ -64,27 +72,111 @@ def resume_rule(key: str) -> str:
   return "result"
 
 
-def _resolved(config, model_cfg) -> dict:
-  return {"config": json.loads(config.to_json_best_effort()),
-          "model": {k: model_cfg[k] for k in SHAPE_KEYS}}
+RUN_CONFIG = "config.json"
+
+
+def _resolved(config, model_cfg, data: dict | None) -> dict:
+  out = {"config": json.loads(config.to_json_best_effort()),
+         "model": {k: model_cfg[k] for k in SHAPE_KEYS}}
+  return out if data is None else {**out, "dataset": data}
+
+
+def dataset_identity(meta: dataset.DatasetMeta) -> dict:
+  """What binds a run to its dataset (config.json's ``"dataset"``, checked on every resume and
+  by the tools that score a run on a dataset): its tokenizer, a digest of ``tokenizer.json``
+  (``toklib.digest``: two datasets of one vocabulary size tokenized differently mean other
+  tokens by the same ids); its content, a digest of the shards' sha256 in metadata.json (a
+  staged copy is the same dataset, another corpus is not); and its absolute path (data.path as
+  typed may be relative to another directory)."""
+  shards = {split: [s["sha256"] for s in info["shards"]] for split, info in meta.splits.items()}
+  content = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
+  return {"path": os.path.abspath(meta.path),
+          "tokenizer_sha256": toklib.digest(os.path.join(meta.path, dataset.TOKENIZER)),
+          "content_sha256": content}
+
+
+def check_tokenizer(record: dict, tokenizer_sha256: str, where: str, workdir: str) -> None:
+  """Refuses a dataset (or tokenizer) ``where`` whose tokenizer is not the one the run of
+  ``workdir`` was trained with (its record's ``"dataset"``; a record from before runs were
+  bound to their dataset has none and is not checked)."""
+  trained = (record.get("dataset") or {}).get("tokenizer_sha256")
+  if trained is None or trained == tokenizer_sha256:
+    return
+  raise IncompatibleCheckpoint(
+      f"{where} has another tokenizer than the run in {workdir} was trained with "
+      f"(tokenizer.json sha256 {tokenizer_sha256[:12]}…, the run's {trained[:12]}…, from "
+      f"{record['dataset'].get('path')}): its token ids would mean other tokens. Give the "
+      "run's dataset (or a copy of it), or a new --workdir")
+
+
+@dataclasses.dataclass
+class ConfigCheck:
+  """What :func:`check_config_change` found: the run's record (None: a new workdir), the
+  changes to record, and whether the record came from the checkpoint (config.json missing or
+  unreadable: :func:`save_config` writes it again)."""
+  old: dict | None
+  changes: list
+  restored: bool = False
+
+
+def _read_record(path: str) -> tuple[dict | None, str | None]:
+  """``(config.json's record, None)`` or ``(None, what is wrong with it)``."""
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except FileNotFoundError:
+    return None, "missing"
+  except OSError as e:
+    return None, f"unreadable ({e.strerror})"
+  except ValueError as e:
+    return None, f"not readable JSON ({e})"
+  if not (isinstance(record, dict) and isinstance(record.get("config"), dict)
+          and isinstance(record.get("model"), dict)):
+    return None, "not a run's config (expected 'config' and 'model' entries)"
+  return record, None
+
+
+def read_record(workdir: str, resume_step: int | None) -> tuple[dict | None, bool]:
+  """The run's record, ``(record, restored)``: ``workdir/config.json``, or where it is
+  missing or damaged the copy saved in the checkpoint a run resumes from (``restored``; every
+  checkpoint holds one: ``Checkpointer.save``). ``(None, False)``: a new workdir. One line
+  where the resume rules cannot be checked: checkpoints without a readable record anywhere."""
+  path = os.path.join(workdir, RUN_CONFIG)
+  record, problem = _read_record(path)
+  if record is not None:
+    return record, False
+  saved = None if resume_step is None else ckpt_lib.saved_record(workdir, resume_step)
+  if saved is not None:
+    logging.warning("%s is %s; the run's config is the copy kept in checkpoint %s (written "
+                    "back to %s when this run starts)", path, problem,
+                    step_dir(workdir, resume_step), RUN_CONFIG)
+    return saved, True
+  if problem == "missing" and resume_step is None:
+    return None, False
+  if resume_step is None:
+    raise WorkdirError(f"{path} is {problem}, and no checkpoint holds a copy: remove it to "
+                       "start this workdir afresh, or give another --workdir")
+  raise IncompatibleCheckpoint(
+      f"{workdir} holds checkpoint {resume_step} but its {RUN_CONFIG} is {problem}, and the "
+      "checkpoint predates the copy of the config each checkpoint keeps: what a resume may "
+      f"change cannot be checked. Put {RUN_CONFIG} back from a copy, or give a new --workdir")
 
 
 def check_config_change(workdir: str, config, model_cfg, *, resume_step: int | None,
-                        allow_change: bool = False) -> list[dict] | None:
-  """Compares ``workdir/config.json`` with this run's config (the rules above SHAPE_KEYS).
+                        allow_change: bool = False, data: dict | None = None) -> ConfigCheck:
+  """Compares the run's record (:func:`read_record`) with this run's config (the rules above
+  SHAPE_KEYS) and dataset (``data``: :func:`dataset_identity`, None for a run without one).
 
-  Returns None for a new workdir, else the changes to record in config.json: one
-  ``{"step", "key", "from", "to"}`` per result or extend key that differs, ``step`` being the
-  first step trained with the new value. Raises :class:`IncompatibleCheckpoint` (one line:
-  the key, both values and the fix) for a change a resume cannot take. Only reads, so every
-  process can call it before anything is written.
+  Returns the record and the changes to record in config.json: one ``{"step", "key",
+  "from", "to"}`` per result or extend key that differs (``"dataset"`` for another dataset of
+  the same tokenizer), ``step`` being the first step trained with the new value. Raises
+  :class:`IncompatibleCheckpoint` (one line: the key, both values and the fix) for a change a
+  resume cannot take. Only reads, so every process can call it before anything is written.
   """
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    old = json.load(f)
-  new = _resolved(config, model_cfg)
+  old, restored = read_record(workdir, resume_step)
+  if old is None:
+    return ConfigCheck(None, [])
+  new = _resolved(config, model_cfg, data)
   diff = {k: (old["model"].get(k), new["model"][k]) for k in SHAPE_KEYS
           if old["model"].get(k) != new["model"][k]}
   if diff:
@@ -93,7 +185,7 @@ def check_config_change(workdir: str, config, model_cfg, *, resume_step: int | N
         f"{workdir} holds a run of a different model ({desc}); use a new --workdir or the "
         "original config")
   if resume_step is None:  # no checkpoint yet: nothing saved would be reinterpreted
-    return []
+    return ConfigCheck(old, [], restored)
   before = config_checks.flat_keys(old.get("config", {}))
   now = config_checks.flat_keys(new["config"])
   before = {**{k: v for k, v in LEGACY_VALUES.items() if k in now}, **before}
@@ -108,12 +200,39 @@ def check_config_change(workdir: str, config, model_cfg, *, resume_step: int | N
   result = [k for k in changed if by_rule[k] == "result"]
   if result and not allow_change:
     raise IncompatibleCheckpoint(_change_message(
-        workdir, resume_step, result, before, now,
-        "it changes the data stream or the optimisation of the saved run: use the original "
-        "value, a new --workdir, or --allow_config_change to continue with the change "
-        "(recorded in config.json)"))
-  return [{"step": resume_step + 1, "key": k, "from": before.get(k), "to": now.get(k)}
-          for k in changed if by_rule[k] in ("result", "extend")]
+        workdir, resume_step, result, before, now, _RESULT_FIX))
+  changes = [{"step": resume_step + 1, "key": k, "from": before.get(k), "to": now.get(k)}
+             for k in changed if by_rule[k] in ("result", "extend")]
+  return ConfigCheck(old, changes + _dataset_change(workdir, old, data, resume_step,
+                                                    allow_change), restored)
+
+
+_RESULT_FIX = ("it changes the data stream or the optimisation of the saved run: use the "
+               "original value, a new --workdir, or --allow_config_change to continue with the "
+               "change (recorded in config.json)")
+
+
+def _dataset_change(workdir: str, old: dict, data: dict | None, resume_step: int,
+                    allow_change: bool) -> list[dict]:
+  """Another tokenizer: refused (no flag makes the ids mean the same tokens). Other content,
+  same tokenizer (another corpus, continued pretraining): a result change. Another path to the
+  same content (a staged copy, another working directory): nothing."""
+  before = old.get("dataset")
+  if data is None or before is None:  # a record older than the binding: recorded from now on
+    return []
+  check_tokenizer(old, data["tokenizer_sha256"], f"data.path {data['path']}", workdir)
+  if before.get("content_sha256") == data["content_sha256"]:
+    return []
+  if not allow_change:
+    raise IncompatibleCheckpoint(
+        f"{workdir}: its checkpoint at step {resume_step} was trained on the dataset "
+        f"{before.get('path')}, data.path {data['path']} holds other data (its shards' "
+        "sha256 differ; the tokenizer is the same): give that dataset (or a copy of it), a new "
+        "--workdir, or --allow_config_change to continue on this one (recorded in "
+        "config.json)")
+  return [{"step": resume_step + 1, "key": "dataset",
+           "from": {k: before.get(k) for k in ("path", "content_sha256")},
+           "to": {k: data[k] for k in ("path", "content_sha256")}}]
 
 
 def _change_message(workdir, step, keys, before, now, why) -> str:
@@ -123,28 +242,48 @@ def _change_message(workdir, step, keys, before, now, why) -> str:
           f"{before.get(key)!r}, this run has {key}={now.get(key)!r}{more}; {why}")
 
 
-def save_config(workdir: str, config, model_cfg, changes: list[dict] | None,
-                is_writer: bool) -> None:
-  """Writes ``workdir/config.json``: this run's config, and the earlier runs' ``changes`` plus
-  ``changes`` (from :func:`check_config_change`; None = a new workdir). A resume under an
-  unchanged config leaves the file as it is."""
-  if not is_writer:
-    return
-  path = os.path.join(workdir, "config.json")
-  resolved = _resolved(config, model_cfg)
-  if changes is not None:
-    with open(path) as f:
-      old = json.load(f)
-    same = config_checks.flat_keys(old.get("config", {})) == \
-        config_checks.flat_keys(resolved["config"])
-    if same and not changes:
-      return
-    resolved["changes"] = old.get("changes", []) + changes
-  os.makedirs(workdir, exist_ok=True)
-  dataset.atomic_write_json(path, resolved)
+def save_config(workdir: str, config, model_cfg, check: ConfigCheck, is_writer: bool,
+                data: dict | None = None) -> dict:
+  """The run's record from now on: this run's config and dataset, with the earlier runs'
+  ``changes`` plus ``check.changes``; written to ``workdir/config.json`` (process 0) unless it
+  is there already as it is. Each checkpoint keeps a copy of it (``Checkpointer``)."""
+  record = _resolved(config, model_cfg, data)
+  changes = (check.old or {}).get("changes", []) + check.changes
+  if changes:
+    record["changes"] = changes
+  unchanged = check.old is not None and not check.restored and check.old == record
+  if is_writer and not unchanged:
+    os.makedirs(workdir, exist_ok=True)
+    dataset.atomic_write_json(os.path.join(workdir, RUN_CONFIG), record)
+  return record
 
 
 LOCK_FILE = ".lock"
+# What a run keeps in its workdir, by kind: anything else under one of these names (a directory
+# where a file goes, a file where a directory goes, a FIFO) is refused before the run starts,
+# instead of a traceback wherever the run first touches it.
+_ENTRIES = {RUN_CONFIG: "file", "metrics.jsonl": "file", run_state.FILE: "file",
+            "checkpoints": "directory", "tensorboard": "directory"}
+
+
+def check_entries(workdir: str) -> None:
+  """One line naming the first entry of ``workdir`` that is not of its kind (``_ENTRIES``)."""
+  for name, kind in _ENTRIES.items():
+    path = os.path.join(workdir, name)
+    if not os.path.lexists(path):
+      continue
+    if (os.path.isdir(path) if kind == "directory" else os.path.isfile(path)):
+      continue
+    raise WorkdirError(f"{path} is {_kind_of(path)}, but a run keeps a {kind} there: move it "
+                       "away, or give another --workdir")
+
+
+def _kind_of(path: str) -> str:
+  mode = os.stat(path).st_mode if os.path.exists(path) else None
+  if mode is None:
+    return "a broken symbolic link"
+  return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+          "a regular file" if stat.S_ISREG(mode) else "a device or socket")
 
 
 class WorkdirError(UserError, ValueError):
