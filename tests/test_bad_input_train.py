@@ -673,6 +673,18 @@ def test_a_step_beyond_the_devices_memory_is_refused_naming_the_batch_that_fits(
   preflight.check_memory(c, train.build_setup(c).memory_at)
 
 
+def test_an_init_from_directory_whose_config_is_a_fifo_is_one_line(data, tmp_path):
+  """The start model's config.json a FIFO: one line before the runtime starts (reading it
+  waited forever)."""
+  hf = tmp_path / "hf"
+  hf.mkdir()
+  os.mkfifo(hf / "config.json")
+  r = main(args(data, tmp_path / "w", init_from=hf), timeout=60)
+  assert r.returncode == 1
+  assert one_line(r.stderr) == (f"error: {hf}/config.json is a FIFO: expected the model's "
+                                "config.json file")
+
+
 def test_workdir_past_train_steps_is_one_line(data, resumable):
   from lmscale_jax.train import checkpoint
   from lmscale_jax.train import trainer as train

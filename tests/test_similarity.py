@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from lmscale_jax.similarity import bench as similarity_bench
 from tests.helpers import ROOT, make_config
 
 SOURCES = os.path.join(ROOT, "tests", "data", "similarity")
@@ -145,3 +146,13 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path):
   r = tool("build_similarity_bench.py", "--sources", tmp_path, "--output", tmp_path / "o.jsonl",
            "--opt", "O9")
   assert r.returncode == 2 and "--opt O9" in r.stderr and not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_fifo_among_the_sources_is_left_out(tmp_path):
+  """gcc reading a FIFO named like a source waits forever: only regular .c files are sources
+  (as preparation takes only regular files)."""
+  src = tmp_path / "src"
+  src.mkdir()
+  shutil.copy(os.path.join(SOURCES, "numeric.c"), src / "numeric.c")
+  os.mkfifo(src / "pipe.c")
+  assert [s.ident for s in similarity_bench.find_sources([str(src)])] == ["src/numeric.c"]

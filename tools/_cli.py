@@ -9,7 +9,6 @@ the rerun resumes after either). A bug keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
 import os
@@ -17,7 +16,7 @@ import signal
 import sys
 import threading
 
-from lmscale_jax.errors import UserError
+from lmscale_jax.errors import UserError, disk_full
 from lmscale_jax.prep import options as prep_options
 from lmscale_jax.prep import prepare
 from lmscale_jax.store import dataset
@@ -210,10 +209,11 @@ def guarded(fn, interrupted: str) -> int:
   except KeyboardInterrupt:
     print(f"error: interrupted; {interrupted}", file=sys.stderr)
     return EXIT_INTERRUPTED
-  except OSError as e:
-    if e.errno != errno.ENOSPC:  # outside prepare() (writing the summary); anything else is a bug
+  except (OSError, RuntimeError, ValueError) as e:
+    full = disk_full(e)  # outside prepare() (writing the summary); anything else is a bug
+    if full is None:
       raise
-    print(f"error: no space left on the device ({e.filename or 'output'})", file=sys.stderr)
+    print(f"error: no space left on the device ({full.filename or 'output'})", file=sys.stderr)
     return 1
   finally:
     if here:

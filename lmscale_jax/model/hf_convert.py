@@ -193,6 +193,9 @@ def read_config(hf_dir: str) -> dict:
   if not os.path.isdir(hf_dir):
     raise HFError(f"{hf_dir}: not a directory (expected a Hugging Face model directory with "
                   f"{CONFIG} and {WEIGHTS}, e.g. one tools/export_hf.py wrote)")
+  kind = dataset.not_regular(path)
+  if kind:  # a FIFO would block the read forever
+    raise HFError(f"{path} is {kind}: expected the model's {CONFIG} file")
   try:
     with open(path) as f:
       config = json.load(f)
@@ -200,6 +203,9 @@ def read_config(hf_dir: str) -> dict:
     raise HFError(f"{hf_dir} has no {CONFIG}: not a Hugging Face model directory") from None
   except (ValueError, UnicodeDecodeError) as e:
     raise HFError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(config, dict):
+    raise HFError(f"{path}: a JSON {type(config).__name__}, expected an object (a model's "
+                  f"{CONFIG})")
   kind, archs = config.get("model_type"), config.get("architectures") or [ARCHITECTURE]
   if kind != "bert" or ARCHITECTURE not in archs:
     raise HFError(f"{path}: model_type={kind!r}, architectures={archs}: only BERT "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import os
@@ -32,6 +31,7 @@ import shutil
 import sys
 import time
 
+from lmscale_jax import errors
 from lmscale_jax.errors import PrepareError  # noqa: F401  (tools/_cli.py catches it from here)
 from lmscale_jax.prep import corpus_extract, corpus_layout, shard_writer, worker_pool
 from lmscale_jax.prep.options import Options, check_options
@@ -170,7 +170,7 @@ def _make_output(out: str) -> bool:
   except FileExistsError:
     return False
   except OSError as e:
-    if e.errno == errno.ENOSPC:
+    if errors.disk_full(e):
       raise
     raise PrepareError(f"output {out!r} is not writable: {e.strerror}") from None
 
@@ -238,7 +238,7 @@ def open_output(o: Options, params: dict) -> bool:
     os.makedirs(work, exist_ok=True)
     dataset.atomic_write_json(os.path.join(work, "params.json"), params)
   except OSError as e:
-    if e.errno == errno.ENOSPC:
+    if errors.disk_full(e):
       raise
     raise PrepareError(f"output {out!r} is not writable: {e.strerror}") from None
   return False
@@ -423,8 +423,8 @@ def finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: float
   return stats
 
 
-def _no_space(o: Options, e: OSError) -> str:
-  where = os.path.dirname(e.filename) if isinstance(e.filename, str) else o.output
+def _no_space(o: Options, full: errors.DiskFull) -> str:
+  where = os.path.dirname(full.filename) if full.filename else o.output
   try:
     free = f"{shutil.disk_usage(where).free:,} bytes free"
   except OSError:
@@ -433,20 +433,15 @@ def _no_space(o: Options, e: OSError) -> str:
           "--output, then rerun the same command to resume")
 
 
-def _is_no_space(e: BaseException) -> bool:
-  # array_record's C++ writer reports a full disk as a RuntimeError with the errno's text.
-  return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or \
-      (isinstance(e, RuntimeError) and "No space left on device" in str(e))
-
-
 def prepare(o: Options) -> dict:
   """Runs (or resumes) a preparation; returns the stats written to stats.json."""
   try:
     return _prepare(o)
-  except (OSError, RuntimeError) as e:
-    if not _is_no_space(e):
+  except (OSError, RuntimeError, ValueError) as e:
+    full = errors.disk_full(e)  # also the ArrayRecord writer's RuntimeError with the errno text
+    if full is None:
       raise
-    raise PrepareError(_no_space(o, e if isinstance(e, OSError) else OSError())) from None
+    raise PrepareError(_no_space(o, full)) from None
 
 
 # What the pool's tasks import and the libraries they load on first use: imported by each

@@ -77,7 +77,8 @@ def find_sources(roots: list[str], base: str = "", exclude=()) -> list[Source]:
     rel_to = os.path.abspath(base) if base else os.path.dirname(root)
     paths = [root] if os.path.isfile(root) else [
         os.path.join(d, f) for d, dirs, files in _sorted_walk(root)
-        for f in sorted(files) if f.endswith(".c")]
+        for f in sorted(files)
+        if f.endswith(".c") and os.path.isfile(os.path.join(d, f))]  # a FIFO: gcc would hang
     out += [Source(p, os.path.relpath(p, rel_to)) for p in paths
             if not any(fnmatch.fnmatch(os.path.relpath(p, rel_to), x) for x in exclude)]
   if not out:
