@@ -238,14 +238,3 @@ def test_the_pool_is_capped_at_the_cpus_this_process_may_use_with_one_warning(ca
   assert worker_pool.usable_workers(1000) == cpus
   err = capfd.readouterr().err
   assert err.count("\n") == 1 and f"--workers 1000: this process may use {cpus} CPUs" in err
-
-
-@pytest.mark.parametrize("call", ["_die_with_parent", "_watch_parent"])
-def test_a_worker_whose_parent_is_already_gone_ends_at_once(call):
-  """The parent can end between the spawn and prctl (no signal would ever come), and where
-  prctl is missing a thread watches the parent's pid: both end the worker, exit 1."""
-  code = f"import os; from lmscale_jax.prep import worker_pool; worker_pool.{call}(-1); " \
-         "print('lived on')"
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                     cwd=ROOT)
-  assert (r.returncode, r.stdout, r.stderr) == (1, "", "")

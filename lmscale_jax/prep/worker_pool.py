@@ -13,8 +13,8 @@ import os
 import signal
 import sys
 import threading
-import time
 
+from lmscale_jax import child_process
 from lmscale_jax.errors import PrepareError
 
 _claims = None  # a spawned worker's view of the pool's claim slots (_Claims)
@@ -31,38 +31,11 @@ def _worker_init(claims, parent: int) -> None:
   # SIGTERM first made the parent's line "a worker process died".
   for sig in PARENT_SIGNALS:
     signal.signal(sig, signal.SIG_IGN)
-  _die_with_parent(parent)
-
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with_parent(parent: int) -> None:
-  """SIGKILL to this worker when its parent ends, however it ends (kill -9, the OOM killer):
-  an orphan waits forever on its task queue, whose writing end it holds itself, and keeps
-  multiprocessing's resource tracker waiting on its pipe too (seen: both left under ppid 1
-  after a kill -9 of prepare_binary.py). PDEATHSIG fires when the parent's *thread* that
-  spawned this process ends: on 3.11 ProcessPoolExecutor spawns in the thread that calls
-  submit (``_adjust_process_count``), and ordered_map submits its workers' first tasks as it
-  starts, so that thread is the one inside the pool's ``with`` and outlives the pool. Where
-  prctl is missing (not Linux) a thread watches the parent's pid instead."""
-  try:
-    import ctypes  # numpy imports it anyway: nothing to the worker's start
-
-    armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0,
-                                                    0) == 0
-  except (OSError, AttributeError):
-    armed = False
-  if os.getppid() != parent:  # it ended before prctl: no signal will come
-    os._exit(1)
-  if not armed:
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-
-
-def _watch_parent(parent: int, every_s: float = 1.0) -> None:
-  while os.getppid() == parent:
-    time.sleep(every_s)
-  os._exit(1)
+  # An orphan waits forever on its task queue, whose writing end it holds itself. The workers
+  # spawn from the thread that calls submit (3.11's ``_adjust_process_count``), and ordered_map
+  # submits their first tasks as it starts: that thread is the one inside the pool's ``with``,
+  # which outlives the pool, as PDEATHSIG needs.
+  child_process.die_with_parent(parent)
 
 
 def usable_workers(requested: int) -> int:
@@ -207,7 +180,7 @@ def ordered_map(workers: int, preload: tuple[str, ...] = (), imports_here: tuple
   workers`` tasks are queued, so results never pile up here (they are small: workers write
   their output to files). A worker that dies (killed, out of memory) ends the run with an error
   instead of the endless wait of ``multiprocessing.Pool``, and the workers end with this
-  process however it ends (``_die_with_parent``).
+  process however it ends (``child_process.die_with_parent``).
   """
   if workers <= 1:
     _preload(imports_here)
