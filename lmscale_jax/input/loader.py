@@ -49,9 +49,13 @@ elements) buffer 500 batches per worker and, on 2 cores with 2 workers, halved t
 
 from __future__ import annotations
 
+import functools
+import os
+
 import grain
 import numpy as np
 
+from lmscale_jax import child_process
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.input import hashing, masking
 from lmscale_jax.store import dataset, records
@@ -152,10 +156,22 @@ def make_batch_loader(config, meta: dataset.DatasetMeta, split: str, *, train: b
       mask_seed=int(data.seed) if train else EVAL_MASK_SEED, local_stream=shards is not None)
 
 
+def init_worker(parent: int, worker_index: int, worker_count: int) -> None:
+  """Grain ``worker_init_fn`` (``parent``: the training process's pid, bound by
+  :func:`make_dataset`): the signals (:func:`ignore_signals_in_worker`), and the worker ends
+  with the training process however it ends (kill -9, the OOM killer: it lived on under ppid 1,
+  with multiprocessing's resource tracker). By a watch of the parent's pid, not PDEATHSIG:
+  Grain spawns its workers from a thread of its own that may end first
+  (``child_process.watch_parent``)."""
+  ignore_signals_in_worker(worker_index, worker_count)
+  child_process.watch_parent(parent)
+
+
 def ignore_signals_in_worker(worker_index: int, worker_count: int) -> None:
-  """Grain ``worker_init_fn``: the preemption signals (``preemption.ignore_in_worker``), and
-  SIGINT: a terminal's Ctrl-C reaches the whole process group, and only the training process
-  should report it (one line); it stops its workers when it leaves (``train``)."""
+  """What a Grain worker ignores (:func:`init_worker`): the preemption signals
+  (``preemption.ignore_in_worker``), and SIGINT: a terminal's Ctrl-C reaches the whole process
+  group, and only the training process should report it (one line); it stops its workers when
+  it leaves (``train``)."""
   import signal
 
   from lmscale_jax.cluster import preemption
@@ -204,5 +220,5 @@ def make_dataset(config, meta: dataset.DatasetMeta, split: str, *, train: bool,
   # spawned (seconds each) for a few batches that threads build in well under a second.
   if train and data.workers > 0:
     iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(data.workers)),
-                                    worker_init_fn=ignore_signals_in_worker)
+                                    worker_init_fn=functools.partial(init_worker, os.getpid()))
   return iterable
