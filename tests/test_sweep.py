@@ -5,15 +5,20 @@ would submit; bad grids and flags as one line."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.helpers import ROOT, make_synthetic_dataset
+from tests.test_faults import FAST_XLA
+from tests.test_process_cleanup import kill_all, left_of, process_tree, wait_until_gone
 
 SWEEP = os.path.join(ROOT, "tools", "sweep.py")
 REPORT = os.path.join(ROOT, "tools", "report.py")
@@ -100,6 +105,60 @@ def test_a_launch_failure_is_a_row_and_the_sweep_goes_on(setup):
   for x in rows:
     assert x["status"] == "failed" and x["reason"].startswith("launch failed (exit 127)"), x
     assert "/nonexistent/python" in x["reason"]
+
+
+def restore_ctrl_c():
+  """A process started from a script's background inherits SIGINT ignored (and Python keeps
+  it so): a test that sends Ctrl-C gives it back its default."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("how", ["kill -9", "Ctrl-C"])
+def test_a_running_point_ends_with_the_sweep(setup, tmp_path, how):
+  """The sweep killed (kill -9, the OOM killer) or interrupted while a point runs: the point's
+  launcher, training process, Grain workers and resource tracker all end too (they lived on
+  under ppid 1 and kept the CPUs from the rerun, which starts the point afresh). kill -9: the
+  launcher gets SIGTERM from the kernel and stops its processes as it does for any SIGTERM
+  (checkpoint, exit); Ctrl-C: the sweep stops the point, then exits 130."""
+  runs, log = tmp_path / "runs", tmp_path / "sweep.log"
+  cmd = [sys.executable, SWEEP, "--data", setup / "ds", "--output", tmp_path / "out.jsonl",
+         "--config", setup / "small.py", "--workers", "2", "--batch", "4", "--steps", "100000",
+         "--log-every", "1", "--timeout", "600", "--no-probe", "--runs", runs]
+  # STOP_S: launch/_procs.sh's wait between its SIGTERM and SIGKILL, for which it also stays
+  # (60 s by default).
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA, "STOP_S": "3",
+         "JAX_COMPILATION_CACHE_DIR": str(setup / "xla_cache")}
+  p = subprocess.Popen(list(map(str, cmd)), cwd=ROOT, env=env, stdout=open(log, "w"),
+                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                       start_new_session=True, preexec_fn=restore_ctrl_c)
+  tree = {}
+  try:
+    deadline = time.monotonic() + 240
+    while not any(len(open(m).readlines()) >= 2 for m in glob.glob(f"{runs}/*/metrics.jsonl")):
+      assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+      time.sleep(0.1)
+    tree = process_tree(p.pid)
+    commands = "\n".join(left_of(tree))
+    assert "lmscale_jax.main" in commands and commands.count("--multiprocessing-fork") == 2
+    if how == "kill -9":
+      os.kill(p.pid, signal.SIGKILL)
+    else:
+      os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C: the sweep's group, not the run's
+    p.wait(timeout=60)
+    left, took = wait_until_gone(tree, timeout=60)
+    print(f"{how}: every process of the sweep gone {took:.1f} s after it ended")
+    assert left == [], "\n".join(left)
+  finally:
+    kill_all(tree)
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+  if how == "kill -9":  # the launcher's SIGTERM reached the training process (not its kill)
+    assert "SIGTERM received" in open(glob.glob(f"{runs}/*/sweep.log")[0]).read()
+  else:
+    assert p.returncode == 130
+    assert log.read_text().strip().splitlines()[-1] == (
+        "error: interrupted; rerun the same command: finished points are kept and skipped")
 
 
 def test_slurm_commands(setup):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import shlex
@@ -22,6 +23,7 @@ import sys
 import time
 from typing import Callable
 
+from lmscale_jax import child_process
 from lmscale_jax.study import sweep_grid as sg
 from lmscale_jax.study.host import ROOT, checkout_importable, cpu_name
 from lmscale_jax.study.sweep_grid import Plan, Point, SweepError
@@ -171,8 +173,11 @@ def probe_devices(o: Options, plan: Plan, n: int, specs: dict, scratch: str) -> 
   if plan.gpus < n:
     env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n))
   try:
+    # Ends with the sweep (a compilation can take minutes): it starts nothing of its own.
     r = subprocess.run([sys.executable, "-c", PROBE, spec_file, out_file], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=o.timeout)
+                       capture_output=True, text=True, timeout=o.timeout,
+                       preexec_fn=functools.partial(child_process.die_with_parent, os.getpid(),
+                                                    watch=False))
     got = json.load(open(out_file)) if r.returncode == 0 else {}
     why = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
   except subprocess.TimeoutExpired:
@@ -196,9 +201,19 @@ def run_point(o: Options, plan: Plan, pt: Point, workdir: str) -> dict:
   with open(log_path, "w") as log:
     try:
       # Its own process group, so a timeout stops the launcher and every process it started.
+      # And it ends with the sweep, however the sweep ends: the point is rerun from scratch
+      # (see above), so a run left behind only takes the CPUs or GPUs from the rerun's
+      # measurement, and its workdir from under it (seen: a point's training processes alive
+      # under ppid 1 after a kill -9 of the sweep). PDEATHSIG reaches the launcher alone, so
+      # SIGTERM, which it passes on to every process it started (they checkpoint and exit,
+      # launch/_procs.sh); SIGKILL would leave those orphaned. This thread waits for the run,
+      # so it outlives it as PDEATHSIG needs. Slurm: it ends `sbatch --wait`; the job keeps its
+      # time limit (--timeout).
       proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log,
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              start_new_session=True)
+                              start_new_session=True, preexec_fn=functools.partial(
+                                  child_process.die_with_parent, os.getpid(), signal.SIGTERM,
+                                  watch=False))
     except OSError as e:
       return {"status": "failed", "reason": f"launch failed: {e}", "wall_s": 0.0}
     try:  # under Slurm the job's time limit bounds the run (the queue wait is unbounded)
@@ -206,6 +221,9 @@ def run_point(o: Options, plan: Plan, pt: Point, workdir: str) -> dict:
     except subprocess.TimeoutExpired:
       timed_out = True
       rc = stop(proc)
+    except BaseException:  # Ctrl-C, or SIGTERM (tools/_cli.guarded): the run stops first
+      stop(proc)
+      raise
   wall = time.monotonic() - t0
   return outcome(o, workdir, log_path, rc, timed_out, wall)
 
