@@ -231,6 +231,18 @@ def test_bad_sources_and_destinations(src, tmp_path):
     stage(src, src)
 
 
+def test_a_lock_file_that_cannot_be_opened_is_one_error_naming_it(src, tmp_path):
+  """The destination's lock is store/dir_lock's (as a workdir's and a prepared directory's):
+  one that cannot be taken is a StagingError naming the file, and nothing is copied."""
+  dest = tmp_path / "d"
+  (dest / staging.LOCK_FILE).mkdir(parents=True)
+  with pytest.raises(staging.StagingError, match=rf"cannot open {dest}/{staging.LOCK_FILE} "
+                                                 rf"\(Is a directory\), needed for staging "
+                                                 rf"into {dest}$"):
+    stage(src, str(dest))
+  assert shard_files(dest) == []
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
 def test_read_only_destination(src, tmp_path):
   ro = tmp_path / "ro"

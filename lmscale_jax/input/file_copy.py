@@ -5,10 +5,8 @@ lock it uses."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
-import socket
 import sys
 import threading
 import time
@@ -16,6 +14,7 @@ from typing import Callable
 
 from lmscale_jax.errors import UserError
 from lmscale_jax.store import dataset
+from lmscale_jax.store import dir_lock as store_lock
 
 TMP_SUFFIX = ".staging"  # a copy in progress: ``.{name}.staging`` beside its final name
 CHUNK = 8 << 20
@@ -100,32 +99,38 @@ class LockTimeout(UserError, RuntimeError):
   """Another process held a directory's lock for longer than the caller waits."""
 
 
+class LockUnusable(UserError, RuntimeError):
+  """A directory's lock file cannot be opened or locked (a file system without flock)."""
+
+
 @contextlib.contextmanager
 def dir_lock(directory: str, name: str, timeout_s: float, log: Callable[[str], None],
              doing: str, timeout_key: str, poll_s: float = 0.2):
-  """Holds ``directory/name`` exclusively (``fcntl.flock``, written with this pid and host);
-  waits up to ``timeout_s`` for another holder, logging once whom it waits for. The kernel
-  releases the lock when its holder exits, however it ends: no stale lock after a crash."""
+  """Holds ``directory/name`` exclusively (``store/dir_lock``: ``fcntl.flock``, this pid and
+  host written in it); waits up to ``timeout_s`` for another holder, logging once whom it
+  waits for. The kernel releases the lock when its holder exits, however it ends: no stale
+  lock after a crash. The file is kept (a holder that removed it would race the next one)."""
   os.makedirs(directory, exist_ok=True)
-  fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT, 0o644)
+  path = os.path.join(directory, name)
+  deadline, said = time.monotonic() + timeout_s, False
+  while True:
+    try:
+      fd = store_lock.acquire(path, doing=doing)
+      break
+    except store_lock.Busy as e:
+      holder = f"pid {e.record['pid']} on {e.record['host']}" if e.record else "a process"
+      if time.monotonic() >= deadline:
+        raise LockTimeout(
+            f"{holder} has been {doing} {directory} for longer than {timeout_s:.0f} s "
+            f"({timeout_key}): wait for it to finish, or raise the timeout") from None
+      if not said:
+        log(f"waiting for {holder}, which is {doing} {directory} (up to {timeout_s:.0f} s)")
+        said = True
+      time.sleep(poll_s)
+    except store_lock.Unusable as e:
+      hint = ": its file system may not support flock" if e.step == "lock" else ""
+      raise LockUnusable(f"{e}, needed for {doing} {directory}{hint}") from None
   try:
-    deadline, said = time.monotonic() + timeout_s, False
-    while True:
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        break
-      except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "a process"
-        if time.monotonic() >= deadline:
-          raise LockTimeout(
-              f"{holder} has been {doing} {directory} for longer than {timeout_s:.0f} s "
-              f"({timeout_key}): wait for it to finish, or raise the timeout") from None
-        if not said:
-          log(f"waiting for {holder}, which is {doing} {directory} (up to {timeout_s:.0f} s)")
-          said = True
-        time.sleep(poll_s)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     yield
   finally:
-    os.close(fd)  # releases the lock
+    store_lock.release(fd)

@@ -20,7 +20,7 @@ reading its own local copy does not (the paper's second finding). :func:`stage`:
 * records its state in ``staging.json`` in the destination: ``copying`` while it runs,
   ``complete`` or ``failed`` (with the error) at the end. While copying, ``metadata.json`` is
   absent from the destination, so a crashed staging is never taken for a complete dataset;
-* holds an exclusive lock on the destination (``.stage.lock``, ``fcntl.flock``) from planning
+* holds an exclusive lock on the destination (``.stage.lock``, ``store/dir_lock``) from planning
   to the last state write: stagers started together on one node (an array job, a sweep) wait
   for the first (``lock_timeout``, ``data.stage_timeout``), then find everything verified and
   copy nothing. The kernel drops the lock when its holder exits, however it ends.
@@ -354,7 +354,7 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
       return _stage_locked(src, dest, meta, workers=workers, only_needed=only_needed,
                            num_processes=num_processes, process_ids=process_ids, plan=plan,
                            verify_all=verify_all, progress=progress, log=log)
-  except file_copy.LockTimeout as e:
+  except (file_copy.LockTimeout, file_copy.LockUnusable) as e:
     raise StagingError(str(e)) from None
 
 

@@ -6,9 +6,11 @@ refused caller can name it. The kernel releases a lock when its holder exits, ho
 (kill -9 included): a crash never leaves a stale lock. flock works on local disks and on NFSv4,
 where Linux emulates it with a POSIX lock on the server, so it holds across nodes.
 
-Users: a training workdir (``train/workdir.py``: exclusive, the file kept) and a dataset
+Users: a training workdir (``train/workdir.py``: exclusive, the file kept), a dataset
 directory being prepared (``prep/prepare.py``: exclusive for a single-node run, shared among a
-cluster preparation's array tasks, the file removed by an exclusive holder as it ends).
+cluster preparation's array tasks, the file removed by an exclusive holder as it ends) and a
+staging destination (``input/file_copy.py``'s ``dir_lock``: exclusive, waited for up to a
+timeout, the file kept).
 """
 
 from __future__ import annotations
