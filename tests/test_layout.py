@@ -26,7 +26,7 @@ ALLOWED = {
     "child_process": set(),
     "config": {"errors"},
     "store": {"errors", "config"},
-    "cluster": {"errors", "config", "store"},
+    "cluster": {"errors", "config", "store", "child_process"},
     "prep": {"errors", "store", "child_process"},
     "input": {"errors", "config", "store", "cluster", "child_process"},
     "model": {"errors", "config", "store"},

@@ -26,7 +26,6 @@ ended it (one line naming the signal).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -37,6 +36,7 @@ import time
 
 from absl import logging
 
+from lmscale_jax import child_process
 from lmscale_jax.cluster import rendezvous
 from lmscale_jax.cluster.topology import Topology
 
@@ -58,7 +58,6 @@ _LOST_TASKS = (re.compile(r"stopped sending heartbeats\):\s*((?:\d+[\s,]*)+)"),
 _RUNTIME_ERROR = re.compile(rb"[WE]\d{4} [\d:.]+\s+\d+ (coordination_service|preemption_sync)")
 _HOLD_S = 2.0
 _FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
 _DRAIN_S = 0.5  # after the child ended: what it (or a worker) still has in the pipe
 _PARTIAL_LINE_S = 0.2  # a line without its newline yet (a progress bar) is passed on after this
 
@@ -80,7 +79,9 @@ def start(topo: Topology) -> None:
   child = os.fork()
   if child == 0:
     os.environ[ENV_SUPERVISED] = "1"
-    _die_with(parent)
+    # Killed with its parent (kill -9 of the process a launcher started); a thread watching
+    # would outlive nothing here: the parent's main thread supervises until the child ends.
+    child_process.die_with_parent(parent, watch=False, orphan_status=LOST_PROCESS_EXIT)
     os.dup2(err_w, 2)  # sys.stderr, absl's C++ logs and Grain's workers all write to fd 2
     for fd in (err_r, err_w, info_r):
       os.close(fd)
@@ -95,16 +96,6 @@ def report_hosts(hosts: list[str]) -> None:
   """The child tells its parent the job's hosts (by process id), for the lost-process line."""
   if _info_fd is not None:
     os.write(_info_fd, (json.dumps({"hosts": hosts}) + "\n").encode())
-
-
-def _die_with(parent: int) -> None:
-  """The child is killed when its parent is (``kill -9`` of the process a launcher started)."""
-  try:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-  except (AttributeError, OSError):  # not Linux: a killed parent leaves the child to the runtime
-    return
-  if os.getppid() != parent:  # the parent died before prctl took effect
-    os._exit(LOST_PROCESS_EXIT)
 
 
 # --------------------------------------------------------------------------- the parent
@@ -158,7 +149,7 @@ def _supervise(child: int, err_r: int, info_r: int, topo: Topology) -> None:
   for signum in _FORWARDED:
     signal.signal(signum, lambda signum, frame: _signal_child(child, signum))
   # A terminal's Ctrl-C reaches the child directly (same process group); the parent must not
-  # die of it, or the child would be killed with it (_die_with).
+  # die of it, or the child would be killed with it (die_with_parent).
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   stderr, hosts, status = _Stderr(), [], None
   selector = selectors.DefaultSelector()

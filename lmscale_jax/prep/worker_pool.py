@@ -40,11 +40,9 @@ def _worker_init(claims, parent: int) -> None:
 
 def usable_workers(requested: int) -> int:
   """The pool size for ``--workers requested`` (0: all): at most the CPUs this process may run
-  on (``os.sched_getaffinity``: a container's or taskset's share, not the machine's). More only
-  take turns on them (``--workers 1000`` on 2 cores spawned 999 interpreters: 54 s for a 2 s
-  job), and the output is the same for any number, so the cap changes nothing in it."""
-  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  cpus = cpus or 1
+  on (``child_process.usable_cpus``); the output is the same for any number, so the cap
+  changes nothing in it."""
+  cpus = child_process.usable_cpus()
   if requested > cpus:
     many = "s" if cpus > 1 else ""
     print(f"--workers {requested}: this process may use {cpus} CPU{many}, so {cpus} worker{many} "
