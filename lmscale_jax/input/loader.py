@@ -54,6 +54,7 @@ import os
 
 import grain
 import numpy as np
+from absl import logging
 
 from lmscale_jax import child_process
 from lmscale_jax.config import checks as config_checks
@@ -154,6 +155,19 @@ def make_batch_loader(config, meta: dataset.DatasetMeta, split: str, *, train: b
       process_index=process_index, process_count=process_count,
       shuffle_seed=int(data.seed) if train else None,
       mask_seed=int(data.seed) if train else EVAL_MASK_SEED, local_stream=shards is not None)
+
+
+def cap_workers(config, *, is_writer: bool = True) -> None:
+  """``data.workers`` at most the CPUs this process may use (``child_process.usable_cpus``),
+  with one warning: more Grain workers only take turns on them, and what a worker computes
+  does not depend on how many there are (the loader's order and masks are keyed by position)."""
+  cpus = child_process.usable_cpus()
+  if int(config.data.workers) > cpus:
+    if is_writer:
+      logging.warning("data.workers=%d: this process may use %d CPU(s), so %d loader workers "
+                      "run (the batches are the same for any number)",
+                      int(config.data.workers), cpus, cpus)
+    config.data.workers = cpus
 
 
 def init_worker(parent: int, worker_index: int, worker_count: int) -> None:

@@ -339,8 +339,9 @@ def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> Non
 
 
 def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
-  config = copy.deepcopy(config)  # data.workers may be set by the autotune below
+  config = copy.deepcopy(config)  # data.workers may be capped or set by the autotune below
   setup = build_setup(config, meta)
+  loader.cap_workers(config, is_writer=jax.process_index() == 0)
   train_config, meta = config.train, setup.meta
   is_writer = jax.process_index() == 0
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
