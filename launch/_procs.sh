@@ -49,9 +49,13 @@ lmscale_run() {
   done
   # SIGTERM makes the processes agree on a step, checkpoint it and exit 0
   # (lmscale_jax/cluster/preemption.py); whatever is still running STOP_S seconds later is killed.
+  # The stopper's pid is kept: the final `wait` below would otherwise wait for its sleep too,
+  # and the launcher exited STOP_S after its processes had (60 s by default).
+  local stopper=""
   trap 'echo "launch: stopping all processes (checkpoint, then exit)" >&2
         kill -TERM "${pids[@]}" 2>/dev/null
-        ( sleep "${STOP_S:-60}"; kill -KILL "${pids[@]}" ) >/dev/null 2>&1 &' INT TERM
+        ( sleep "${STOP_S:-60}"; kill -KILL "${pids[@]}" ) >/dev/null 2>&1 &
+        stopper=$!' INT TERM
   local rc=0 done_pid status killer="" p
   local -a live=("${pids[@]}")
   while ((${#live[@]} > 0)); do
@@ -73,6 +77,7 @@ lmscale_run() {
     fi
   done
   [[ -n "$killer" ]] && kill "$killer" 2>/dev/null
+  [[ -n "$stopper" ]] && kill "$stopper" 2>/dev/null
   trap - INT TERM
   wait 2>/dev/null  # the output prefixers
   return $rc
