@@ -198,6 +198,16 @@ def _namespace() -> list[str]:
   return ["unshare", "--user", "--map-root-user", "--mount"]
 
 
+def _in_namespace(script: str, cache, timeout: float) -> tuple[int, str]:
+  """``bash -c script`` in a private mount namespace (its tmpfs mounts vanish with it):
+  (exit status, stderr); killed with its group past ``timeout``."""
+  p = subprocess.Popen([*_namespace(), "bash", "-c", script], cwd=dist.ROOT, env=env(cache),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       start_new_session=True)
+  err = finish(p, timeout=timeout)
+  return p.returncode, err
+
+
 def _small_fs_available(tmp_path) -> str | None:
   probe = tmp_path / "probe"
   probe.mkdir()
@@ -230,11 +240,8 @@ def test_full_disk_stops_cleanly_and_resumes_bitwise(data, cache, reference, tmp
             f"cp -a {workdir}/checkpoints {kept}; cp {workdir}/metrics.jsonl {kept}/; "
             f"{sys.executable} -m lmscale_jax.main {first} --config.checkpoint.on_full=skip "
             f"|| exit 98; cp -a {workdir}/checkpoints {skipped}; exit $rc")
-  p = subprocess.Popen([*_namespace(), "bash", "-c", script], cwd=dist.ROOT, env=env(cache),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                       start_new_session=True)
-  err = finish(p, timeout=400)
-  assert p.returncode == 1, err[-5000:]
+  rc, err = _in_namespace(script, cache, timeout=400)
+  assert rc == 1, err[-5000:]
   errors = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(errors) == 1, err[-5000:]
   assert f"no room for checkpoint 6: {workdir}/checkpoints has " in errors[0]
@@ -287,11 +294,8 @@ def test_disk_full_mid_save_is_one_line_and_a_rerun_resumes_bitwise(data, cache,
             f"cp -a {workdir}/checkpoints {kept}; "
             f"mount -o remount,nr_inodes=100000 {workdir}/checkpoints || exit 98; "
             f"{sys.executable} -m lmscale_jax.main {run} || exit 97; exit $rc")
-  p = subprocess.Popen([*_namespace(), "bash", "-c", script], cwd=dist.ROOT, env=env(cache),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                       start_new_session=True)
-  err = finish(p, timeout=400)
-  assert p.returncode == 1, err[-5000:]
+  rc, err = _in_namespace(script, cache, timeout=400)
+  assert rc == 1, err[-5000:]
   # The save that fails is 4 or 6: a checkpoint's file count varies a little from run to run
   # (OCDBT's data files), so the second may just fit.
   failed = re.search(rf"^error: No space left on device writing {workdir}/checkpoints/(\d+)\S* ",
@@ -324,10 +328,7 @@ def test_full_workdir_before_the_first_checkpoint_is_one_line(data, cache, tmp_p
             f"rm -rf {workdir}/*; dd if=/dev/zero of={workdir}/filler bs=1k "
             f"count=$((1024 - kib)) 2>/dev/null; "
             f"{sys.executable} -m lmscale_jax.main {run}; echo \"rc=$?\" >&2; done")
-  p = subprocess.Popen([*_namespace(), "bash", "-c", script], cwd=dist.ROOT, env=env(cache),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                       start_new_session=True)
-  err = finish(p, timeout=300)
+  _, err = _in_namespace(script, cache, timeout=300)
   runs = err.split("rc=")[:-1]
   assert len(runs) == 3 and err.count("rc=1") == 3, err[-5000:]
   for one in runs:

@@ -88,11 +88,13 @@ def dataset_identity(meta: dataset.DatasetMeta) -> dict:
   tokens by the same ids); its content, a digest of the shards' sha256 in metadata.json (a
   staged copy is the same dataset, another corpus is not); and its absolute path (data.path as
   typed may be relative to another directory)."""
-  shards = {split: [s["sha256"] for s in info["shards"]] for split, info in meta.splits.items()}
+  shards = {split: [s.get("sha256") for s in info["shards"]]
+            for split, info in meta.splits.items()}
   content = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
-  return {"path": os.path.abspath(meta.path),
-          "tokenizer_sha256": toklib.digest(os.path.join(meta.path, dataset.TOKENIZER)),
-          "content_sha256": content}
+  tokenizer = os.path.join(meta.path, dataset.TOKENIZER)
+  return {"path": os.path.abspath(meta.path), "content_sha256": content,
+          # None: a dataset without its tokenizer (nothing to bind; not made by prepare_*.py)
+          "tokenizer_sha256": toklib.digest(tokenizer) if os.path.exists(tokenizer) else None}
 
 
 def check_tokenizer(record: dict, tokenizer_sha256: str, where: str, workdir: str) -> None:
@@ -100,7 +102,7 @@ def check_tokenizer(record: dict, tokenizer_sha256: str, where: str, workdir: st
   ``workdir`` was trained with (its record's ``"dataset"``; a record from before runs were
   bound to their dataset has none and is not checked)."""
   trained = (record.get("dataset") or {}).get("tokenizer_sha256")
-  if trained is None or trained == tokenizer_sha256:
+  if trained is None or tokenizer_sha256 is None or trained == tokenizer_sha256:
     return
   raise IncompatibleCheckpoint(
       f"{where} has another tokenizer than the run in {workdir} was trained with "
