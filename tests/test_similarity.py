@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -156,3 +157,107 @@ def test_a_fifo_among_the_sources_is_left_out(tmp_path):
   shutil.copy(os.path.join(SOURCES, "numeric.c"), src / "numeric.c")
   os.mkfifo(src / "pipe.c")
   assert [s.ident for s in similarity_bench.find_sources([str(src)])] == ["src/numeric.c"]
+
+
+# ----------------------------------------------------------------------------- issue 41
+@pytest.fixture(scope="module")
+def one_side_short(tmp_path_factory):
+  """A real benchmark at -O0/-O1/-O3 where 30 functions are gone at -O3 (as if inlined away),
+  so gcc-O3 has 71 functions and the others 101: at pool 80 a pair with gcc-O3 can only be
+  scored with its queries at gcc-O3 (pools at gcc-O0 or gcc-O1)."""
+  work = tmp_path_factory.mktemp("short")
+  full = work / "full.jsonl"
+  r = tool("build_similarity_bench.py", "--sources", SOURCES, "--output", full,
+           "--compilers", "gcc", "--opt", "O0,O1,O3")
+  assert r.returncode == 0, r.stderr
+  lines = open(full).read().splitlines()
+  header, groups = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+  for g in groups[:30]:
+    del g["variants"]["gcc-O3"]
+  header["stats"]["per_variant"]["gcc-O3"] -= 30
+  out = work / "short.jsonl"
+  out.write_text("\n".join(json.dumps(x) for x in [header, *groups]) + "\n")
+  return out, hf_model(work / "hf", out)
+
+
+@pytest.fixture(scope="module")
+def short_runs(one_side_short, tmp_path_factory):
+  """eval_similarity.py on that benchmark at pools 10 and 80, with and without --no-progress:
+  {"shown"/"hidden": (the run, its --json, its --results rows)}."""
+  path, hf = one_side_short
+  runs = {}
+  for name, extra in (("hidden", ["--no-progress"]), ("shown", [])):
+    out = tmp_path_factory.mktemp(name)
+    r = tool("eval_similarity.py", "--bench", path, "--hf", hf, "--pool", "10,80",
+             "--json", out / "eval.json", "--results", out / "results.jsonl", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs[name] = (r, json.load(open(out / "eval.json")),
+                  [json.loads(x) for x in open(out / "results.jsonl")])
+  return runs
+
+
+def test_a_pair_short_on_one_side_is_scored_one_way_says_so_and_stays_out_of_all(short_runs):
+  r, doc, rows = short_runs["hidden"]
+  got = {(x["method"], x["pool"], x["pair"]): x for x in doc["results"]}
+  both = {"gcc-O0→gcc-O1": 101, "gcc-O1→gcc-O0": 101}
+  for method in ("tfidf", "hf", "random-init"):
+    # Pool 10: every side has 10 functions, every pair both ways, all of them in "all".
+    assert got[method, 10, "gcc-O0↔gcc-O3"]["directions"] == {"gcc-O0→gcc-O3": 71,
+                                                              "gcc-O3→gcc-O0": 71}
+    assert got[method, 10, "all"]["queries"] == 202 + 142 + 142
+    assert got[method, 10, "all"]["left_out"] == {}
+    # Pool 80: no pool of 80 at gcc-O3, so those pairs are scored from gcc-O3 only...
+    for other in ("gcc-O0", "gcc-O1"):
+      cell = got[method, 80, f"{other}↔gcc-O3"]
+      assert cell["directions"] == {f"gcc-O3→{other}": 71} and cell["queries"] == 71
+      assert cell["left_out"] == {
+          f"{other}→gcc-O3": "gcc-O3 has 71 functions, fewer than the pool's 80"}
+      assert "one direction only" in cell["note"] and cell["recall_at_1"] is not None
+    assert got[method, 80, "gcc-O0↔gcc-O1"]["directions"] == both
+    # ...and "all" is the one pair scored both ways, exactly: nothing one-way mixed in.
+    every, pair = got[method, 80, "all"], got[method, 80, "gcc-O0↔gcc-O1"]
+    assert every["directions"] == both and every["queries"] == 202
+    assert (every["recall_at_1"], every["mrr"]) == (pair["recall_at_1"], pair["mrr"])
+    assert set(every["left_out"]) == {"gcc-O0→gcc-O3", "gcc-O3→gcc-O0", "gcc-O1→gcc-O3",
+                                      "gcc-O3→gcc-O1"}
+  # The table marks the one-way cells and their query counts, and names the direction.
+  block = r.stdout.split("pool 80 ")[1]
+  tfidf_row = next(x for x in block.splitlines() if x.startswith("tfidf"))
+  queries_row = next(x for x in block.splitlines() if x.startswith("queries"))
+  assert tfidf_row.count("†") == 2 and queries_row.split() == ["queries", "202", "71†", "71†",
+                                                               "202"]
+  assert "† gcc-O0↔gcc-O3: gcc-O3→gcc-O0 only (71 queries; gcc-O0→gcc-O3: gcc-O3 has 71 " \
+         "functions, fewer than the pool's 80); not in all" in block
+  assert "all: 1 of 3 pairs, those scored in both directions; left out: gcc-O0↔gcc-O3 " \
+         "(one direction only), gcc-O1↔gcc-O3 (one direction only)" in block
+  assert "†" not in r.stdout.split("pool 80 ")[0]
+  # The results file carries the same facts, a line per number.
+  assert {(x["pair"], x["pool"]): x["directions"] for x in rows if x["method"] == "tfidf"}[
+      "gcc-O0↔gcc-O3", 80] == {"gcc-O3→gcc-O0": 71}
+
+
+def test_progress_bars_go_to_stderr_and_leave_stdout_the_tables(short_runs):
+  (shown, doc_shown, _), (hidden, doc_hidden, _) = short_runs["shown"], short_runs["hidden"]
+  assert shown.stdout == hidden.stdout and doc_shown["results"] == doc_hidden["results"]
+  for step in ("embed hf", "embed random-init", "score tfidf, pool 10", "score hf, pool 80",
+               "score random-init, pool 80"):
+    assert f"{step}: 100%" in shown.stderr, step
+  assert re.search(r"\[\d\d:\d\d<\d\d:\d\d, ", shown.stderr)  # elapsed<ETA
+  assert "%|" not in shown.stdout and "\r" not in shown.stdout
+  assert "%|" not in hidden.stderr and "embed" not in hidden.stderr
+
+
+def test_ranks_scored_in_blocks_are_bitwise_those_of_one_block():
+  import numpy as np
+
+  from lmscale_jax.evals import retrieval
+
+  rng = np.random.default_rng(0)
+  vectors = retrieval.normalise(rng.standard_normal((500, 48)))
+  vectors[1] = vectors[0]  # a tie: counted against the positive in any block
+  pools = retrieval.Pools(rng.integers(0, 500, 97), rng.integers(0, 500, (97, 60)))
+  pools.pool[:, :2] = [0, 1]
+  one = retrieval.ranks(vectors, pools, block_bytes=1 << 40)
+  for block_bytes in (1, 60 * 48 * 4 * 7, 60 * 48 * 4 * 96):  # 1, 7 and 96 queries a block
+    assert np.array_equal(retrieval.ranks(vectors, pools, block_bytes=block_bytes), one)
+  assert (one >= 2).all()  # the tie with item 1 ranks every positive second or lower

@@ -3,11 +3,16 @@
   python tools/eval_similarity.py --bench BENCH.jsonl (--workdir DIR[@STEP] | --hf OUT)…
       [--pool 100,1000] [--pairs gcc-O0:gcc-O3,…] [--queries K] [--seed 0]
       [--train-elf PATH… [--train-max-bytes N]] [--json OUT.json] [--results FILE.jsonl]
+      [--no-progress]
 
 The jTrans protocol: each function at one compiled variant is a query; its pool holds the same
 source function at another variant (the positive) and N−1 other functions of that variant;
 the methods rank the pool by cosine similarity. Recall@1 and MRR per pool size and variant pair
-(both directions; O0↔O3 is the hard one) and over all pairs. Methods, on the same pools:
+(both directions; O0↔O3 is the hard one) and over all pairs. A direction needs N functions
+at its pool's side: a pair where only one side has them is scored the other way only, marked †
+with its direction in a footnote, and left out of "all", which pools only the pairs scored both
+ways (the JSON: each row's "directions", its queries per direction, and "left_out", each with
+why). Methods, on the same pools:
 bag-of-pretokens TF-IDF, each given model (embeddings as tools/embed.py computes them: mean of
 the last hidden layer over the function's tokens; a fine-tuned model's own pooling, projection
 head and normalisation), and the same architecture with random initial weights (no head).
@@ -18,7 +23,10 @@ directory (and @step); a repeated name gets #2, #3.
 --train-elf (with the demo's cap, --train-max-bytes 24000000) lists the pretraining inputs as
 prepare does and reports how many benchmark functions its corpus holds verbatim (the same
 normalised-text hash as prepare's deduplication): the leakage check. --results appends one
-JSON line per number (date, device) to a benchmarks/results file.
+JSON line per number (date, device) to a benchmarks/results file. Each step that can take
+minutes (embedding the functions with each model, scoring each method, reading the
+pretraining inputs) draws a progress bar with an ETA on stderr (--no-progress: none); stdout
+holds only the report (the tables, the cut shares, the leakage line).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import numpy as np
 import _cli
 from lmscale_jax.errors import UserError
 from lmscale_jax.evals import retrieval
+from lmscale_jax.prep import progress as progress_lib
 from lmscale_jax.similarity import bench as similarity_bench
 from lmscale_jax.store import dataset
 from lmscale_jax.study.host import cpu_name  # the host, described as the benchmarks do
@@ -69,6 +78,8 @@ def parser():
                  help="write everything as JSON")
   p.add_argument("--results", default=None, type=_cli.append_file, metavar="FILE.jsonl",
                  help="append JSON lines")
+  p.add_argument("--no-progress", action="store_true",
+                 help="no progress bars (they go to stderr; stdout has only the report)")
   return p
 
 
@@ -82,13 +93,17 @@ def pool_sizes(text: str) -> list[int]:
   return sizes
 
 
-def model_vectors(model, texts: list[str], pool: str) -> tuple[np.ndarray, float]:
+def model_vectors(model, texts: list[str], pool: str, name: str = "",
+                  progress: bool = False) -> tuple[np.ndarray, float]:
   """tools/embed.py's embedding of each function text (alone, as [CLS] text [SEP]); and the
-  share of the texts cut at the model's sequence length (it sees only their beginning)."""
+  share of the texts cut at the model's sequence length (it sees only their beginning).
+  ``progress``: a bar over the functions (every function of the benchmark, per model)."""
   import embed as embed_tool  # tools/embed.py (jax: imported once a model is needed)
   from lmscale_jax.inference import trained_model
 
   inputs = ((str(i), "", *trained_model.encode(model, t)) for i, t in enumerate(texts))
+  inputs = progress_lib.over(inputs, progress, total=len(texts), unit="function",
+                             desc=f"embed {name}")
   pool = None if model.head is not None else pool  # a fine-tuned model pools as it trained
   out = embed_tool.embed(model, inputs, pool)
   return retrieval.normalise(out["embeddings"]), float(out["truncated"].mean())
@@ -145,13 +160,14 @@ def methods(a, items) -> tuple[dict, dict]:
   seen_arch = set()
   for m in models:
     name = label(m, vecs)
-    vecs[name], cut = model_vectors(m, items.text, a.embed_pool)
+    vecs[name], cut = model_vectors(m, items.text, a.embed_pool, name, not a.no_progress)
     info[name] = {**describe(m), "seq_len": m.cfg.seq_len, "cut_frac": cut}
     arch = (m.cfg.layers, m.cfg.hidden, m.cfg.heads, m.cfg.ffn, m.cfg.vocab_size)
     if not a.no_random_init and arch not in seen_arch:
       seen_arch.add(arch)
       name = "random-init" if len(models) == 1 else f"random-init({name})"
-      vecs[name], cut = model_vectors(random_init(m, a.seed), items.text, a.embed_pool)
+      vecs[name], cut = model_vectors(random_init(m, a.seed), items.text, a.embed_pool, name,
+                                      not a.no_progress)
       info[name] = {"kind": "random initial weights", "seed": a.seed,
                     "architecture_of": m.source, "seq_len": m.cfg.seq_len, "cut_frac": cut}
   return vecs, info
@@ -169,10 +185,12 @@ def main(argv=None) -> int:
     items = retrieval.Items.from_groups(groups)
     pairs = retrieval.parse_pairs(a.pairs, header["variants"])
     vecs, info = methods(a, items)
-    results = retrieval.evaluate(items, vecs, pairs, sizes, seed=a.seed, max_queries=a.queries)
+    results = retrieval.evaluate(items, vecs, pairs, sizes, seed=a.seed, max_queries=a.queries,
+                                 progress=not a.no_progress)
     leak = None
     if a.train_elf:
-      digests, files = retrieval.training_digests(a.train_elf, a.train_max_bytes)
+      digests, files = retrieval.training_digests(a.train_elf, a.train_max_bytes,
+                                                  not a.no_progress)
       leak = {"train_files": files, **retrieval.overlap(items, digests)}
     print(f"{a.bench}: {len(groups)} functions, {len(items)} compiled variants "
           f"({', '.join(header['variants'])})")

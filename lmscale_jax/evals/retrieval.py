@@ -4,6 +4,12 @@ query function compiled one way (variant A), rank a pool of N functions compiled
 the other functions of B. Recall@1 and MRR per pool size and per variant pair, both directions
 (queries from A into B's pools and from B into A's) pooled into one number per pair.
 
+A direction needs N functions at its pool's side: where only one side of a pair has them, the
+pair is scored in the other direction only, and says so (``Result.directions``, ``left_out``,
+a † in the table). The "all" number pools only pairs scored in every direction they have
+(both; one for A=A), so it never averages a one-direction cell with two-direction ones
+silently: a one-direction cell has half the queries, and O3→O0 is not the task O0→O3 is.
+
 Methods are matrices of vectors, one row per (group, variant) item, compared by cosine. The
 pools are drawn once (seeded), so every method ranks exactly the same pools. Ties count
 against the positive (a negative scoring within 1e-6 of it ranks above): a method that cannot
@@ -20,9 +26,15 @@ import dataclasses
 import numpy as np
 
 from lmscale_jax.prep import elf_corpus
+from lmscale_jax.prep import progress as progress_lib
 from lmscale_jax.similarity.bench import BenchError
 
 TIE = 1e-6
+# The most memory one block of a pool's gathered vectors may take while it is ranked: all
+# queries at once took Q × N × d × 4 bytes (1,700 × 1,000 × 128: 0.9 GB for a model, many GB
+# for TF-IDF's thousands of pretokens); blocks of queries give bitwise the same scores.
+BLOCK_BYTES = 1 << 28
+ONE_WAY = "†"  # the table's mark of a pair scored in one direction only
 
 
 @dataclasses.dataclass
@@ -128,11 +140,63 @@ def draw_pools(items: Items, a: str, b: str, n: int, rng: np.random.Generator,
   return Pools(np.asarray([at_a[g] for g in shared], np.int64), pool)
 
 
-def ranks(vectors: np.ndarray, pools: Pools) -> np.ndarray:
-  """The positive's rank (1 = first) in each pool by cosine; ties against the positive."""
-  q = vectors[pools.queries]                           # [Q, d]
-  s = np.einsum("qd,qnd->qn", q, vectors[pools.pool])  # [Q, N]; row 0 is the positive
-  return 1 + (s[:, 1:] >= s[:, :1] - TIE).sum(axis=1)
+def direction(a: str, b: str) -> str:
+  """The name of queries at ``a`` ranked in pools at ``b``."""
+  return f"{a}→{b}"
+
+
+@dataclasses.dataclass
+class PairPools:
+  """One pair's pools at one size: those drawn per direction, and why any other was not."""
+  label: str                   # "a↔b", or "a=b"
+  drawn: dict[str, Pools]      # direction → pools
+  missing: dict[str, str]      # direction → why no pool was drawn
+
+  @property
+  def both_ways(self) -> bool:
+    """Scored in every direction the pair has (two; one for a=b): what "all" pools."""
+    return bool(self.drawn) and not self.missing
+
+
+def draw_pair(items: Items, a: str, b: str, n: int, seed: int,
+              max_queries: int = 0) -> PairPools:
+  """a→b, then b→a, from one generator seeded by the seed, pair and size: the pools earlier
+  versions drew (and so their numbers), a missing direction drawing nothing."""
+  rng = np.random.default_rng([seed, n, *map(ord, f"{a}:{b}")])
+  ways = [(a, b), (b, a)] if a != b else [(a, b)]
+  drawn, missing = {}, {}
+  for q, p in ways:
+    pools = draw_pools(items, q, p, n, rng, max_queries)
+    if pools is None:
+      missing[direction(q, p)] = not_drawn(items, q, p, n)
+    else:
+      drawn[direction(q, p)] = pools
+  return PairPools(f"{a}↔{b}" if a != b else f"{a}={b}", drawn, missing)
+
+
+def not_drawn(items: Items, a: str, b: str, n: int) -> str:
+  """Why :func:`draw_pools` drew nothing for queries at ``a`` in pools at ``b``."""
+  at_b = len(items.of_variant(b))
+  if at_b < n:
+    return f"{b} has {at_b} functions, fewer than the pool's {n}"
+  return f"no function is compiled as both {a} and {b}"
+
+
+def ranks(vectors: np.ndarray, pools: Pools, bar=None,
+          block_bytes: int = BLOCK_BYTES) -> np.ndarray:
+  """The positive's rank (1 = first) in each pool by cosine; ties against the positive.
+  Scored in blocks of queries of at most ``block_bytes`` of gathered vectors (at least one
+  query), each counted on ``bar``."""
+  n, d = pools.pool.shape[1], vectors.shape[1]
+  rows = max(1, block_bytes // (n * d * vectors.itemsize))
+  out = []
+  for start in range(0, len(pools.queries), rows):
+    q = vectors[pools.queries[start:start + rows]]                           # [q, d]
+    s = np.einsum("qd,qnd->qn", q, vectors[pools.pool[start:start + rows]])  # [q, N]; 0: positive
+    out.append(1 + (s[:, 1:] >= s[:, :1] - TIE).sum(axis=1))
+    if bar is not None:
+      bar.update(len(q))
+  return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 @dataclasses.dataclass
@@ -144,62 +208,125 @@ class Result:
   recall_at_1: float | None
   mrr: float | None
   note: str = ""
+  # direction ("a→b": queries at a, pools at b) → its queries, for each direction in this
+  # number; and → why, for each left out ("all": every direction of a pair not scored both ways).
+  directions: dict = dataclasses.field(default_factory=dict)
+  left_out: dict = dataclasses.field(default_factory=dict)
 
   def row(self) -> dict:
     return dataclasses.asdict(self)
 
+  @property
+  def one_way(self) -> bool:
+    return self.pair != "all" and bool(self.directions) and bool(self.left_out)
+
 
 def evaluate(items: Items, methods: dict[str, np.ndarray], pairs: list[tuple[str, str]],
-             pool_sizes: list[int], *, seed: int = 0, max_queries: int = 0) -> list[Result]:
-  """Every method × pool size × pair (both directions), plus an "all" row per method and
-  pool size (every query of every pair)."""
+             pool_sizes: list[int], *, seed: int = 0, max_queries: int = 0,
+             progress: bool = False) -> list[Result]:
+  """Every method × pool size × pair (both directions where both sides have ``n``
+  functions, else the one that has), plus an "all" row per method and pool size: every query
+  of the pairs scored both ways. ``progress``: a bar per method and pool size (stderr)."""
   out = []
   for n in pool_sizes:
-    drawn = []
-    for a, b in pairs:
-      rng = np.random.default_rng([seed, n, *map(ord, f"{a}:{b}")])
-      dirs = [p for p in (draw_pools(items, a, b, n, rng, max_queries),
-                          draw_pools(items, b, a, n, rng, max_queries) if a != b else None)
-              if p is not None]
-      drawn.append((f"{a}↔{b}" if a != b else f"{a}={b}", dirs))
+    drawn = [draw_pair(items, a, b, n, seed, max_queries) for a, b in pairs]
+    queries = sum(len(p.queries) for pp in drawn for p in pp.drawn.values())
     for method, vec in methods.items():
-      every = []
-      for label, dirs in drawn:
-        r = np.concatenate([ranks(vec, p) for p in dirs]) if dirs else np.zeros(0)
-        every.append(r)
-        out.append(_result(method, n, label, r))
-      out.append(_result(method, n, "all", np.concatenate(every)))
+      bar = progress_lib.bar(progress and queries > 0, total=queries, unit="query",
+                             desc=f"score {method}, pool {n}")
+      cells = [_cell(method, n, pp, {d: ranks(vec, p, bar) for d, p in pp.drawn.items()})
+               for pp in drawn]
+      bar.close()
+      out += [c for c, _ in cells]
+      out.append(_all(method, n, drawn, [r for _, r in cells]))
   return out
 
 
-def _result(method: str, n: int, pair: str, r: np.ndarray) -> Result:
+def _cell(method: str, n: int, pp: PairPools, scored: dict) -> tuple[Result, np.ndarray]:
+  """One pair's result and its ranks (every direction drawn)."""
+  r = np.concatenate(list(scored.values())) if scored else np.zeros(0, np.int64)
+  res = _result(method, n, pp.label, r, {d: len(x) for d, x in scored.items()}, pp.missing)
+  if not scored:
+    res.note = "pool not drawn: " + "; ".join(f"{d}: {why}" for d, why in pp.missing.items())
+  elif pp.missing:
+    res.note = (f"one direction only ({', '.join(scored)}): " +
+                "; ".join(f"{d} not scored, {why}" for d, why in pp.missing.items()) +
+                "; not in the all-pairs number")
+  return res, r
+
+
+def _all(method: str, n: int, drawn: list[PairPools], ranked: list[np.ndarray]) -> Result:
+  """The pairs scored in every direction, pooled; every direction of the others left out."""
+  keep = [r for pp, r in zip(drawn, ranked) if pp.both_ways]
+  counted = {d: len(p.queries) for pp in drawn if pp.both_ways for d, p in pp.drawn.items()}
+  left = {}
+  for pp in drawn:
+    if not pp.both_ways:
+      why = (f"{pp.label} is scored in one direction only" if pp.drawn
+             else f"{pp.label}: pool not drawn")
+      left.update({d: why for d in [*pp.drawn, *pp.missing]})
+  res = _result(method, n, "all", np.concatenate(keep) if keep else np.zeros(0, np.int64),
+                counted, left)
+  one_way = [pp.label for pp in drawn if pp.drawn and not pp.both_ways]
+  if not keep:
+    res.note = ("no pair scored in both directions" +
+                (f" (one direction only: {', '.join(one_way)}; not pooled)" if one_way
+                 else f": pool not drawn, fewer than {n} functions in the variants"))
+  elif left:
+    res.note = (f"{len(keep)} of {len(drawn)} pairs, those scored in both directions; left out: " +
+                ", ".join(f"{pp.label} ({'one direction only' if pp.drawn else 'not drawn'})"
+                          for pp in drawn if not pp.both_ways))
+  return res
+
+
+def _result(method: str, n: int, pair: str, r: np.ndarray, directions: dict,
+            left_out: dict) -> Result:
   if not len(r):
-    return Result(method, n, pair, 0, None, None,
-                  note=f"fewer than {n} functions in the variant: pool not drawn")
-  return Result(method, n, pair, int(len(r)), float(np.mean(r == 1)), float(np.mean(1 / r)))
+    return Result(method, n, pair, 0, None, None, directions=directions, left_out=left_out)
+  return Result(method, n, pair, int(len(r)), float(np.mean(r == 1)), float(np.mean(1 / r)),
+                directions=directions, left_out=dict(left_out))
 
 
 def table(results: list[Result]) -> str:
-  """Methods × pairs, one block per pool size: ``R@1 / MRR`` per cell."""
+  """Methods × pairs, one block per pool size: ``R@1 / MRR`` per cell, the queries of each
+  column, † on a pair scored in one direction only, and a footnote naming the direction and
+  what "all" pools."""
   pairs = list(dict.fromkeys(r.pair for r in results))
   methods = list(dict.fromkeys(r.method for r in results))
-  width = max(14, *(len(p) + 1 for p in pairs))
+  width = max(15, *(len(p) + 2 for p in pairs))  # a column's last character: † or a space
   mw = max(8, *(len(m) for m in methods))
   lines = []
   for n in dict.fromkeys(r.pool for r in results):
     cells = {(r.method, r.pair): r for r in results if r.pool == n}
+    first = {p: cells.get((methods[0], p)) for p in pairs}  # every method ranks the same pools
+    mark = {p: ONE_WAY if c is not None and c.one_way else " " for p, c in first.items()}
     chance = f"chance R@1 {1 / n:.3f}, MRR {chance_mrr(n):.3f}"
     lines.append(f"pool {n} (1 positive + {n - 1} negatives; {chance}); cells: R@1 / MRR")
-    lines.append(f"{'method':<{mw}} " + "".join(f"{p:>{width}}" for p in pairs))
+    lines.append(f"{'method':<{mw}} " + "".join(f"{p + ' ':>{width}}" for p in pairs))
     for m in methods:
-      row = [cells.get((m, p)) for p in pairs]
+      row = [(p, cells.get((m, p))) for p in pairs]
       lines.append(f"{m:<{mw}} " + "".join(
-          f"{'n/a':>{width}}" if c is None or c.recall_at_1 is None
-          else f"{c.recall_at_1:.3f} / {c.mrr:.3f}".rjust(width) for c in row))
-    queries = {p: cells[methods[0], p].queries for p in pairs if (methods[0], p) in cells}
-    lines.append(f"{'queries':<{mw}} " + "".join(f"{queries.get(p, 0):>{width}}" for p in pairs))
+          f"{'n/a ':>{width}}" if c is None or c.recall_at_1 is None
+          else f"{c.recall_at_1:.3f} / {c.mrr:.3f}{mark[p]}".rjust(width) for p, c in row))
+    lines.append(f"{'queries':<{mw}} " + "".join(
+        f"{(c.queries if c else 0)}{mark[p]}".rjust(width) for p, c in first.items()))
+    lines += footnotes(list(first.values()))
     lines.append("")
   return "\n".join(lines).rstrip()
+
+
+def footnotes(cells: list[Result | None]) -> list[str]:
+  """The lines under a pool's block: each pair scored one way, and what "all" left out."""
+  lines = []
+  for c in cells:
+    if c is not None and c.one_way:
+      (way, q), = c.directions.items()
+      why = "; ".join(f"{d}: {reason}" for d, reason in c.left_out.items())
+      lines.append(f"{ONE_WAY} {c.pair}: {way} only ({q} queries; {why}); not in all")
+  every = next((c for c in cells if c is not None and c.pair == "all"), None)
+  if every is not None and every.note:
+    lines.append(f"all: {every.note}")
+  return lines
 
 
 def chance_mrr(n: int) -> float:
@@ -207,15 +334,21 @@ def chance_mrr(n: int) -> float:
 
 
 # --------------------------------------------------------------------------- leakage
-def training_digests(paths: list[str], max_input_bytes: int = 0) -> tuple[set[str], int]:
+def training_digests(paths: list[str], max_input_bytes: int = 0,
+                     progress: bool = False) -> tuple[set[str], int]:
   """The normalised-text hashes of every function preparation would take from ``paths``
   (the same file list, cap and text as ``prepare``: ``elf_corpus.list_inputs`` and
-  ``iter_functions``) → (digests, files)."""
+  ``iter_functions``) → (digests, files). ``progress``: a bar in bytes on stderr (15 MB/s on
+  a 2-core VM: 1.6 s for the demo's 24 MB of ELF input, minutes for some GB uncapped)."""
   files = elf_corpus.list_inputs(paths, max_input_bytes)
   digests = set()
+  bar = progress_lib.bar(progress, total=sum(c.size for c in files), unit="B", unit_scale=True,
+                         desc="leakage: read the pretraining inputs")
   for c in files:
     res = elf_corpus.FileResult(path=c.path, file_bytes=c.size)
     digests.update(d.hex() for d, _ in elf_corpus.iter_functions(c.path, res))
+    bar.update(c.size)
+  bar.close()
   return digests, len(files)
 
 
