@@ -79,15 +79,34 @@ def test_duplicates_are_later_groups_sharing_a_text_with_an_earlier_one():
 
 
 def test_the_pinned_sets_share_no_package_no_directory_and_no_library():
-  ev, tr = similarity_sources.SETS["eval"], similarity_sources.SETS["train"]
+  ev, tr = similarity_sources.load_set("eval"), similarity_sources.load_set("train")
   assert [lib.package for lib in ev[:2]] == ["lz4==4.3.3", "brotli==1.1.0"]  # 2026-12-01's
   assert not {lib.package for lib in ev} & {lib.package for lib in tr}
-  assert not {lib.top for lib in ev} & {lib.top for lib in tr}
+  assert not {lib.root for lib in ev} & {lib.root for lib in tr}
   names = {lib.package.split("==")[0] for lib in tr}
   assert not names & {"lz4", "brotli", "zstandard", "quickjs", "xxhash", "pyzstd", "brotlicffi"}
   for lib in ev + tr:
     assert lib.package == lib.package.lower() and lib.package.count("==") == 1
     assert lib.sources and all(not os.path.isabs(x) for x in lib.sources + lib.include)
+
+
+def test_the_shipped_spec_files_give_each_library_the_flags_it_was_measured_with():
+  """The sets as they were pinned in sources.py before they became spec files (the measured
+  2026-12-02 corpora): the same flags, in order, and the same files left out."""
+  flags = {lib.name: lib.flags() for s in ("eval", "train")
+           for lib in similarity_sources.load_set(s) if lib.flags()}
+  assert flags == {
+      "brotli": ["-DBROTLI_INTERNAL="],
+      "quickjs": ['-DCONFIG_VERSION="2021-03-27"', "-DCONFIG_BIGNUM"],
+      "pycryptodome": ["-DHAVE_STDINT_H", "-DHAVE_UINT128", "-DHAVE_CPUID_H",
+                       "-DHAVE_POSIX_MEMALIGN", "-DHAVE_X86INTRIN_H", "-DUSE_SSE2",
+                       "-DSYS_BITS=64"],
+      "lua54": ["-U__ELF__"]}
+  pyc = similarity_sources.by_package()["pycryptodome==4.4.0"]
+  assert set(pyc.exclude + pyc.include_only) == {
+      "src/test/*", "src/mldsa-native/*", "src/mlkem-native/*", "src/hash_SHA2_*",
+      "src/block_common.c", "src/blowfish_init.c", "src/cast5.c", "src/blake2.c", "*_avx2*",
+      "*_shani*", "*bmi2_adx*", "*AESNI*", "*clmul*", "*armv8*", "*neon*", "*pmull*"}
 
 
 @needs_gcc

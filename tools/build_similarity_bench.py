@@ -2,6 +2,7 @@
 
   python tools/build_similarity_bench.py --sources DIR… --output BENCH.jsonl
       [--compilers gcc,clang] [--opt O0,O1,O2,O3] [--cflags "-DNDEBUG"] [--workers N]
+  python tools/build_similarity_bench.py --spec LIBS.toml… [--from DIR] --output F
   python tools/build_similarity_bench.py --set eval|train [--from bench_sources] --output F
       [--disjoint-from BENCH.jsonl …]
 
@@ -10,10 +11,13 @@ Every .c file under the sources is built on its own as a shared object per compi
 as preparation takes them, and functions are grouped by source file + name. Functions under
 --min-instructions (8) are dropped and counted. A compiler that is not installed or a file
 that does not build is one line on stderr; the rest goes on. The format: the docstring of
-lmscale_jax/similarity/bench.py. Sources from the package index: tools/fetch_bench_sources.py;
---set builds one of its pinned sets (lmscale_jax/similarity/sources.py), each library with its
-own flags. --disjoint-from drops every group that shares a function text or a source file +
-function name with that benchmark (lmscale_jax/similarity/leakage.py) and records how many.
+lmscale_jax/similarity/bench.py. --spec builds the libraries a spec file lists, their roots
+under --from, each with its own source directories, exclusions, include-only files, include
+directories, defines and generated headers (lmscale_jax/similarity/spec.py;
+docs/similarity-corpora.md has the recipe); --set builds a shipped one
+(lmscale_jax/similarity/specs/, fetched by tools/fetch_bench_sources.py). --disjoint-from
+drops every group that shares a function text or a source file + function name with that benchmark
+(lmscale_jax/similarity/leakage.py) and records how many.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import _cli
 from lmscale_jax.similarity import bench as similarity_bench
 from lmscale_jax.similarity import leakage as similarity_leakage
 from lmscale_jax.similarity import sources as similarity_sources
+from lmscale_jax.similarity import spec as similarity_spec
 
 
 def parser():
@@ -33,10 +38,13 @@ def parser():
   what = p.add_mutually_exclusive_group(required=True)
   what.add_argument("--sources", nargs="+", metavar="DIR",
                     help="directories (or .c files) of C sources")
+  what.add_argument("--spec", action="append", type=_cli.input_file, metavar="LIBS.toml",
+                    help="repeatable: a spec file of libraries (lmscale_jax/similarity/"
+                    "spec.py), their roots under --from")
   what.add_argument("--set", choices=list(similarity_sources.SETS),
                     help="a pinned set of tools/fetch_bench_sources.py, unpacked under --from")
   p.add_argument("--from", dest="from_dir", default="bench_sources", metavar="DIR",
-                 help="(--set) where tools/fetch_bench_sources.py unpacked it")
+                 help="(--set, --spec) where the libraries' roots are")
   p.add_argument("--disjoint-from", nargs="+", default=[], type=_cli.input_file, metavar="BENCH",
                  help="drop the groups this benchmark shares (by function text or by source "
                  "file + function name): for a training file")
@@ -47,7 +55,8 @@ def parser():
                  help="the benchmark file to write")
   p.add_argument("--compilers", default="gcc,clang", help="comma-separated (default gcc,clang)")
   p.add_argument("--opt", default="O0,O1,O2,O3", help="comma-separated optimisation levels")
-  p.add_argument("--cflags", default="", help="extra compiler flags, one shell-quoted string")
+  p.add_argument("--cflags", default="", help="(--sources) extra compiler flags, one "
+                 "shell-quoted string")
   p.add_argument("--min-instructions", type=_cli.number(int, 1, 1 << 20),
                  default=similarity_bench.MIN_INSTRUCTIONS)
   p.add_argument("--workers", type=_cli.number(int, 0, 1024), default=0,
@@ -102,11 +111,14 @@ def build(a) -> tuple:
   kw = dict(workers=a.workers, min_instructions=a.min_instructions,
             say=lambda line: print(line, file=sys.stderr))
   compilers, levels = [c for c in a.compilers.split(",") if c], [o for o in a.opt.split(",") if o]
+  if a.cflags and not a.sources:
+    raise similarity_bench.BenchError("--cflags is for --sources: a spec's libraries have "
+                                      "their own (its cflags and defines keys)")
   if a.set:
-    if a.cflags:
-      raise similarity_bench.BenchError("--cflags with --set: a set's libraries have their "
-                                        "own (lmscale_jax/similarity/sources.py)")
     return similarity_bench.build_set(a.set, a.from_dir, compilers, levels, **kw)
+  if a.spec:
+    libs = [lib for path in a.spec for lib in similarity_spec.load(path)]
+    return similarity_bench.build_specs(libs, a.from_dir, compilers, levels, **kw)
   return similarity_bench.build(a.sources, compilers, levels, cflags=shlex.split(a.cflags), **kw)
 
 
@@ -114,7 +126,7 @@ def report(a, header: dict) -> None:
   s = header["stats"]
   print(f"wrote {a.output}: {s['groups']} functions in {s['functions']} compiled variants "
         f"({', '.join(header['variants'])}) from {s['sources']} sources; dropped "
-        f"{s['too_small_dropped']} under {a.min_instructions} instructions, "
+        f"{s['too_small_dropped']} under {header['min_instructions']} instructions, "
         f"{s['fragments_dropped']} fragments, {s['single_variant_groups_dropped']} found "
         f"in one variant only; {s['objects_failed']} objects failed to build")
   print(f"per variant: {', '.join(f'{v} {n}' for v, n in s['per_variant'].items())}; "

@@ -10,9 +10,11 @@ The benchmark file (``BENCH``, JSON lines, written atomically):
   ``stats`` counts what was built and dropped, and what the file holds: ``groups``,
   ``functions``, ``per_variant``, ``pairs`` (two variants of one group: the positives of
   contrastive training) and ``groups_at_O0_and_O3`` per compiler (pool N needs N). A build of
-  a named set (:func:`build_set`) adds ``"set"`` and ``"libraries"`` (each package with its
-  directories and flags); tools/build_similarity_bench.py adds ``"leakage"`` and
-  ``"duplicates_dropped"`` where it removed groups (:mod:`lmscale_jax.similarity.leakage`);
+  spec files (:func:`build_specs`; a named set, :func:`build_set`, adds ``"set"``) adds
+  ``"specs"`` and ``"libraries"`` (each with its directories, flags and how many files it
+  compiled, excluded and left include-only); tools/build_similarity_bench.py adds
+  ``"leakage"`` and ``"duplicates_dropped"`` where it removed groups
+  (:mod:`lmscale_jax.similarity.leakage`);
 * then one line per group (a source-level function: source file + function name, present in
   at least two variants): ``{"source": "lz4-4.3.3/lz4libs/lz4.c", "name": "LZ4_compress_fast",
   "variants": {"gcc-O0": {"text": "push rbp [NEXT] …", "instructions": 57, "digest": HEX},
@@ -39,6 +41,8 @@ import tempfile
 
 from lmscale_jax.errors import UserError
 from lmscale_jax.prep import elf_corpus, elf_functions
+from lmscale_jax.similarity import sources as similarity_sources
+from lmscale_jax.similarity import spec
 from lmscale_jax.store import dataset
 
 FORMAT = "lmscale_jax.similarity/1"
@@ -64,11 +68,10 @@ class Source:
   flags: tuple = ()  # its library's own: include directories, defines
 
 
-def find_sources(roots: list[str], base: str = "", exclude=()) -> list[Source]:
+def find_sources(roots: list[str], base: str = "") -> list[Source]:
   """Every ``*.c`` under ``roots`` (a root may be a file), sorted; named relative to ``base``
   or else the root's parent, so ``lz4libs/lz4.c`` stays distinct from another root's
-  ``lz4.c``. A file whose name relative to ``base`` matches an ``exclude`` pattern is left
-  out."""
+  ``lz4.c``."""
   out = []
   for root in roots:
     if not os.path.exists(root):
@@ -79,8 +82,7 @@ def find_sources(roots: list[str], base: str = "", exclude=()) -> list[Source]:
         os.path.join(d, f) for d, dirs, files in _sorted_walk(root)
         for f in sorted(files)
         if f.endswith(".c") and os.path.isfile(os.path.join(d, f))]  # a FIFO: gcc would hang
-    out += [Source(p, os.path.relpath(p, rel_to)) for p in paths
-            if not any(fnmatch.fnmatch(os.path.relpath(p, rel_to), x) for x in exclude)]
+    out += [Source(p, os.path.relpath(p, rel_to)) for p in paths]
   if not out:
     raise BenchError(f"no .c files under {', '.join(roots)}")
   return out
@@ -179,42 +181,112 @@ def build(roots: list[str], compilers: list[str], levels: list[str], *, cflags=(
   return header, kept
 
 
-def build_set(name: str, where: str, compilers: list[str], levels: list[str], *,
-              workers: int = 0, min_instructions: int = MIN_INSTRUCTIONS, say=print) -> tuple:
-  """A named set of :mod:`lmscale_jax.similarity.sources`, unpacked under ``where`` → (header,
-  groups); each library builds with its own flags, each source is named from ``where`` down
-  (``zstandard-0.25.0/zstd/zstd.c``)."""
-  # the pinned list; only set builds need it
-  from lmscale_jax.similarity import sources as similarity_sources
+def build_set(name: str, where: str, compilers: list[str], levels: list[str], **kw) -> tuple:
+  """A named set of :mod:`lmscale_jax.similarity.sources` (a shipped spec file), unpacked
+  under ``where`` → (header, groups), the header naming the set."""
   if name not in similarity_sources.SETS:
     raise BenchError(f"--set {name}: expected one of {', '.join(similarity_sources.SETS)}")
-  check_levels(levels)
-  libs = similarity_sources.SETS[name]
-  sources = [s for lib in libs for s in library_sources(lib, where, name)]
-  header, kept = build_sources(sources, compilers, levels, workers=workers,
-                               min_instructions=min_instructions, say=say,
-                               what=f"set {name} under {where}")
+  header, kept = build_specs(similarity_sources.load_set(name), where, compilers, levels,
+                             fetch_with=f"--set {name}", **kw)
   header["set"] = name
-  header["libraries"] = [{"package": lib.package, "sources": [f"{lib.top}/{x}" for x in
-                                                              lib.sources],
-                          "cflags": list(lib.cflags), "exclude": list(lib.exclude),
-                          "about": lib.about} for lib in libs]
   return header, kept
 
 
-def library_sources(lib, where: str, set_name: str) -> list[Source]:
-  """One library's ``.c`` files, with its include directories and defines as flags."""
-  top = os.path.join(where, lib.top)
-  if not os.path.isdir(top):
-    raise BenchError(f"{top}: no such directory (fetch the set first: python "
-                     f"tools/fetch_bench_sources.py --set {set_name} --output {where})")
-  roots = [os.path.join(top, x) for x in lib.sources]
-  sources = find_sources(roots, base=where, exclude=[f"{lib.top}/{x}" for x in lib.exclude])
-  flags = (*lib.cflags, *(f"-I{d}" for d in include_dirs(roots)),
-           *(f"-I{os.path.abspath(os.path.join(top, d))}" for d in lib.include))
+def build_specs(libs: list[spec.Library], where: str, compilers: list[str], levels: list[str],
+                *, fetch_with: str = "", **kw) -> tuple:
+  """The libraries of spec files (:mod:`lmscale_jax.similarity.spec`), their roots under
+  ``where`` → (header, groups); each library builds with its own flags and generated headers,
+  each source is named from ``where`` down (``zstandard-0.25.0/zstd/zstd.c``), so two
+  libraries' ``util.c`` stay two files. ``fetch_with`` names the fetch's option in the line
+  for a library not there yet (default: its spec file)."""
+  check_levels(levels)
+  spec.unique(libs)
+  with tempfile.TemporaryDirectory(prefix="simbench-headers-") as headers:
+    sources, files = [], []
+    for i, lib in enumerate(libs):
+      mine, counts = library_sources(lib, where, os.path.join(headers, str(i)),
+                                     fetch_with or f"--spec {lib.spec}", kw.get("say", print))
+      sources += mine
+      files.append(counts)
+    header, kept = build_sources(sources, compilers, levels, what=f"the libraries under {where}",
+                                 **kw)
+  header["specs"] = list(dict.fromkeys(similarity_sources.shown(lib.spec) for lib in libs))
+  header["libraries"] = [describe(lib, n) for lib, n in zip(libs, files)]
+  return header, kept
+
+
+def describe(lib: spec.Library, files: dict) -> dict:
+  """A library as the benchmark's header records it, with how many of its files were compiled,
+  excluded and include-only."""
+  return {"name": lib.name, "package": lib.package, "root": lib.root,
+          "sources": [f"{lib.root}/{x}" for x in lib.sources], "cflags": lib.flags(),
+          "include": list(lib.include), "exclude": list(lib.exclude),
+          "include_only": list(lib.include_only), "generate": [g.path for g in lib.generate],
+          "about": lib.about, "spec": similarity_sources.shown(lib.spec), "files": files}
+
+
+def library_sources(lib: spec.Library, where: str, headers: str, fetch_with: str,
+                    say) -> tuple[list[Source], dict]:
+  """One library's ``.c`` files to compile, each with the library's flags: its defines and
+  cflags, its generated headers (written to ``headers``), each source directory with the
+  ``include`` directories below it, then its own ``include``s. → (sources, counts)."""
+  root = library_root(lib, where, fetch_with)
+  roots = [checked(lib, "sources", root, x, os.path.exists) for x in lib.sources]
+  include = [checked(lib, "include", root, x, os.path.isdir) for x in lib.include]
+  sources, counts = split(lib, root, find_sources(roots, base=where), say)
+  generated = []
+  if lib.generate:
+    spec.write_headers(lib, root, headers)
+    generated = [f"-I{headers}"]  # first -I: before a stale copy in an include directory
+  flags = (*lib.flags(), *generated, *(f"-I{d}" for d in include_dirs(roots)),
+           *(f"-I{os.path.abspath(d)}" for d in include))
   for s in sources:
     s.flags = flags
-  return sources
+  return sources, counts
+
+
+def library_root(lib: spec.Library, where: str, fetch_with: str) -> str:
+  root = os.path.join(where, lib.root)
+  if os.path.isdir(root):
+    return root
+  if lib.package:
+    raise BenchError(f"{root}: no such directory ({lib.name}: fetch it first: python "
+                     f"tools/fetch_bench_sources.py {fetch_with} --output {where})")
+  raise BenchError(f"{root}: no such directory ({lib.where()}: key 'root': unpack its "
+                   "sources there, e.g. with apt-get source, or fix root or --from)")
+
+
+def checked(lib: spec.Library, key: str, root: str, rel: str, test) -> str:
+  path = os.path.join(root, rel)
+  if not test(path):
+    what = "directory" if test is os.path.isdir else "file or directory"
+    raise BenchError(f"{lib.where()}: key {key!r}: {rel!r}: no such {what} under {root}")
+  return path
+
+
+def split(lib: spec.Library, root: str, found: list[Source], say) -> tuple[list[Source], dict]:
+  """The sources to compile, leaving out ``exclude`` and ``include_only`` files (patterns on
+  paths under the root; one that matches no file is said: a typo, or another version)."""
+  rel = {s.path: os.path.relpath(s.path, os.path.abspath(root)) for s in found}
+  for key in ("exclude", "include_only"):
+    for pattern in getattr(lib, key):
+      if not any(fnmatch.fnmatchcase(r, pattern) for r in rel.values()):
+        say(f"{lib.where()}: key {key!r}: {pattern!r} matches no .c file under its sources "
+            "(a typo, or another version of the library?)")
+  kind = {path: _kind(lib, r) for path, r in rel.items()}
+  counts = {k: sum(v == k for v in kind.values()) for k in ("compiled", "exclude",
+                                                            "include_only")}
+  if not counts["compiled"]:
+    raise BenchError(f"{lib.where()}: no .c file left to compile under {root} (all "
+                     f"{len(found)} are exclude or include_only)")
+  return [s for s in found if kind[s.path] == "compiled"], counts
+
+
+def _kind(lib: spec.Library, rel: str) -> str:
+  for key in ("exclude", "include_only"):
+    if any(fnmatch.fnmatchcase(rel, p) for p in getattr(lib, key)):
+      return key
+  return "compiled"
 
 
 def check_levels(levels: list[str]) -> None:
@@ -224,7 +296,8 @@ def check_levels(levels: list[str]) -> None:
 
 
 def build_sources(sources: list[Source], compilers: list[str], levels: list[str], *,
-                  workers: int, min_instructions: int, say, what: str) -> tuple:
+                  what: str, workers: int = 0, min_instructions: int = MIN_INSTRUCTIONS,
+                  say=print) -> tuple:
   """Compiles every source per compiler and level (each with its own flags) → (header, groups);
   the header's ``cflags`` are the ones every source shares."""
   found = compiler_versions(compilers, say)

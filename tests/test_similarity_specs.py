@@ -1,0 +1,191 @@
+"""Spec files of the similarity benchmark's builder, as a user runs them:
+tiny C libraries written here, compiled by the machine's gcc (real objects, real functions),
+tools/build_similarity_bench.py as a subprocess.
+
+The libraries guard what the spec must do with ``#error``: a file that is only ever
+``#include``d fails when compiled on its own, an excluded file fails anywhere, a source fails
+without its library's define or its generated headers, and the other library fails if given
+this one's flags. So a build with no failed object is the proof that each key did its part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.similarity import spec as similarity_spec
+from tests.test_similarity import tool
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+
+LOOP = """  unsigned long h = seed;
+  for (int i = 0; i < n; i++) { h = (h ^ (unsigned char)s[i]) * 1099511628211ul; h ^= h >> 13; }
+  return h;
+"""
+TINY = {  # libtiny-1.0 under --from
+    "src/core.c": '#define CORE_INCLUDES_ME\n#include "helpers.c"\n'
+                  "#ifndef SCALE\n#error SCALE is the library's define\n#endif\n"
+                  "unsigned long core_hash(const char *s, int n, unsigned long seed) {\n"
+                  + LOOP + "}\n"
+                  "long core_scale(const long *v, int n) {\n"
+                  "  long t = 0;\n  for (int i = 0; i < n; i++) t += v[i] * SCALE - (v[i] >> 2);\n"
+                  "  return t + helper_mix(t, n);\n}\n",
+    "src/helpers.c": "#ifndef CORE_INCLUDES_ME\n#error only through core.c\n#endif\n"
+                     "long helper_mix(long a, int n) {\n"
+                     "  for (int i = 0; i < n; i++) a = a * 31 + (a >> 7) - i;\n"
+                     "  return a ^ (a >> 17);\n}\n",
+    "src/feature.c": '#include "config.h"\n#include <tiny_limits.h>\n'
+                     "#ifndef HAVE_FEATURE\n#error config.h is generated\n#endif\n"
+                     "int feature_count(const int *v, int n) {\n  int c = 0;\n"
+                     "  for (int i = 0; i < n && i < TINY_MAX; i++) c += v[i] > FEATURE_LEVEL;\n"
+                     "  return c * 3 + n;\n}\n"
+                     "const char *feature_version(void) { return TINY_VERSION; }\n",
+    "src/arm/neon.c": "#error ARM only\n",
+    "config.h.in": "/* Define to 1 with the feature */\n#undef HAVE_FEATURE\n"
+                   "#undef HAVE_OTHER\n#define FEATURE_LEVEL @LEVEL@\n"
+                   '#define TINY_VERSION "@VERSION@"\n',
+}
+OTHER = {  # other-2.0: its own util.c:init, built with its own define and none of libtiny's
+    "lib/util.c": "#ifdef SCALE\n#error libtiny's flags\n#endif\n"
+                  "unsigned long init(const char *s, int n, unsigned long seed) {\n"
+                  "  seed += OTHER_MODE;\n" + LOOP + "}\n",
+}
+SPEC = """
+about = "two tiny libraries"
+
+[[library]]
+name = "tiny"
+root = "libtiny-1.0"
+sources = ["src"]
+exclude = ["src/arm/*"]
+include_only = ["src/helpers.c"]
+defines = {SCALE = 3}
+
+[[library.generate]]
+path = "config.h"
+template = "config.h.in"
+vars = {LEVEL = 2, VERSION = "1.0"}
+defines = {HAVE_FEATURE = true}
+
+[[library.generate]]
+path = "tiny_limits.h"
+defines = {TINY_MAX = 64}
+
+[[library]]
+name = "other"
+root = "other-2.0"
+sources = ["lib"]
+defines = {OTHER_MODE = 2}
+"""
+
+
+def write_tree(where, files: dict) -> None:
+  for rel, text in files.items():
+    os.makedirs(os.path.dirname(os.path.join(where, rel)), exist_ok=True)
+    with open(os.path.join(where, rel), "w") as f:
+      f.write(text)
+
+
+@pytest.fixture
+def libs(tmp_path):
+  """--from with libtiny-1.0 and other-2.0, and their spec."""
+  write_tree(tmp_path / "src" / "libtiny-1.0", TINY)
+  write_tree(tmp_path / "src" / "other-2.0", OTHER)
+  (tmp_path / "libs.toml").write_text(SPEC)
+  return tmp_path
+
+
+def build(tmp_path, out, *args):
+  return tool("build_similarity_bench.py", "--from", tmp_path / "src", "--output", out,
+              "--compilers", "gcc", "--opt", "O0,O1", "--workers", "1", *args)
+
+
+def groups_of(path) -> list[dict]:
+  return similarity_bench.load(str(path))[1]
+
+
+def test_a_spec_compiles_each_library_with_its_own_flags_headers_and_files(libs):
+  out = libs / "b.jsonl"
+  r = build(libs, out, "--spec", libs / "libs.toml")
+  assert r.returncode == 0, r.stderr
+  assert r.stderr == ""  # no object failed: every #error guard held
+  header = json.loads(open(out).readline())
+  assert header["stats"]["objects_failed"] == 0 and header["stats"]["objects_built"] == 6
+  assert header["sources"] == ["libtiny-1.0/src/core.c", "libtiny-1.0/src/feature.c",
+                               "other-2.0/lib/util.c"]
+  tiny, other = header["libraries"]
+  assert tiny["files"] == {"compiled": 2, "exclude": 1, "include_only": 1}
+  assert tiny["cflags"] == ["-DSCALE=3"] and other["cflags"] == ["-DOTHER_MODE=2"]
+  assert tiny["generate"] == ["config.h", "tiny_limits.h"]
+  assert header["specs"] == [str(libs / "libs.toml")]
+  got = {(g["source"], g["name"]) for g in groups_of(out)}
+  # helper_mix, defined in the include-only file, is there through its includer
+  assert {("libtiny-1.0/src/core.c", "helper_mix"), ("libtiny-1.0/src/core.c", "core_scale"),
+          ("libtiny-1.0/src/feature.c", "feature_count"), ("other-2.0/lib/util.c", "init")} <= got
+  assert not any("helpers.c" in s or "neon.c" in s for s, _ in got)
+  assert not os.path.exists(libs / "src" / "libtiny-1.0" / "config.h")  # the sources as fetched
+
+
+def test_a_pattern_matching_no_file_is_one_line_and_the_build_goes_on(libs):
+  spec = (libs / "libs.toml").read_text().replace('exclude = ["src/arm/*"]',
+                                                  'exclude = ["src/arm/*", "src/nosuch*.c"]')
+  (libs / "libs.toml").write_text(spec)
+  r = build(libs, libs / "b.jsonl", "--spec", libs / "libs.toml")
+  assert r.returncode == 0, r.stderr
+  assert r.stderr.splitlines() == [
+      f"{libs / 'libs.toml'}: library 'tiny': key 'exclude': 'src/nosuch*.c' matches no .c "
+      "file under its sources (a typo, or another version of the library?)"]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda s: s.replace('name = "other"', 'name = "tiny"'),
+     "library 'tiny': key 'name': {spec} has a library of this name too"),
+    (lambda s: s.replace("exclude =", "exlude ="),
+     "library 'tiny': unknown key 'exlude' (did you mean 'exclude'?)"),
+    (lambda s: s.replace('root = "other-2.0"\n', ""),
+     "library 'other': key 'root' missing (its directory under --from)"),
+    (lambda s: s.replace('sources = ["lib"]', 'sources = "lib"'),
+     "library 'other': key 'sources': expected a list of non-empty strings, got 'lib'"),
+    (lambda s: s.replace('root = "other-2.0"', 'root = "/opt/other-2.0"'),
+     "library 'other': key 'root': '/opt/other-2.0': expected a relative path"),
+    (lambda s: s.replace('path = "config.h"', 'path = "../config.h"'),
+     "library 'tiny': generate[1]: key 'path': '../config.h': no '..' here"),
+    (lambda s: s.replace("{OTHER_MODE = 2}", "{OTHER_MODE = 2.5}"),
+     "library 'other': key 'defines': OTHER_MODE = 2.5: expected a string, an integer or "
+     "true/false"),
+    (lambda s: s.replace('template = "config.h.in"\n', ""),
+     "library 'tiny': generate[1]: key 'vars': only a template has @VARS@"),
+    (lambda s: s.replace("LEVEL = 2, ", ""),
+     "library 'tiny': generate[1]: key 'vars': config.h.in has @LEVEL@ and no value for it"),
+    (lambda s: s.replace('sources = ["lib"]', 'sources = ["lib", "nosuch"]'),
+     "library 'other': key 'sources': 'nosuch': no such file or directory under"),
+    (lambda s: s.replace('root = "other-2.0"', 'root = "other-3.0"'),
+     "other-3.0: no such directory ({spec}: library 'other': key 'root': unpack its sources"),
+    (lambda s: s.replace("[[library]]\nname", "[[library]\nname", 1),
+     "not valid TOML: Expected ']]' at the end of an array declaration (at line 4, column 10)"),
+], ids=["duplicate name", "unknown key", "missing root", "sources type", "absolute root",
+        "header outside", "define value", "vars alone", "template var", "no source dir",
+        "no root", "toml syntax"])
+def test_a_bad_spec_is_one_error_line_naming_the_file_library_and_key(libs, edit, says):
+  spec = libs / "libs.toml"
+  spec.write_text(edit(SPEC))
+  r = build(libs, libs / "b.jsonl", "--spec", spec)
+  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert r.stderr.startswith("error: ") and says.format(spec=spec) in r.stderr, r.stderr
+  assert str(spec) in r.stderr and not (libs / "b.jsonl").exists()
+
+
+def test_flags_of_the_command_line_are_refused_with_a_spec(libs):
+  r = build(libs, libs / "b.jsonl", "--spec", libs / "libs.toml", "--cflags=-DSCALE=3")
+  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert "--cflags is for --sources" in r.stderr
+
+
+def test_define_values_become_flags_and_header_lines_as_a_compiler_reads_them():
+  assert [similarity_spec.define_flag(k, v) for k, v in
+          {"A": True, "B": False, "C": "", "D": '"x"', "E": 64}.items()] == [
+      "-DA", "-UB", "-DC=", '-DD="x"', "-DE=64"]
