@@ -1,6 +1,6 @@
-"""Spec files of the similarity benchmark's builder, as a user runs them:
+"""Spec files and merges of the similarity benchmark's builder, as a user runs them:
 tiny C libraries written here, compiled by the machine's gcc (real objects, real functions),
-tools/build_similarity_bench.py as a subprocess.
+tools/build_similarity_bench.py and tools/fetch_bench_sources.py as subprocesses.
 
 The libraries guard what the spec must do with ``#error``: a file that is only ever
 ``#include``d fails when compiled on its own, an excluded file fails anywhere, a source fails
@@ -18,7 +18,7 @@ import pytest
 
 from lmscale_jax.similarity import bench as similarity_bench
 from lmscale_jax.similarity import spec as similarity_spec
-from tests.test_similarity import tool
+from tests.test_similarity import SOURCES, tool
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
@@ -189,3 +189,62 @@ def test_define_values_become_flags_and_header_lines_as_a_compiler_reads_them():
   assert [similarity_spec.define_flag(k, v) for k, v in
           {"A": True, "B": False, "C": "", "D": '"x"', "E": 64}.items()] == [
       "-DA", "-UB", "-DC=", '-DD="x"', "-DE=64"]
+
+
+# --------------------------------------------------------------------------- merge
+def two_libraries_named_alike(tmp_path):
+  """Two libraries, each built alone from a directory src/ with its own util.c:init."""
+  for lib, mult in (("alpha", 3), ("beta", 5)):
+    write_tree(tmp_path / lib, {"src/util.c": (
+        "long init(const long *v, int n) {\n  long t = 0;\n"
+        f"  for (int i = 0; i < n; i++) t = t * {mult} + v[i] - (t >> 3);\n  return t;\n}}\n")})
+    shutil.copy(os.path.join(SOURCES, "numeric.c" if lib == "alpha" else "strings.c"),
+                tmp_path / lib / "src")
+
+
+def test_merge_keeps_two_libraries_util_c_init_apart_and_adds_up_the_headers(tmp_path):
+  two_libraries_named_alike(tmp_path)
+  a, b, merged = tmp_path / "alpha.jsonl", tmp_path / "beta.jsonl", tmp_path / "all.jsonl"
+  codecs = tmp_path / "codecs.jsonl"  # what beta is built disjoint from: its leakage entry
+  for src, out, *extra in ((os.path.join(SOURCES, "codecs.c"), codecs),
+                           (tmp_path / "alpha" / "src", a),
+                           (tmp_path / "beta" / "src", b, "--disjoint-from", codecs)):
+    r = tool("build_similarity_bench.py", "--sources", src, "--output", out,
+             "--compilers", "gcc", "--opt", "O0,O3", "--workers", "1", *extra)
+    assert r.returncode == 0, r.stderr
+  r = tool("build_similarity_bench.py", "--merge", a, b, "--output", merged)
+  assert r.returncode == 0, r.stderr
+  (ha, ga), (hb, gb), (h, g) = (similarity_bench.load(str(p)) for p in (a, b, merged))
+  for gs in (ga, gb):  # each input alone: src/util.c:init
+    assert ("src/util.c", "init") in {(x["source"], x["name"]) for x in gs}
+  keys = [(x["source"], x["name"]) for x in g]
+  assert len(keys) == len(set(keys)) == len(ga) + len(gb) and keys == sorted(keys)
+  assert {("alpha/src/util.c", "init"), ("beta/src/util.c", "init")} <= set(keys)
+  assert h["stats"]["objects_built"] == ha["stats"]["objects_built"] + hb["stats"]["objects_built"]
+  assert h["stats"]["groups"] == len(g) and h["stats"]["pairs"] == len(g)  # two variants each
+  assert h["sources"] == [f"alpha/{x}" for x in ha["sources"]] + [f"beta/{x}" for x in
+                                                                    hb["sources"]]
+  assert h["leakage"] == [{**hb["leakage"][0], "in": str(b)}]
+  assert [(m["file"], m["prefix"]) for m in h["merged"]] == [(str(a), "alpha"), (str(b), "beta")]
+  assert r.stdout.startswith(f"wrote {merged}: {len(g)} functions")
+
+
+def test_merge_of_other_compilers_or_levels_is_one_line(tmp_path):
+  two_libraries_named_alike(tmp_path)
+  a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+  for lib, out, opt in (("alpha", a, "O0,O3"), ("beta", b, "O0,O1")):
+    r = tool("build_similarity_bench.py", "--sources", tmp_path / lib / "src", "--output", out,
+             "--compilers", "gcc", "--opt", opt, "--workers", "1")
+    assert r.returncode == 0, r.stderr
+  r = tool("build_similarity_bench.py", "--merge", a, b, "--output", tmp_path / "m.jsonl")
+  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert f"--merge {b}: variants gcc-O0,gcc-O1 are not {a}'s gcc-O0,gcc-O3" in r.stderr
+  lines = open(a).read().splitlines()  # a's file as another gcc would have built it
+  header = json.loads(lines[0])
+  header["compilers"]["gcc"] = "gcc (Other) 14.1.0"
+  (tmp_path / "c.jsonl").write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
+  r = tool("build_similarity_bench.py", "--merge", a, tmp_path / "c.jsonl", "--output",
+           tmp_path / "m.jsonl")
+  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert "compilers {'gcc': 'gcc (Other) 14.1.0'} is not" in r.stderr
+  assert not (tmp_path / "m.jsonl").exists()

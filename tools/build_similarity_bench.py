@@ -5,6 +5,7 @@
   python tools/build_similarity_bench.py --spec LIBS.toml… [--from DIR] --output F
   python tools/build_similarity_bench.py --set eval|train [--from bench_sources] --output F
       [--disjoint-from BENCH.jsonl …]
+  python tools/build_similarity_bench.py --merge A.jsonl B.jsonl… --output C.jsonl
 
 Every .c file under the sources is built on its own as a shared object per compiler and level
 (-fPIC -shared -nostartfiles, symbols kept, real optimisation), its named functions are taken
@@ -15,8 +16,9 @@ lmscale_jax/similarity/bench.py. --spec builds the libraries a spec file lists, 
 under --from, each with its own source directories, exclusions, include-only files, include
 directories, defines and generated headers (lmscale_jax/similarity/spec.py;
 docs/similarity-corpora.md has the recipe); --set builds a shipped one
-(lmscale_jax/similarity/specs/, fetched by tools/fetch_bench_sources.py). --disjoint-from
-drops every group that shares a function text or a source file + function name with that benchmark
+(lmscale_jax/similarity/specs/, fetched by tools/fetch_bench_sources.py). --merge writes
+several benchmark files as one (lmscale_jax/similarity/merge.py). --disjoint-from drops every
+group that shares a function text or a source file + function name with that benchmark
 (lmscale_jax/similarity/leakage.py) and records how many.
 """
 
@@ -29,6 +31,7 @@ import sys
 import _cli
 from lmscale_jax.similarity import bench as similarity_bench
 from lmscale_jax.similarity import leakage as similarity_leakage
+from lmscale_jax.similarity import merge as similarity_merge
 from lmscale_jax.similarity import sources as similarity_sources
 from lmscale_jax.similarity import spec as similarity_spec
 
@@ -43,6 +46,8 @@ def parser():
                     "spec.py), their roots under --from")
   what.add_argument("--set", choices=list(similarity_sources.SETS),
                     help="a pinned set of tools/fetch_bench_sources.py, unpacked under --from")
+  what.add_argument("--merge", nargs="+", type=_cli.input_file, metavar="BENCH",
+                    help="benchmark files to write as one (same compilers and levels)")
   p.add_argument("--from", dest="from_dir", default="bench_sources", metavar="DIR",
                  help="(--set, --spec) where the libraries' roots are")
   p.add_argument("--disjoint-from", nargs="+", default=[], type=_cli.input_file, metavar="BENCH",
@@ -80,11 +85,12 @@ def main(argv=None) -> int:
 
 def refine(a, header: dict, groups: list[dict], against: list) -> list[dict]:
   """--drop-duplicates, then --disjoint-from; the header records what each dropped."""
-  if a.drop_duplicates:
+  if a.drop_duplicates:  # added to what a merged file's inputs dropped
     dup = set(similarity_leakage.duplicates(groups))
-    header["stats"]["duplicate_groups_dropped"] = len(dup)
-    header["duplicates_dropped"] = [f"{groups[i]['source']}:{groups[i]['name']}"
-                                    for i in sorted(dup)]
+    stats = header["stats"]
+    stats["duplicate_groups_dropped"] = stats.get("duplicate_groups_dropped", 0) + len(dup)
+    header["duplicates_dropped"] = header.get("duplicates_dropped", []) + [
+        f"{groups[i]['source']}:{groups[i]['name']}" for i in sorted(dup)]
     groups = [g for i, g in enumerate(groups) if i not in dup]
   for path, bench in against:
     groups, rep = similarity_leakage.without(groups, bench)
@@ -114,6 +120,8 @@ def build(a) -> tuple:
   if a.cflags and not a.sources:
     raise similarity_bench.BenchError("--cflags is for --sources: a spec's libraries have "
                                       "their own (its cflags and defines keys)")
+  if a.merge:
+    return similarity_merge.merge(a.merge)
   if a.set:
     return similarity_bench.build_set(a.set, a.from_dir, compilers, levels, **kw)
   if a.spec:

@@ -14,7 +14,8 @@ The benchmark file (``BENCH``, JSON lines, written atomically):
   ``"specs"`` and ``"libraries"`` (each with its directories, flags and how many files it
   compiled, excluded and left include-only); tools/build_similarity_bench.py adds
   ``"leakage"`` and ``"duplicates_dropped"`` where it removed groups
-  (:mod:`lmscale_jax.similarity.leakage`);
+  (:mod:`lmscale_jax.similarity.leakage`), and a merge (:mod:`lmscale_jax.similarity.merge`)
+  ``"merged"``;
 * then one line per group (a source-level function: source file + function name, present in
   at least two variants): ``{"source": "lz4-4.3.3/lz4libs/lz4.c", "name": "LZ4_compress_fast",
   "variants": {"gcc-O0": {"text": "push rbp [NEXT] …", "instructions": 57, "digest": HEX},
