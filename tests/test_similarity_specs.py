@@ -1,4 +1,4 @@
-"""Spec files and merges of the similarity benchmark's builder, as a user runs them:
+"""Spec files, merges and progress of the similarity benchmark's builder, as a user runs them:
 tiny C libraries written here, compiled by the machine's gcc (real objects, real functions),
 tools/build_similarity_bench.py and tools/fetch_bench_sources.py as subprocesses.
 
@@ -248,3 +248,25 @@ def test_merge_of_other_compilers_or_levels_is_one_line(tmp_path):
   assert r.returncode == 2 and r.stderr.count("\n") == 1
   assert "compilers {'gcc': 'gcc (Other) 14.1.0'} is not" in r.stderr
   assert not (tmp_path / "m.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- progress
+def test_progress_counts_objects_on_stderr_and_leaves_stdout_as_it_was(libs):
+  out = libs / "b.jsonl"
+  quiet = build(libs, out, "--spec", libs / "libs.toml", "--no-progress")
+  shown = build(libs, out, "--spec", libs / "libs.toml", "--progress")
+  assert quiet.returncode == shown.returncode == 0, shown.stderr
+  assert shown.stdout == quiet.stdout and quiet.stderr == ""
+  assert "compile: 100%" in shown.stderr and "6/6" in shown.stderr
+  assert "compile:" not in shown.stdout and "6/6" not in shown.stdout
+
+
+def test_fetch_progress_names_each_package_on_stderr_only(libs):
+  spec = libs / "libs.toml"  # a library already unpacked under --output is not downloaded
+  spec.write_text(SPEC.replace('root = "other-2.0"', 'root = "other-2.0"\npackage = "other==2.0"'))
+  quiet = tool("fetch_bench_sources.py", "--output", libs / "src", "--spec", spec,
+               "--no-progress")
+  shown = tool("fetch_bench_sources.py", "--output", libs / "src", "--spec", spec, "--progress")
+  assert quiet.returncode == shown.returncode == 0, shown.stderr
+  assert shown.stdout == quiet.stdout == f"{libs / 'src' / 'other-2.0' / 'lib'}\n"
+  assert quiet.stderr == "" and "1/1" in shown.stderr and "other==2.0" in shown.stderr

@@ -19,11 +19,13 @@ docs/similarity-corpora.md has the recipe); --set builds a shipped one
 (lmscale_jax/similarity/specs/, fetched by tools/fetch_bench_sources.py). --merge writes
 several benchmark files as one (lmscale_jax/similarity/merge.py). --disjoint-from drops every
 group that shares a function text or a source file + function name with that benchmark
-(lmscale_jax/similarity/leakage.py) and records how many.
+(lmscale_jax/similarity/leakage.py) and records how many. On a terminal, a bar on stderr
+counts the objects compiled (--progress / --no-progress: always / never).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import sys
@@ -66,15 +68,18 @@ def parser():
                  default=similarity_bench.MIN_INSTRUCTIONS)
   p.add_argument("--workers", type=_cli.number(int, 0, 1024), default=0,
                  help="compilers run at once (0 = all cores)")
+  p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                 help="a bar on stderr counting the objects compiled (default: on a terminal)")
   return p
 
 
 def main(argv=None) -> int:
   a = parser().parse_args(argv)
+  shown = a.progress if a.progress is not None else sys.stderr.isatty()
 
   def go() -> int:
     against = [(path, disjoint_from(path)) for path in a.disjoint_from]  # before the build
-    header, groups = build(a)
+    header, groups = build(a, shown)
     groups = refine(a, header, groups, against)
     similarity_bench.write(a.output, header, groups)
     report(a, header)
@@ -113,9 +118,9 @@ def disjoint_from(path: str) -> list[dict]:
   return similarity_bench.load(path)[1]
 
 
-def build(a) -> tuple:
-  kw = dict(workers=a.workers, min_instructions=a.min_instructions,
-            say=lambda line: print(line, file=sys.stderr))
+def build(a, shown: bool) -> tuple:
+  kw = dict(workers=a.workers, min_instructions=a.min_instructions, say=sayer(shown),
+            progress=shown)
   compilers, levels = [c for c in a.compilers.split(",") if c], [o for o in a.opt.split(",") if o]
   if a.cflags and not a.sources:
     raise similarity_bench.BenchError("--cflags is for --sources: a spec's libraries have "
@@ -128,6 +133,15 @@ def build(a) -> tuple:
     libs = [lib for path in a.spec for lib in similarity_spec.load(path)]
     return similarity_bench.build_specs(libs, a.from_dir, compilers, levels, **kw)
   return similarity_bench.build(a.sources, compilers, levels, cflags=shlex.split(a.cflags), **kw)
+
+
+def sayer(shown: bool):
+  """One line on stderr; with a bar, written between its redraws (tqdm.write), not into it."""
+  if not shown:
+    return lambda line: print(line, file=sys.stderr)
+  from tqdm import tqdm
+
+  return lambda line: tqdm.write(line, file=sys.stderr)
 
 
 def report(a, header: dict) -> None:

@@ -1,7 +1,7 @@
 """Fetch the C libraries of the similarity corpora from the package index (PyPI sdists).
 
   python tools/fetch_bench_sources.py --output bench_sources [--set eval|train]
-      [--spec LIBS.toml …] [--package lz4==4.3.3 …]
+      [--spec LIBS.toml …] [--package lz4==4.3.3 …] [--no-progress]
 
 Each package is `pip download --no-binary NAME --no-deps NAME==VERSION` (the source
 distribution, nothing else) and unpacked under --output; the bundled C library's directories
@@ -12,11 +12,13 @@ zstandard 0.25.0's zstd and quickjs 1.19.4's QuickJS) and train (fine-tuning pai
 other packages' libraries: libsodium, Lua 5.4, pycryptodome, cmark-gfm, tree-sitter, …).
 --spec fetches the libraries of a spec file that name a package (lmscale_jax/similarity/
 spec.py); --package any sdist (its top directory is printed). A package already unpacked there
-is not fetched again.
+is not fetched again. On a terminal, a bar on stderr counts the packages and names the one in
+flight (--progress / --no-progress: always / never).
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import subprocess
@@ -45,6 +47,8 @@ def parser():
                      "of this spec file's libraries")
   other.add_argument("--package", action="append", default=[], metavar="NAME==VERSION",
                      help="repeatable; instead of --set's packages")
+  p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                 help="a bar on stderr per package (default: on a terminal)")
   return p
 
 
@@ -114,12 +118,19 @@ def wanted(a) -> tuple[list[str], dict]:
 
 def main(argv=None) -> int:
   a = parser().parse_args(argv)
+  shown = a.progress if a.progress is not None else sys.stderr.isatty()
 
   def go() -> int:
     os.makedirs(a.output, exist_ok=True)
     pins, libraries = wanted(a)
-    for pin in pins:
-      print("\n".join(fetch(pin, a.output, libraries)))
+    from tqdm import tqdm  # a bar per package: pip takes up to minutes for one
+
+    with tqdm(total=len(pins), desc="fetch", unit="pkg", file=sys.stderr,
+              disable=not shown) as bar:
+      for pin in pins:
+        bar.set_postfix_str(pin)
+        bar.write("\n".join(fetch(pin, a.output, libraries)), file=sys.stdout)  # not into it
+        bar.update()
     return 0
 
   return _cli.guarded(go, f"rerun to finish the download into {a.output}")

@@ -38,10 +38,11 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.prep import elf_corpus, elf_functions
+from lmscale_jax.prep import elf_corpus, elf_functions, progress as progress_bars
 from lmscale_jax.similarity import sources as similarity_sources
 from lmscale_jax.similarity import spec
 from lmscale_jax.store import dataset
@@ -168,7 +169,8 @@ def new_stats() -> dict:
 
 
 def build(roots: list[str], compilers: list[str], levels: list[str], *, cflags=(),
-          workers: int = 0, min_instructions: int = MIN_INSTRUCTIONS, say=print) -> tuple:
+          workers: int = 0, min_instructions: int = MIN_INSTRUCTIONS, say=print,
+          progress: bool = False) -> tuple:
   """→ (header, groups): see the module docstring. ``say`` gets one line per problem."""
   check_levels(levels)
   sources = find_sources(roots)
@@ -177,7 +179,7 @@ def build(roots: list[str], compilers: list[str], levels: list[str], *, cflags=(
     s.flags = flags
   header, kept = build_sources(sources, compilers, levels, workers=workers,
                                min_instructions=min_instructions, say=say,
-                               what=", ".join(roots))
+                               what=", ".join(roots), progress=progress)
   header["cflags"] = list(BASE_FLAGS) + list(cflags)
   return header, kept
 
@@ -298,9 +300,10 @@ def check_levels(levels: list[str]) -> None:
 
 def build_sources(sources: list[Source], compilers: list[str], levels: list[str], *,
                   what: str, workers: int = 0, min_instructions: int = MIN_INSTRUCTIONS,
-                  say=print) -> tuple:
+                  say=print, progress: bool = False) -> tuple:
   """Compiles every source per compiler and level (each with its own flags) → (header, groups);
-  the header's ``cflags`` are the ones every source shares."""
+  the header's ``cflags`` are the ones every source shares. ``progress``: a bar on stderr
+  counting the objects compiled (``say`` must then write between its redraws)."""
   found = compiler_versions(compilers, say)
   variants = [f"{cc}-{lv}" for cc in found for lv in levels]
   stats, problems = new_stats(), []
@@ -308,11 +311,14 @@ def build_sources(sources: list[Source], compilers: list[str], levels: list[str]
   groups: dict[tuple[str, str], dict] = {}
   with tempfile.TemporaryDirectory(prefix="simbench-") as tmp:
     jobs = [(cc, lv, i, s) for cc in found for lv in levels for i, s in enumerate(sources)]
+    bar = progress_bars.bar(progress, total=len(jobs), desc="compile", unit="obj",
+                            file=sys.stderr)
     with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
       futures = [pool.submit(_compile, cc, lv, s, os.path.join(tmp, f"{cc}-{lv}-{i}.so"),
                              list(s.flags)) for cc, lv, i, s in jobs]
       for (cc, lv, i, s), fut in zip(jobs, futures):
         problem = fut.result()
+        bar.update()
         if problem:
           stats["objects_failed"] += 1
           problems.append(problem)
@@ -322,6 +328,7 @@ def build_sources(sources: list[Source], compilers: list[str], levels: list[str]
         obj = os.path.join(tmp, f"{cc}-{lv}-{i}.so")
         _add_object(groups, obj, s, f"{cc}-{lv}", min_instructions, stats)
         os.remove(obj)  # a set's objects add up to gigabytes of /tmp
+    bar.close()
   kept = []
   for key in sorted(groups):
     if len(groups[key]) < 2:
