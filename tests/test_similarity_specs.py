@@ -18,6 +18,7 @@ import pytest
 
 from lmscale_jax.similarity import bench as similarity_bench
 from lmscale_jax.similarity import spec as similarity_spec
+from tests.helpers import ROOT
 from tests.test_similarity import SOURCES, tool
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
@@ -270,3 +271,13 @@ def test_fetch_progress_names_each_package_on_stderr_only(libs):
   assert quiet.returncode == shown.returncode == 0, shown.stderr
   assert shown.stdout == quiet.stdout == f"{libs / 'src' / 'other-2.0' / 'lib'}\n"
   assert quiet.stderr == "" and "1/1" in shown.stderr and "other==2.0" in shown.stderr
+
+
+def test_the_worked_example_of_the_docs_is_a_valid_spec(tmp_path):
+  doc = open(os.path.join(ROOT, "docs", "similarity-corpora.md")).read()
+  example = doc.split("```toml\n")[1].split("```")[0]
+  (tmp_path / "libsodium.toml").write_text(example)
+  lib, = similarity_spec.load(str(tmp_path / "libsodium.toml"))
+  assert (lib.name, lib.root, lib.generate[0].path) == ("libsodium", "libsodium-1.0.18",
+                                                        "version.h")
+  assert lib.generate[0].vars["VERSION"] == "1.0.18"
