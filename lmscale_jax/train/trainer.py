@@ -341,9 +341,9 @@ def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> Non
 def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   config = copy.deepcopy(config)  # data.workers may be capped or set by the autotune below
   setup = build_setup(config, meta)
-  loader.cap_workers(config, is_writer=jax.process_index() == 0)
   train_config, meta = config.train, setup.meta
   is_writer = jax.process_index() == 0
+  loader.cap_workers(config, is_writer=is_writer)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
   if is_writer and jax.device_count() > 1:
