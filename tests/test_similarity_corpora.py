@@ -8,6 +8,7 @@ tests/data/similarity as tests/test_similarity.py builds its benchmark.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -79,15 +80,28 @@ def test_duplicates_are_later_groups_sharing_a_text_with_an_earlier_one():
 
 
 def test_the_pinned_sets_share_no_package_no_directory_and_no_library():
-  ev, tr = similarity_sources.load_set("eval"), similarity_sources.load_set("train")
-  assert [lib.package for lib in ev[:2]] == ["lz4==4.3.3", "brotli==1.1.0"]  # 2026-12-01's
-  assert not {lib.package for lib in ev} & {lib.package for lib in tr}
-  assert not {lib.root for lib in ev} & {lib.root for lib in tr}
-  names = {lib.package.split("==")[0] for lib in tr}
+  sets = {name: similarity_sources.load_set(name) for name in ("eval", "eval2", "train")}
+  assert [lib.package for lib in sets["eval"][:2]] == ["lz4==4.3.3", "brotli==1.1.0"]  # 2026-12-01's
+  for a, b in itertools.combinations(sets.values(), 2):
+    assert not {lib.package for lib in a} & {lib.package for lib in b}
+    assert not {lib.root for lib in a} & {lib.root for lib in b}
+    assert not {lib.name for lib in a} & {lib.name for lib in b}
+  names = {lib.package.split("==")[0] for lib in sets["train"] + sets["eval2"]}
   assert not names & {"lz4", "brotli", "zstandard", "quickjs", "xxhash", "pyzstd", "brotlicffi"}
-  for lib in ev + tr:
+  for lib in itertools.chain(*sets.values()):
     assert lib.package == lib.package.lower() and lib.package.count("==") == 1
     assert lib.sources and all(not os.path.isabs(x) for x in lib.sources + lib.include)
+
+
+def test_the_second_held_out_set_builds_libuv_as_its_cmake_file_does_for_linux():
+  """Only the Linux files of libuv's CMakeLists.txt, with its Linux defines: another OS's file
+  would fail to build or, worse, add functions no Linux binary has."""
+  libuv = similarity_sources.by_package()["uvloop==0.23.0"]
+  assert len(libuv.sources) == 35 and all(s.endswith(".c") for s in libuv.sources)
+  assert not [s for s in libuv.sources if any(
+      os_name in s for os_name in ("win/", "darwin", "bsd", "aix", "os390", "sunos", "kqueue"))]
+  assert libuv.flags()[:4] == ["-D_GNU_SOURCE", "-D_POSIX_C_SOURCE=200112",
+                               "-D_FILE_OFFSET_BITS=64", "-D_LARGEFILE_SOURCE"]
 
 
 def test_the_shipped_spec_files_give_each_library_the_flags_it_was_measured_with():

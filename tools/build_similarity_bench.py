@@ -3,7 +3,7 @@
   python tools/build_similarity_bench.py --sources DIR… --output BENCH.jsonl
       [--compilers gcc,clang] [--opt O0,O1,O2,O3] [--cflags "-DNDEBUG"] [--workers N]
   python tools/build_similarity_bench.py --spec LIBS.toml… [--from DIR] --output F
-  python tools/build_similarity_bench.py --set eval|train [--from bench_sources] --output F
+  python tools/build_similarity_bench.py --set eval|eval2|train [--from bench_sources] --output F
       [--disjoint-from BENCH.jsonl …]
   python tools/build_similarity_bench.py --merge A.jsonl B.jsonl… --output C.jsonl
 

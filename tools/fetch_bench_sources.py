@@ -1,6 +1,6 @@
 """Fetch the C libraries of the similarity corpora from the package index (PyPI sdists).
 
-  python tools/fetch_bench_sources.py --output bench_sources [--set eval|train]
+  python tools/fetch_bench_sources.py --output bench_sources [--set eval|eval2|train]
       [--spec LIBS.toml …] [--package lz4==4.3.3 …] [--no-progress]
 
 Each package is `pip download --no-binary NAME --no-deps NAME==VERSION` (the source
@@ -8,8 +8,9 @@ distribution, nothing else) and unpacked under --output; the bundled C library's
 are printed, one per line, for tools/build_similarity_bench.py (--set and --spec build whole
 sets with each library's own flags). The shipped sets (lmscale_jax/similarity/specs/): eval
 (the default; the benchmark: lz4 4.3.3's LZ4 and Brotli 1.1.0's Brotli as on 2026-12-01, then
-zstandard 0.25.0's zstd and quickjs 1.19.4's QuickJS) and train (fine-tuning pairs from nine
-other packages' libraries: libsodium, Lua 5.4, pycryptodome, cmark-gfm, tree-sitter, …).
+zstandard 0.25.0's zstd and quickjs 1.19.4's QuickJS), eval2 (a second held-out benchmark:
+SQLite, libuv, libyaml, llhttp + http-parser, CRoaring) and train (fine-tuning pairs from
+nine other packages' libraries: libsodium, Lua 5.4, pycryptodome, cmark-gfm, tree-sitter, …).
 --spec fetches the libraries of a spec file that name a package (lmscale_jax/similarity/
 spec.py); --package any sdist (its top directory is printed). A package already unpacked there
 is not fetched again. On a terminal, a bar on stderr counts the packages and names the one in

@@ -1,9 +1,11 @@
-"""The C libraries of the similarity corpora, pinned: two spec files shipped in ``specs/`` (the
+"""The C libraries of the similarity corpora, pinned: three spec files shipped in ``specs/`` (the
 format: :mod:`lmscale_jax.similarity.spec`), each library with the source distribution (sdist)
 of the package index that bundles it, where inside it, and the flags it needs to build one
-file at a time. Two named sets, disjoint by library:
+file at a time. Three named sets, disjoint by library:
 
 * ``eval`` (``specs/eval.toml``): the benchmark (:mod:`lmscale_jax.evals.retrieval`).
+* ``eval2`` (``specs/eval2.toml``): a second held-out benchmark, other kinds of code than
+  ``eval``'s, so that a claim is checked on two sets of libraries, not one.
 * ``train`` (``specs/train.toml``): contrastive fine-tuning pairs (the same source function
   compiled two ways); why these libraries, and not others, is said in the file.
 
@@ -17,7 +19,7 @@ import os
 from lmscale_jax.similarity import spec
 
 SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
-SETS = {name: os.path.join(SPECS, f"{name}.toml") for name in ("eval", "train")}
+SETS = {name: os.path.join(SPECS, f"{name}.toml") for name in ("eval", "eval2", "train")}
 
 
 def load_set(name: str) -> list[spec.Library]:
