@@ -45,10 +45,15 @@ def test_a_comparison_pairs_runs_seed_by_seed_and_holds_only_where_every_seed_do
   assert seeds.compare(p2, q2)["holds_every_run"] is True
 
 
-def test_methods_with_other_numbers_of_runs_are_not_compared():
-  r = rows({"pre-s0": 0.6, "pre-s1": 0.6, "rand-s0": 0.5})
+def test_a_one_run_baseline_is_compared_with_each_seed_and_other_counts_are_refused():
+  r = rows({"pre-s0": 0.6, "pre-s1": 0.4, "rand-s0": 0.5, "rand-s1": 0.5, "rand-s2": 0.5,
+            "tfidf": 0.45})
   (pre,), (rand,) = seeds.cells(r, "pre", ["pre-*"]), seeds.cells(r, "rand", ["rand-*"])
-  with pytest.raises(UserError, match="pre has 2 runs at all, pool 100, and rand 1"):
+  (tfidf,) = seeds.cells(r, "TF-IDF", ["tfidf"])
+  c = seeds.compare(pre, tfidf)
+  assert c["pairs_of_runs"] == [("pre-s0", "tfidf"), ("pre-s1", "tfidf")]
+  assert c["recall_at_1_diff"] == pytest.approx([0.15, -0.05]) and not c["holds_every_run"]
+  with pytest.raises(UserError, match="pre has 2 runs at all, pool 100, and rand 3"):
     seeds.compare(pre, rand)
 
 

@@ -83,13 +83,19 @@ def cells(rows: list[dict], label: str, globs: list[str]) -> list[Cell]:
 
 def compare(a: Cell, b: Cell) -> dict:
   """``a`` − ``b`` run by run (the i-th run of each: the same seed where both are named by
-  it): the differences, their mean, and whether every one is above zero."""
-  if len(a.runs) != len(b.runs):
+  it; a method of one run, e.g. TF-IDF, against each run of the other): the differences,
+  their mean, and whether every one is above zero."""
+  runs_a, runs_b, ra, rb = a.runs, b.runs, a.recall_at_1, b.recall_at_1
+  if len(runs_b) == 1 and len(runs_a) > 1:
+    runs_b, rb = runs_b * len(runs_a), rb * len(runs_a)
+  if len(runs_a) == 1 and len(runs_b) > 1:
+    runs_a, ra = runs_a * len(runs_b), ra * len(runs_b)
+  if len(runs_a) != len(runs_b):
     raise UserError(f"{a.label} has {len(a.runs)} runs at {a.pair}, pool {a.pool}, and "
                     f"{b.label} {len(b.runs)}: a comparison pairs them seed by seed")
-  d = [x - y for x, y in zip(a.recall_at_1, b.recall_at_1)]
+  d = [x - y for x, y in zip(ra, rb)]
   return {"a": a.label, "b": b.label, "pair": a.pair, "pool": a.pool,
-          "pairs_of_runs": list(zip(a.runs, b.runs)), "recall_at_1_diff": d,
+          "pairs_of_runs": list(zip(runs_a, runs_b)), "recall_at_1_diff": d,
           "mean": float(np.mean(d)), "min": float(min(d)), "max": float(max(d)),
           "holds_every_run": bool(min(d) > 0)}
 
