@@ -230,6 +230,7 @@ def test_a_damaged_workdir_file_is_one_line_naming_it(trained, pairs, tmp_path, 
   err = one_line(cli(*command(tool, workdir, trained, pairs, tmp_path)), code)
   assert workdir in err and message in err
   assert not (tmp_path / "hf").exists() and not (tmp_path / "e.npz").exists()
+  assert not (tmp_path / "ft").exists()  # a fine-tune with no start model: no workdir either
 
 
 def test_a_kills_torn_last_metrics_line_and_a_non_finite_loss_still_export(trained, tmp_path):

@@ -270,6 +270,8 @@ def check_inputs(config, workdir: str) -> finetune_pairs.Pairs:
   if fresh and not os.path.isdir(config.init.path):
     raise UserError(f"init.path={config.init.path} (--init-{config.init.source}): no such "
                     "directory")
+  if fresh:  # its config and tokenizer read now: a bad start model leaves no empty workdir
+    trained_model.architecture(config.init.path, config.init.tokenizer)
   return pairs
 
 
