@@ -74,7 +74,7 @@ done_at() {  # "yes" when the run in $1 finished its $2 steps
   $py -c 'import sys
 from lmscale_jax.cluster import run_state
 s = run_state.read(sys.argv[1]) or {}
-print("yes" if s.get("state") == "done" and s.get("step") == int(sys.argv[2]) else "no")' "$1" "$2"
+print("yes" if s.get("state") == "finished" and s.get("step") == int(sys.argv[2]) else "no")' "$1" "$2"
 }
 pre_steps=${PRE_STEPS:-3000}
 [ "$(done_at "$out/pretrain/run" "$pre_steps")" = yes ] || $py -m lmscale_jax.main \
@@ -88,10 +88,16 @@ finetune() {  # $1 workdir, then the start
     --steps "$ft_steps" --log-every 50 --learning-rate 3e-4 --warmup-steps 60 \
     --checkpoint-every 200
 }
+# Two at once (each its own log): on 2 cores two runs of this tiny model finish sooner than
+# one after the other.
 runs=(--workdir "$out/pretrain/run")
 for s in $seeds; do
-  finetune "$out/ft-pre-s$s" --init-workdir "$out/pretrain/run" --seed "$s"
-  finetune "$out/ft-rand-s$s" --init-random "$out/pretrain/run" --seed "$s"
+  finetune "$out/ft-pre-s$s" --init-workdir "$out/pretrain/run" --seed "$s" \
+    > "$out/ft-pre-s$s.log" 2>&1 & pre=$!
+  finetune "$out/ft-rand-s$s" --init-random "$out/pretrain/run" --seed "$s" \
+    > "$out/ft-rand-s$s.log" 2>&1 & rand=$!
+  wait $pre || { tail -3 "$out/ft-pre-s$s.log" >&2; exit 1; }
+  wait $rand || { tail -3 "$out/ft-rand-s$s.log" >&2; exit 1; }
   runs+=(--workdir "$out/ft-pre-s$s" --workdir "$out/ft-rand-s$s")
 done
 
@@ -100,11 +106,21 @@ for set in eval eval2; do
     --bench "$corpora/$set.jsonl" "${runs[@]}" --tokenizer "$tokenizer" --pool 100,1000 \
     --queries "${QUERIES:-0}" --train-elf "$out/corpus_in" \
     --train-max-bytes $(( ${CORPUS_MB:-240} * 1000000 )) --json "$out/scores-$set.json"
+  # The untrained encoders at more draws (--seed: other pools, other random weights): their
+  # claims (MLM alone vs random weights vs TF-IDF) pair up draw by draw.
+  for s in 1 2; do
+    [ -f "$out/scores-$set-draw$s.json" ] || $py tools/eval_similarity.py \
+      --bench "$corpora/$set.jsonl" --workdir "$out/pretrain/run" --tokenizer "$tokenizer" \
+      --pool 100,1000 --queries "${QUERIES:-0}" --seed "$s" --json "$out/scores-$set-draw$s.json"
+  done
 done
-$py benchmarks/similarity_seeds.py --set "eval=$out/scores-eval.json" \
-  --set "eval2=$out/scores-eval2.json" --group TF-IDF=tfidf \
-  --group "random weights, untrained=random-init*" --group "MLM only=run@*" \
-  --group "random init + fine-tune=ft-rand-s*" --group "pretrained + fine-tune=ft-pre-s*" \
+draws() { echo "$out/scores-$1.json,$out/scores-$1-draw1.json,$out/scores-$1-draw2.json"; }
+$py benchmarks/similarity_seeds.py --set "eval=$(draws eval)" --set "eval2=$(draws eval2)" \
+  --group TF-IDF=tfidf --group "random init + fine-tune=ft-rand-s*" \
+  --group "pretrained + fine-tune=ft-pre-s*" \
+  --group "TF-IDF, 3 draws=tfidf,tfidf/*" --group "random weights, untrained=random-init*" \
+  --group "MLM only=run@*" \
   --compare "pretrained + fine-tune>random init + fine-tune" \
   --compare "pretrained + fine-tune>TF-IDF" --compare "random init + fine-tune>TF-IDF" \
+  --compare "TF-IDF, 3 draws>MLM only" --compare "random weights, untrained>MLM only" \
   --json "$out/claims.json"

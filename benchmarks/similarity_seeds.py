@@ -6,7 +6,9 @@
       --group TF-IDF=tfidf --compare 'pretrained + fine-tune>random init + fine-tune' \
       [--cells gcc-O0↔gcc-O3@100,all@100,gcc-O0↔gcc-O3@1000,all@1000] [--json OUT.json]
 
-Each --set names one benchmark and the eval JSON(s) measured on it (NAME=A.json[,B.json]).
+Each --set names one benchmark and the eval JSON(s) measured on it (NAME=A.json[,B.json]);
+the methods of the k-th file after the first are named METHOD/k (e.g. one more draw of the
+pools, eval_similarity.py --seed: tfidf/1, run@3000/1), so runs pair up file by file.
 Each --group is one method: a label and the glob patterns picking its runs (one per seed) out
 of the rows. A cell is R@1 as mean ± half the range over the runs (the number of runs in
 brackets). Each --compare 'A>B' pairs A's and B's runs seed by seed (in name order) and says,
@@ -42,7 +44,8 @@ def read_sets(specs: list[str]) -> dict[str, list[dict]]:
     name, sep, paths = spec.partition("=")
     if not sep or not paths:
       raise UserError(f"--set {spec!r}: expected NAME=A.json[,B.json]")
-    out[name] = [row for path in paths.split(",") for row in seeds.load(path)]
+    out[name] = [{**row, "method": row["method"] + (f"/{k}" if k else "")}
+                 for k, path in enumerate(paths.split(",")) for row in seeds.load(path)]
   return out
 
 

@@ -86,6 +86,20 @@ def test_the_table_shows_each_set_and_cell_and_the_comparison_per_seed(tmp_path)
   assert len(saved["cells"]) == 12 and len(saved["comparisons"]) == 4
 
 
+def test_the_files_of_one_set_are_runs_paired_file_by_file(tmp_path):
+  """Several draws of the pools (eval_similarity.py --seed): the k-th file's methods are
+  METHOD/k, so one method over the draws is one group and two methods pair draw by draw."""
+  files = [results_file(tmp_path / f"{k}.json", {"run@3000": m, "random-init": r})
+           for k, (m, r) in enumerate([(0.40, 0.42), (0.41, 0.40), (0.39, 0.43)])]
+  p = subprocess.run(
+      [sys.executable, "benchmarks/similarity_seeds.py", "--set", "eval=" + ",".join(files),
+       "--group", "MLM=run@*", "--group", "random=random-init*", "--compare", "random>MLM",
+       "--cells", "all@100"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert p.returncode == 0, p.stderr
+  assert "| MLM | 0.400 ± 0.010 (3) |" in p.stdout
+  assert "random − MLM = +0.017 (per seed +0.020, -0.010, +0.040): does not hold" in p.stdout
+
+
 def test_a_bad_results_file_is_one_line_and_exit_2(tmp_path):
   bad = tmp_path / "bad.json"
   bad.write_text("{not json")
