@@ -122,5 +122,5 @@ $py benchmarks/similarity_seeds.py --set "eval=$(draws eval)" --set "eval2=$(dra
   --group "MLM only=run@*" \
   --compare "pretrained + fine-tune>random init + fine-tune" \
   --compare "pretrained + fine-tune>TF-IDF" --compare "random init + fine-tune>TF-IDF" \
-  --compare "TF-IDF, 3 draws>MLM only" --compare "random weights, untrained>MLM only" \
+  --compare "TF-IDF, 3 draws>MLM only" --compare "MLM only>random weights, untrained" \
   --json "$out/claims.json"
