@@ -182,11 +182,12 @@ def one_side_short(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def short_runs(one_side_short, tmp_path_factory):
-  """eval_similarity.py on that benchmark at pools 10 and 80, with and without --no-progress:
+  """eval_similarity.py on that benchmark at pools 10 and 80, with --progress and by default
+  (stderr a pipe, so no bars):
   {"shown"/"hidden": (the run, its --json, its --results rows)}."""
   path, hf = one_side_short
   runs = {}
-  for name, extra in (("hidden", ["--no-progress"]), ("shown", [])):
+  for name, extra in (("hidden", []), ("shown", ["--progress"])):  # stderr: a pipe
     out = tmp_path_factory.mktemp(name)
     r = tool("eval_similarity.py", "--bench", path, "--hf", hf, "--pool", "10,80",
              "--json", out / "eval.json", "--results", out / "results.jsonl", *extra)

@@ -3,7 +3,7 @@
   python tools/eval_similarity.py --bench BENCH.jsonl (--workdir DIR[@STEP] | --hf OUT)…
       [--pool 100,1000] [--pairs gcc-O0:gcc-O3,…] [--queries K] [--seed 0]
       [--train-elf PATH… [--train-max-bytes N]] [--json OUT.json] [--results FILE.jsonl]
-      [--no-progress]
+      [--progress | --no-progress]
 
 The jTrans protocol: each function at one compiled variant is a query; its pool holds the same
 source function at another variant (the positive) and N−1 other functions of that variant;
@@ -25,12 +25,14 @@ prepare does and reports how many benchmark functions its corpus holds verbatim 
 normalised-text hash as prepare's deduplication): the leakage check. --results appends one
 JSON line per number (date, device) to a benchmarks/results file. Each step that can take
 minutes (embedding the functions with each model, scoring each method, reading the
-pretraining inputs) draws a progress bar with an ETA on stderr (--no-progress: none); stdout
-holds only the report (the tables, the cut shares, the leakage line).
+pretraining inputs) draws a progress bar with an ETA on stderr where it is a terminal
+(--progress: always, --no-progress: never); stdout holds only the report (the tables, the
+cut shares, the leakage line).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -78,8 +80,10 @@ def parser():
                  help="write everything as JSON")
   p.add_argument("--results", default=None, type=_cli.append_file, metavar="FILE.jsonl",
                  help="append JSON lines")
-  p.add_argument("--no-progress", action="store_true",
-                 help="no progress bars (they go to stderr; stdout has only the report)")
+  # A log is no terminal: a 20-minute run drew megabytes of bar frames into one (2026-12-03).
+  p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                 help="progress bars on stderr: always / never (default: where stderr is a "
+                 "terminal; stdout has only the report)")
   return p
 
 
@@ -160,14 +164,14 @@ def methods(a, items) -> tuple[dict, dict]:
   seen_arch = set()
   for m in models:
     name = label(m, vecs)
-    vecs[name], cut = model_vectors(m, items.text, a.embed_pool, name, not a.no_progress)
+    vecs[name], cut = model_vectors(m, items.text, a.embed_pool, name, a.progress)
     info[name] = {**describe(m), "seq_len": m.cfg.seq_len, "cut_frac": cut}
     arch = (m.cfg.layers, m.cfg.hidden, m.cfg.heads, m.cfg.ffn, m.cfg.vocab_size)
     if not a.no_random_init and arch not in seen_arch:
       seen_arch.add(arch)
       name = "random-init" if len(models) == 1 else f"random-init({name})"
       vecs[name], cut = model_vectors(random_init(m, a.seed), items.text, a.embed_pool, name,
-                                      not a.no_progress)
+                                      a.progress)
       info[name] = {"kind": "random initial weights", "seed": a.seed,
                     "architecture_of": m.source, "seq_len": m.cfg.seq_len, "cut_frac": cut}
   return vecs, info
@@ -176,6 +180,7 @@ def methods(a, items) -> tuple[dict, dict]:
 def main(argv=None) -> int:
   parser_ = parser()
   a = parser_.parse_args(argv)
+  a.progress = a.progress if a.progress is not None else sys.stderr.isatty()
   if not a.workdir and not a.hf:
     parser_.error("give a model: --workdir DIR (a training run) or --hf OUT (an export)")
 
@@ -186,11 +191,11 @@ def main(argv=None) -> int:
     pairs = retrieval.parse_pairs(a.pairs, header["variants"])
     vecs, info = methods(a, items)
     results = retrieval.evaluate(items, vecs, pairs, sizes, seed=a.seed, max_queries=a.queries,
-                                 progress=not a.no_progress)
+                                 progress=a.progress)
     leak = None
     if a.train_elf:
       digests, files = retrieval.training_digests(a.train_elf, a.train_max_bytes,
-                                                  not a.no_progress)
+                                                  a.progress)
       leak = {"train_files": files, **retrieval.overlap(items, digests)}
     print(f"{a.bench}: {len(groups)} functions, {len(items)} compiled variants "
           f"({', '.join(header['variants'])})")
