@@ -19,11 +19,11 @@ a claim is made where it is, on every set (lmscale_jax/evals/seeds.py).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from lmscale_jax.errors import UserError
 from lmscale_jax.evals import seeds
+from lmscale_jax.store import dataset
 
 CELLS = "gcc-O0↔gcc-O3@100,all@100,gcc-O0↔gcc-O3@1000,all@1000"
 
@@ -75,16 +75,24 @@ def table(found: dict, sets: list[str], labels: list[str], cells: list[tuple[str
   return "\n".join(lines)
 
 
-def comparisons(found: dict, sets: list[str], specs: list[str],
+def parse_compare(spec: str, labels: list[str]) -> tuple[str, str]:
+  """``A>B`` → the two --group labels."""
+  a, sep, b = (x.strip() for x in spec.partition(">"))
+  if not sep:
+    raise UserError(f"--compare {spec!r}: expected 'A>B' (two --group labels)")
+  for x in (a, b):
+    if x not in labels:
+      raise UserError(f"--compare: {x!r} is no --group label ({labels})")
+  return a, b
+
+
+def comparisons(found: dict, sets: list[str], pairs: list[tuple[str, str]],
                 cells: list[tuple[str, int]]) -> list[dict]:
   out = []
-  for spec in specs:
-    a, sep, b = spec.partition(">")
-    if not sep:
-      raise UserError(f"--compare {spec!r}: expected 'A>B' (two --group labels)")
+  for a, b in pairs:
     for s in sets:
       for c in cells:
-        ca, cb = found[s, a.strip()].get(c), found[s, b.strip()].get(c)
+        ca, cb = found[s, a].get(c), found[s, b].get(c)
         if ca and cb:
           out.append({"set": s, **seeds.compare(ca, cb)})
   return out
@@ -103,20 +111,18 @@ def main(argv=None) -> int:
     sets = read_sets(a.set)
     groups = [seeds.parse_group(g) for g in a.group]
     labels = [label for label, _ in groups]
-    unknown = [x for spec in a.compare for x in spec.split(">") if x.strip() not in labels]
-    if unknown:
-      raise UserError(f"--compare: {unknown[0].strip()!r} is no --group label ({labels})")
+    pairs = [parse_compare(spec, labels) for spec in a.compare]
     found, cells = measure(sets, groups), wanted(a.cells)
-    compared = comparisons(found, list(sets), a.compare, cells)
+    compared = comparisons(found, list(sets), pairs, cells)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(table(found, list(sets), labels, cells))
   print("\n".join(["", *map(show_comparison, compared)]) if compared else "")
   if a.json:
-    with open(a.json, "w") as f:
-      json.dump({"cells": [c.row() | {"set": s} for (s, _), cs in found.items()
-                           for c in cs.values()], "comparisons": compared}, f, indent=1)
+    dataset.atomic_write_json(a.json, {
+        "cells": [c.row() | {"set": s} for (s, _), cs in found.items() for c in cs.values()],
+        "comparisons": compared})
   return 0
 
 

@@ -108,3 +108,24 @@ def test_a_bad_results_file_is_one_line_and_exit_2(tmp_path):
   assert p.returncode == 2 and p.stdout == ""
   assert p.stderr.startswith(f"error: {bad}: not an eval_similarity.py --json file")
   assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_comparison_naming_no_group_is_one_line_and_exit_2(tmp_path):
+  one = results_file(tmp_path / "one.json", {"pre-s0": 0.6, "rand-s0": 0.5})
+  p = subprocess.run([sys.executable, "benchmarks/similarity_seeds.py", "--set", f"e={one}",
+                      "--group", "pre=pre-*", "--compare", "pre>rand"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2 and p.stdout == ""
+  assert p.stderr == "error: --compare: 'rand' is no --group label (['pre'])\n"
+
+
+def test_the_claims_study_wants_its_directory_and_starts_nothing_without_it():
+  """benchmarks/similarity_claims.sh runs for hours: no argument, or a flag, is one line."""
+  for argv in ([], ["--steps"]):
+    p = subprocess.run(["bash", "benchmarks/similarity_claims.sh", *argv], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.startswith("error: give the study's directory") and p.stderr.count("\n") == 1
+  p = subprocess.run(["bash", "benchmarks/similarity_claims.sh", "--help"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 0 and "bash benchmarks/similarity_claims.sh OUT" in p.stdout
