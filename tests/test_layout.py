@@ -40,6 +40,9 @@ ALLOWED = {
               "child_process"},
     "gpu": {"errors", "config", "store", "input", "model", "train"},
     "run_state": {"cluster"},
+    # The ``lmscale`` command: the top floor, above every library layer (nothing imports it).
+    "cli": {"errors", "child_process", "config", "store", "cluster", "prep", "input", "model",
+            "train", "inference", "similarity", "finetune", "evals", "study", "gpu"},
     "main": {"errors", "config", "store", "cluster", "input", "train"},
 }
 
