@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import _host, allreduce_train_check  # noqa: E402
-from tools._cli import Parser, guarded, number  # noqa: E402
+from lmscale_jax.cli.args import Parser, guarded, number  # noqa: E402
 
 MB = 1_000_000
 DEFAULT_SIZES_MB = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
-from tools._cli import Parser, guarded, number  # noqa: E402
+from lmscale_jax.cli.args import Parser, guarded, number  # noqa: E402
 
 MODES = ("cross", "segment")
 _RUN_TIMEOUT_S = 4 * 3600

@@ -163,7 +163,7 @@ def step_benchmark(args) -> dict:
   from lmscale_jax.store import dataset
   from lmscale_jax.train import steps as steps_lib
   from lmscale_jax.train import trainer
-  from tools.max_batch import load_config
+  from lmscale_jax.study.max_batch import load_config
 
   config = load_config(args.config, args.set)
   config.model.vocab_size = config.model.seq_len = 0  # from the synthetic metadata
@@ -227,7 +227,7 @@ def step_benchmark(args) -> dict:
 
 def config_shape(args) -> dict:
   """layers/hidden/heads/ffn/batch of ``--config`` + ``--set`` (no jax needed)."""
-  from tools.max_batch import load_config
+  from lmscale_jax.study.max_batch import load_config
 
   c = load_config(args.config, args.set)
   m = c.model

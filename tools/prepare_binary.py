@@ -1,10 +1,7 @@
-"""Binary-code corpus → dataset: ELF functions, disassembled and normalised, packed into shards.
-
-  python tools/prepare_binary.py --input /usr/lib/x86_64-linux-gnu /usr/bin --output data/bin
-"""
+"""Kept for old scripts: `lmscale prepare binary`."""
 import sys
 
-import _cli
+from lmscale_jax.cli.prepare import main
 
 if __name__ == "__main__":
-  sys.exit(_cli.run("binary"))
+  sys.exit(main(["binary", *sys.argv[1:]]))

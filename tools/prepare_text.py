@@ -1,10 +1,7 @@
-"""Text corpus (.txt / .jsonl) → dataset: documents tokenized and packed into shards.
-
-  python tools/prepare_text.py --input corpus.jsonl --text-field text --output data/text
-"""
+"""Kept for old scripts: `lmscale prepare text`."""
 import sys
 
-import _cli
+from lmscale_jax.cli.prepare import main
 
 if __name__ == "__main__":
-  sys.exit(_cli.run("text"))
+  sys.exit(main(["text", *sys.argv[1:]]))

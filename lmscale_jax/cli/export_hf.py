@@ -1,0 +1,193 @@
+"""Export a training run's checkpoint as a Hugging Face BertForMaskedLM directory.
+
+  lmscale export-hf --workdir DIR [--step N] [--tokenizer tokenizer.json] --output OUT
+
+OUT gets config.json (every BertConfig field that changes the computation, from the run's own
+config.json), model.safetensors (float32), tokenizer.json / tokenizer_config.json /
+special_tokens_map.json (special-token roles, a [CLS] … [SEP] post-processor) and a model card
+(README.md), so that AutoModelForMaskedLM.from_pretrained(OUT) and
+AutoTokenizer.from_pretrained(OUT) load it as it is. The tokenizer is the run's
+data.path/tokenizer.json unless --tokenizer is given. OUT is written under a temporary name
+and renamed when complete; it must not exist or be empty. model.pre_ln=True runs are refused
+(no transformers architecture has that model; see lmscale_jax/model/hf_convert.py).
+
+A fine-tuning workdir (lmscale finetune) exports its encoder the same way (its MLM
+head is the one it started from) plus its embedding head: projection.safetensors (weight
+[D, H], bias [D]) and projection.json (pooling, normalisation); docs/finetune.md shows the few
+lines that embed a function with them in transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+from lmscale_jax.cli import args
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import model_files, trained_model
+from lmscale_jax.model import contrastive, flops, hf_convert
+from lmscale_jax.store import file_io
+from lmscale_jax.store import tokenizer as toklib
+
+
+def parser() -> argparse.ArgumentParser:
+  p = args.Parser(prog="lmscale export-hf", description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", required=True, help="the training run's --workdir")
+  p.add_argument("--step", type=args.number(int, 0, 1 << 62), default=None,
+                 help="checkpoint step (default: the latest)")
+  p.add_argument("--tokenizer", default="", type=args.input_file, metavar="tokenizer.json",
+                 help="the dataset's tokenizer (default: data.path/tokenizer.json of the run)")
+  p.add_argument("--output", required=True, type=args.output_dir, metavar="OUT",
+                 help="directory to create")
+  return p
+
+
+def check_output(out: str) -> None:
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise UserError(f"--output {out}: exists and is not an empty directory; give a new "
+                    "directory (nothing was written)")
+
+
+def last_row(workdir: str, step: int, key: str) -> dict | None:
+  """The last row of metrics.jsonl at or before ``step`` that has ``key`` (``eval_loss``: an
+  evaluation row, ``loss``: a training row)."""
+  rows = [r for r in model_files.metrics_rows(workdir) if key in r and r["step"] <= step]
+  return rows[-1] if rows else None
+
+
+def number(value, spec: str) -> str:
+  """A metric as the card shows it; null is what training writes for a non-finite value."""
+  return "non-finite" if value is None else format(value, spec)
+
+
+def model_card(model: trained_model.TrainedModel) -> str:
+  c, cfg, run = model.run_config, model.cfg, model.source
+  ev = last_row(run, model.step, "eval_loss")
+  loss = (f"{number(ev['eval_loss'], '.4f')} (MLM accuracy "
+          f"{number(ev.get('eval_mlm_accuracy', float('nan')), '.4f')}"
+          f", step {ev['step']}, {c.train.eval_batches} validation batches)" if ev else
+          "not measured (no evaluation row in metrics.jsonl)")
+  params = flops.count_params_from_config(cfg)
+  return f"""---
+library_name: transformers
+pipeline_tag: fill-mask
+tags: [bert, fill-mask, lmscale_jax]
+---
+# BERT masked-language model (lmscale_jax)
+
+Pretrained with lmscale_jax (masked-language modelling), exported by
+`lmscale export-hf` from `{os.path.abspath(run)}` at step {model.step}.
+
+| | |
+|---|---|
+| data | `{c.data.path}` (sequences of {cfg.seq_len} tokens, vocabulary {cfg.vocab_size}) |
+| steps | {model.step} of {c.train.steps}, global batch {c.train.batch_size}, peak LR {c.train.learning_rate} |
+| final eval loss | {loss} |
+| model | {cfg.layers} layers × {cfg.hidden}, {cfg.heads} heads, FFN {cfg.ffn}, {params:,} parameters |
+
+Inputs are wrapped as `[CLS] … [SEP]` by the tokenizer, as in training. For binary code the
+text is pretokenised instruction text (`mov rax qword [ rbp - 0x18 ] [NEXT] …`).
+
+```python
+from transformers import pipeline
+fill = pipeline("fill-mask", model="OUT")
+fill("push rbp [NEXT] mov rbp rsp [NEXT] [MASK] rsp 0x10")
+```
+"""
+
+
+def finetuned_card(model: trained_model.TrainedModel) -> str:
+  c, cfg, run, head = model.run_config, model.cfg, model.source, model.head
+  row = last_row(run, model.step, "loss")
+  loss = (f"{number(row['loss'], '.4f')} (in-batch accuracy "
+          f"{number(row.get('accuracy', float('nan')), '.3f')}, step {row['step']})" if row
+          else "not logged")
+  dim = head["projection"]["kernel"].shape[1]
+  return f"""---
+library_name: transformers
+pipeline_tag: feature-extraction
+tags: [bert, binary-code-similarity, lmscale_jax]
+---
+# BERT binary-code embedding model (lmscale_jax, contrastively fine-tuned)
+
+Fine-tuned with lmscale_jax (symmetric InfoNCE over in-batch negatives, temperature
+{c.finetune.temperature}) from `{c.init.source}:{c.init.path}` on `{c.data.pairs}`, exported
+by `lmscale export-hf` from `{os.path.abspath(run)}` at step {model.step}.
+
+| | |
+|---|---|
+| steps | {model.step} of {c.train.steps}, {c.train.batch_size} pairs per step, peak LR {c.train.learning_rate} |
+| last training loss | {loss} |
+| encoder | {cfg.layers} layers × {cfg.hidden}, {cfg.heads} heads, vocabulary {cfg.vocab_size}, {cfg.seq_len} tokens |
+| embedding | {head['pool']} pooling → Linear {cfg.hidden}→{dim} (projection.safetensors) → L2 normalisation |
+
+Mean pooling averages the last hidden layer over `attention_mask` ([CLS] and [SEP] included).
+Inputs are pretokenised instruction text; the tokenizer adds [CLS] … [SEP].
+
+```python
+import json, torch
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("OUT")
+bert = AutoModel.from_pretrained("OUT", add_pooling_layer=False).eval()
+head, pool = load_file("OUT/projection.safetensors"), json.load(open("OUT/projection.json"))["pool"]
+x = tok(["push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret"], return_tensors="pt",
+        padding=True, truncation=True)
+with torch.no_grad():
+  h = bert(**x).last_hidden_state
+m = x["attention_mask"].unsqueeze(-1).float()
+v = h[:, 0] if pool == "cls" else (h * m).sum(1) / m.sum(1)
+e = torch.nn.functional.normalize(v @ head["weight"].T + head["bias"], dim=-1)  # cosine = e @ e.T
+```
+"""
+
+
+def export(a) -> str:
+  check_output(a.output)
+  # Refuse what cannot be represented, or would fail at the end, before restoring anything.
+  _, cfg, _, _ = trained_model.workdir_shape(a.workdir, a.tokenizer, "float32")
+  hf_convert.check_exportable(cfg)
+  model_files.metrics_rows(a.workdir)  # the model card's source: damaged, one line now
+  model = trained_model.from_workdir(a.workdir, a.step, a.tokenizer)
+  out = os.path.abspath(a.output)
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.", suffix=".tmp")
+  try:
+    hf_convert.save_model(model.params, model.cfg, tmp)
+    toklib.write_hf_files(model.tokenizer, tmp, model_max_length=model.cfg.seq_len)
+    card = model_card(model) if model.head is None else finetuned_card(model)
+    if model.head is not None:
+      contrastive.save_head(model.head, tmp)
+    file_io.atomic_write_bytes(os.path.join(tmp, "README.md"), card.encode())
+    os.chmod(tmp, 0o755)
+    check_output(a.output)  # still free: then the complete directory takes the name
+    if os.path.isdir(out):
+      os.rmdir(out)
+    os.rename(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  head = "" if model.head is None else (
+      f" + projection head {model.cfg.hidden}→{model.head['projection']['kernel'].shape[1]} "
+      f"({model.head['pool']} pooling)")
+  return (f"exported {a.workdir} step {model.step} to {a.output} "
+          f"(BertForMaskedLM, {model.cfg.layers} layers × {model.cfg.hidden}, "
+          f"vocab {model.cfg.vocab_size}{head})")
+
+
+def main(argv=None) -> int:
+  a = parser().parse_args(argv)
+
+  def go() -> int:
+    print(export(a))
+    return 0
+
+  return args.guarded(go, f"nothing was written to {a.output}; rerun to export")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

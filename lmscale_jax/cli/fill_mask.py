@@ -1,0 +1,138 @@
+"""Top-k predictions for each [MASK] of a text, from a training run or an exported model.
+
+  lmscale fill-mask (--workdir DIR [--step N] | --hf OUT) --text "…[MASK]…"
+      [--top-k 5] [--json]
+  lmscale fill-mask (--workdir DIR | --hf OUT) --elf FILE --function NAME [--json]
+
+The text is wrapped as [CLS] … [SEP], as in training; for binary code it is pretokenised
+instruction text (`push rbp [NEXT] mov rbp rsp [NEXT] [MASK] rsp 0x10`). With --elf, the
+function is taken from the binary as preparation takes it, each instruction's mnemonic is
+masked in turn (one [MASK] per token piece), and the top-1 accuracy is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from lmscale_jax.cli import args
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import trained_model
+from lmscale_jax.prep.elf import elf_functions
+from lmscale_jax.prep.elf.pretokenize import NEXT
+
+BATCH = 32  # sequences per forward pass (--elf: one per instruction)
+
+
+def parser() -> argparse.ArgumentParser:
+  p = args.Parser(prog="lmscale fill-mask", description=__doc__.splitlines()[0])
+  args.add_model_source(p)
+  p.add_argument("--text", default=None, help="text with one or more [MASK]")
+  p.add_argument("--elf", default=None, type=args.input_file, metavar="FILE",
+                 help="an x86-64 ELF file")
+  p.add_argument("--function", default=None, metavar="NAME", help="(--elf) its symbol name")
+  p.add_argument("--top-k", type=args.number(int, 1, 1000), default=5)
+  p.add_argument("--json", action="store_true", help="print JSON")
+  return p
+
+
+def predict(model, texts: list[str], top_k: int) -> list[list[list[dict]]]:
+  """Per text, per [MASK] in order: the top-k ``{"id", "token", "probability"}``."""
+  mask, pad = model.special_ids["[MASK]"], model.special_ids["[PAD]"]
+  out = []
+  for start in range(0, len(texts), BATCH):
+    rows = [trained_model.encode(model, t)[0] for t in texts[start:start + BATCH]]
+    where = [np.flatnonzero(r == mask) for r in rows]
+    p = max(1, max(len(w) for w in where))
+    positions = np.zeros((len(rows), p), np.int32)
+    for i, w in enumerate(where):
+      positions[i, :len(w)] = w
+    logits = trained_model.mlm_logits(
+        model, trained_model.pad_batch(rows, model.cfg.seq_len, pad), positions)
+    for i, w in enumerate(where):
+      per_mask = []
+      for j in range(len(w)):
+        z = logits[i, j].astype(np.float64)
+        prob = np.exp(z - z.max())
+        prob /= prob.sum()
+        best = np.argsort(-prob, kind="stable")[:top_k]
+        per_mask.append([{"id": int(t), "token": model.tokenizer.id_to_token(int(t)),
+                          "probability": float(prob[t])} for t in best])
+      out.append(per_mask)
+  return out
+
+
+def fill_text(model, text: str, top_k: int) -> list[list[dict]]:
+  if "[MASK]" not in text:
+    raise UserError("--text has no [MASK]: put [MASK] where a token should be predicted, "
+                    "e.g. --text 'push rbp [NEXT] [MASK] rbp rsp'")
+  ids, cut = trained_model.encode(model, text)
+  if cut and model.special_ids["[MASK]"] not in ids:
+    raise UserError(f"--text: every [MASK] lies past the model's {model.cfg.seq_len} tokens")
+  return predict(model, [text], top_k)[0]
+
+
+def fill_function(model, path: str, name: str) -> dict:
+  fn = elf_functions.functions(path, only=name)[0]
+  insns = fn.instructions
+  texts, targets = [], []
+  for i, insn in enumerate(insns):
+    mnemonic, _, rest = insn.partition(" ")
+    pieces = model.tokenizer.encode(mnemonic, add_special_tokens=False).ids
+    masked = " ".join(["[MASK]"] * len(pieces) + ([rest] if rest else []))
+    texts.append(f" {NEXT} ".join(insns[:i] + [masked] + insns[i + 1:]))
+    targets.append(pieces)
+  rows = []
+  for insn, want, preds in zip(insns, targets, predict(model, texts, 1)):
+    if len(preds) < len(want):  # the mnemonic lies past seq_len: not evaluated
+      continue
+    got = [p[0]["id"] for p in preds]
+    rows.append({"instruction": insn, "predicted": model.tokenizer.decode(got),
+                 "probability": float(np.prod([p[0]["probability"] for p in preds])),
+                 "correct": got == want})
+  correct = sum(r["correct"] for r in rows)
+  return {"file": path, "function": name, "instructions": len(insns), "evaluated": len(rows),
+          "correct": correct, "accuracy": correct / max(len(rows), 1), "rows": rows}
+
+
+def show_text(preds: list[list[dict]]) -> None:
+  for i, top in enumerate(preds):
+    print(f"[MASK] {i + 1}: " + "  ".join(f"{p['token']} {p['probability']:.3f}" for p in top))
+
+
+def show_function(r: dict) -> None:
+  for row in r["rows"]:
+    mark = "ok " if row["correct"] else "   "
+    print(f"{mark}{row['instruction']:<48} -> {row['predicted']} ({row['probability']:.3f})")
+  print(f"{r['function']} in {r['file']}: mnemonic top-1 accuracy {r['correct']}/"
+        f"{r['evaluated']} ({100 * r['accuracy']:.1f}%) over {r['instructions']} instructions")
+
+
+def main(argv=None) -> int:
+  parser_ = parser()
+  a = parser_.parse_args(argv)
+  if (a.text is None) == (a.elf is None):
+    parser_.error("give --text TEXT, or --elf FILE with --function NAME")
+  if a.elf is not None and not a.function:
+    parser_.error("--elf needs --function NAME (the symbol to take from the binary)")
+  if a.text is not None and "[MASK]" not in a.text:
+    parser_.error("--text has no [MASK]: put [MASK] where a token should be predicted")
+
+  def go() -> int:
+    model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
+    if a.text is not None:
+      preds = fill_text(model, a.text, a.top_k)
+      print(json.dumps(preds)) if a.json else show_text(preds)
+    else:
+      r = fill_function(model, a.elf, a.function)
+      print(json.dumps(r)) if a.json else show_function(r)
+    return 0
+
+  return args.guarded(go, "nothing was written")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,113 @@
+"""GPU self-check: run it first on a GPU node, before any job.
+
+  lmscale gpu-check                       # configs/bert120m.py, this node's GPUs
+  lmscale gpu-check --config configs/bert350m.py --json out.json
+  lmscale gpu-check --allow-cpu --config configs/tiny.py --seq 64 --vocab 512
+
+Reports the devices and their kind; driver, CUDA, cuDNN and NCCL versions; cuDNN attention
+against XLA attention on the same padded bf16 inputs (output and gradients); one compiled bf16
+training step of the config at a small and at the default per-device batch (samples/s, MFU
+against the device peak table); with more than one local GPU an all-reduce of the gradient's
+size and its bus bandwidth. The last line is PASS or FAIL with the reason; exit 0 on PASS,
+1 on FAIL or a bad argument (one line). Without a GPU it says so and fails, unless --allow-cpu
+(tiny shapes, what the tests run). The logic is lmscale_jax/gpu/check.py.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+import os
+import sys
+
+from lmscale_jax.cli import args
+from lmscale_jax.errors import ConfigError
+
+# The checkout (configs/ is there): lmscale_jax/cli/ is two levels below it.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def json_file(text: str) -> str:
+  """--json's FILE, checked before the check runs (minutes on a GPU); "-" is stdout."""
+  return text if text == "-" else args.output_file(text)
+
+
+def parse_args(argv=None):
+  p = args.Parser(prog="lmscale gpu-check", description=__doc__.split("\n\n")[0])
+  p.add_argument("--config", default="configs/bert120m.py", help="config file (configs/*.py)")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="config override, e.g. train.remat=dots (repeatable)")
+  p.add_argument("--seq", type=args.number(int, 8, 1 << 16), default=0,
+                 help="sequence length (default: the config's model.seq_len, else 512)")
+  p.add_argument("--vocab", type=args.number(int, 16, 65535), default=22016,
+                 help="vocabulary size of the synthetic batches")
+  p.add_argument("--batch", type=args.number(int, 0, 1 << 16), default=0,
+                 help="default per-device batch (0 = the config's train.batch_size over "
+                      "this node's devices)")
+  p.add_argument("--small-batch", type=args.number(int, 1, 1 << 16), default=8,
+                 help="the small per-device batch")
+  p.add_argument("--json", nargs="?", const="-", type=json_file, metavar="FILE",
+                 help="write the report as JSON to FILE (no FILE: to stdout, and the "
+                      "progress and PASS/FAIL lines to stderr)")
+  p.add_argument("--allow-cpu", action="store_true",
+                 help="run on the CPU when there is no GPU (for tests; use tiny shapes)")
+  return p.parse_args(argv)
+
+
+def load_config(path: str, overrides: list[str]):
+  """The config of ``path`` with ``KEY=VALUE`` overrides; a bad file or key is one line."""
+  full = path if os.path.isabs(path) else os.path.join(ROOT, path)
+  if not os.path.isfile(full):
+    raise ConfigError(f"--config {path}: no such file (e.g. configs/bert120m.py)")
+  spec = importlib.util.spec_from_file_location("gpu_check_config", full)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    config = module.get_config()
+  except Exception as e:
+    raise ConfigError(f"--config {path} does not load: {type(e).__name__}: {e}") from e
+  for item in overrides:
+    key, sep, value = item.partition("=")
+    section, _, leaf = key.partition(".")
+    valid = [f"{s}.{k}" for s in config for k in config[s]]
+    if not sep or key not in valid:
+      close = difflib.get_close_matches(key, valid, n=1)
+      raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a key of {path}"
+                        + (f" (did you mean {close[0]}?)" if close else ""))
+    old = config[section][leaf]
+    try:
+      config[section][leaf] = (value.lower() in ("1", "true") if isinstance(old, bool)
+                               else type(old)(value))
+    except ValueError:
+      raise ConfigError(f"--set {item!r}: {key} takes a {type(old).__name__}") from None
+  return config
+
+
+def main(argv=None) -> int:
+  a = parse_args(argv)
+
+  def go() -> int:
+    config = load_config(a.config, ["model.dtype=bfloat16"] + a.set)
+    from lmscale_jax.gpu import check as gpu_check
+    from lmscale_jax.store import file_io
+
+    out = sys.stderr if a.json == "-" else sys.stdout
+    log = lambda line: print(line, file=out, flush=True)
+    report = gpu_check.run(config, seq_len=a.seq or int(config.model.seq_len) or 512,
+                           vocab_size=a.vocab, small_batch=a.small_batch,
+                           batch=a.batch, allow_cpu=a.allow_cpu, log=log)
+    report["config"] = a.config
+    report["overrides"] = a.set
+    if a.json == "-":
+      print(json.dumps(report))
+    elif a.json:
+      file_io.atomic_write_json(a.json, report)
+    log(f"{report['result']}: {report['reason']}")
+    return 0 if report["result"] == "PASS" else 1
+
+  return args.guarded(go, "nothing was written")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

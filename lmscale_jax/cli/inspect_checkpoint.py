@@ -1,0 +1,139 @@
+"""List, or verify, the checkpoints of a training workdir.
+
+  lmscale inspect WORKDIR [--step N] [--verify]
+
+Lists each complete checkpoint (oldest first) with its commit time, size, manifests and the
+metrics logged at its step (workdir/metrics.jsonl), after a summary of the run's config
+(workdir/config.json); checkpoints moved aside as corrupt and interrupted saves are listed
+too. --verify re-reads every file against every process's manifest and exits 1 naming each
+bad file (what a resume does before it loads a checkpoint): run it before a long job
+restarts, or in a job script. A config.json or metrics.jsonl the tools cannot read (cut short,
+not what training writes) is named in the listing and exits 1 as well. Reads only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+from lmscale_jax.cli import args
+
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import model_files
+from lmscale_jax.store import file_io
+from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import checkpoint_manifest as manifest_lib
+
+_METRICS = ("loss", "mlm_accuracy", "learning_rate", "eval_loss", "eval_mlm_accuracy")
+
+
+def main(argv=None) -> int:
+  p = args.Parser(prog="lmscale inspect", description=__doc__.splitlines()[0])
+  p.add_argument("workdir")
+  p.add_argument("--step", type=args.number(int, 0, 1 << 62), default=None, metavar="N",
+                 help="only the checkpoint of step N")
+  p.add_argument("--verify", action="store_true",
+                 help="check every file against the manifests; exit 1 naming any bad file")
+  a = p.parse_args(argv)
+  return args.guarded(lambda: inspect(a.workdir, a.step, a.verify), "nothing was changed")
+
+
+def config_summary(workdir: str) -> str:
+  """The run's config in one line; a damaged config.json raises its one line (UserError)."""
+  saved = model_files.run_file(workdir)
+  m, c = saved["model"], saved["config"]
+  t, k = c["train"], c.get("checkpoint") if isinstance(c.get("checkpoint"), dict) else {}
+  return (f"config: model {m['layers']} × {m['hidden']} (vocab {m['vocab_size']}, seq "
+          f"{m['seq_len']}); batch {t.get('batch_size')}, lr {t.get('learning_rate')} "
+          f"({t.get('schedule')}, warmup {t.get('warmup_steps')}), train.steps "
+          f"{t.get('steps')}; checkpoint every {k.get('every')}, keep {k.get('keep')}; "
+          f"{len(saved.get('changes') or [])} recorded change(s)")
+
+
+def metrics_by_step(workdir: str) -> dict:
+  rows: dict = {}
+  for row in model_files.metrics_rows(workdir):
+    rows.setdefault(row["step"], {}).update({k: row[k] for k in _METRICS if k in row})
+  return rows
+
+
+def shown(metrics: dict) -> str:
+  return ", ".join(f"{k} {'non-finite' if v is None else format(v, '.4g')}"
+                   for k, v in metrics.items()) or "no metrics"
+
+
+def _committed(step_dir: str) -> str:
+  try:
+    with open(os.path.join(step_dir, manifest_lib.STEP_METADATA)) as f:
+      nsecs = json.load(f)["commit_timestamp_nsecs"]
+    return datetime.datetime.fromtimestamp(nsecs / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+  except (OSError, ValueError, KeyError, TypeError):
+    return "commit time unknown"
+
+
+def describe(workdir: str, step: int, metrics: dict) -> str:
+  path = ckpt_lib.step_dir(workdir, step)
+  parts = manifest_lib.parts_present(path)
+  count = max(parts.values(), default=0)
+  manifests = (f"manifests {len(parts)}/{count}" if parts else
+               "no manifest" if manifest_lib.expects_manifest(path) else "saved before manifests")
+  return (f"step {step:>8}  {_committed(path)}  {ckpt_lib.dir_bytes(path) / 2**20:9.2f} MiB  "
+          f"{manifests}  {shown(metrics.get(step, {}))}")
+
+
+def inspect(workdir: str, step: int | None, verify: bool) -> int:
+  root = ckpt_lib.checkpoints_dir(workdir)
+  if os.path.exists(root) and not os.path.isdir(root):
+    raise UserError(f"{root} is {file_io.not_regular(root) or 'a file'}: expected the "
+                    "directory of the run's checkpoints")
+  if not os.path.isdir(root):
+    raise UserError(f"{workdir}: no checkpoints directory ({root}); give the --workdir of a "
+                    "training run")
+  steps = sorted(ckpt_lib.complete_steps(workdir))
+  if step is not None:
+    if step not in steps:
+      raise UserError(f"{workdir}: no checkpoint at step {step}; it has steps "
+                      f"{', '.join(map(str, steps)) or 'none'}")
+    steps = [step]
+  print(f"workdir {workdir}")
+  damaged = []  # the run's files a resume or a tool reads: listed, then one error line
+  try:
+    print(config_summary(workdir))
+  except UserError as e:
+    damaged.append(str(e))
+    print(f"config: {e}")
+  try:
+    metrics = metrics_by_step(workdir)
+  except UserError as e:
+    damaged.append(str(e))
+    print(f"metrics: {e}")
+    metrics = {}
+  for s in steps:
+    print(describe(workdir, s, metrics))
+  for name in sorted(os.listdir(root)):
+    if ckpt_lib.CORRUPT_SUFFIX in name or name.endswith(".orbax-checkpoint-tmp"):
+      kind = "moved aside (failed verification)" if ckpt_lib.CORRUPT_SUFFIX in name else (
+          "interrupted save (removed by the next run)")
+      print(f"{name}: {kind}")
+  if damaged:
+    print(f"error: {damaged[0]}" + (f" (and {len(damaged) - 1} more above)"
+                                    if len(damaged) > 1 else ""), file=sys.stderr)
+  if not verify:
+    return 1 if damaged else 0
+  bad = 0
+  for s in steps:
+    problems = manifest_lib.verify(ckpt_lib.step_dir(workdir, s))
+    print(f"verify step {s}: " + ("ok" if not problems else f"{len(problems)} problem(s)"))
+    for problem in problems:
+      print(f"  {problem}", file=sys.stderr)
+    bad += bool(problems)
+  if bad:
+    print(f"error: {bad} of {len(steps)} checkpoint(s) in {root} do not verify (files named "
+          "above)", file=sys.stderr)
+  return 1 if bad or damaged else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
