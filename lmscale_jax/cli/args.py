@@ -113,18 +113,18 @@ def check_split(meta: dataset.DatasetMeta, split: str) -> None:
   meta.shard_paths(split)  # a split without shards: its own line
   for shard in meta.splits[split]["shards"]:
     if problem := meta.shard_problem(shard, checksums=False):
-      raise dataset.DatasetError(f"{problem} (inspect_shards --verify checks every shard)")
+      raise dataset.DatasetError(f"{problem} (lmscale inspect-data --verify checks every shard)")
 
 
 def add_model_source(p: argparse.ArgumentParser) -> None:
   """The trained model a tool reads (lmscale_jax.inference.trained_model): a run's workdir
-  (latest or --step checkpoint, the dataset's tokenizer) or a directory tools/export_hf.py
+  (latest or --step checkpoint, the dataset's tokenizer) or a directory lmscale export-hf
   wrote."""
   p.add_argument("--workdir", default="", help="a training run's --workdir")
   p.add_argument("--step", type=number(int, 0, 1 << 62), default=None)
   p.add_argument("--tokenizer", default="", type=input_file,
                  help="(--workdir) the dataset's tokenizer.json")
-  p.add_argument("--hf", default="", metavar="OUT", help="a directory tools/export_hf.py wrote")
+  p.add_argument("--hf", default="", metavar="OUT", help="a directory lmscale export-hf wrote")
 
 
 class Terminated(KeyboardInterrupt):
