@@ -24,13 +24,9 @@ import sys
 import numpy as np
 
 from lmscale_jax.cli import args
-from lmscale_jax.errors import UserError
-from lmscale_jax.inference import trained_model
+from lmscale_jax.inference import function_vectors, trained_model
 from lmscale_jax.prep.elf import elf_functions
 from lmscale_jax.store import dataset, file_io, records
-
-BATCH = 32
-
 
 def parser() -> argparse.ArgumentParser:
   p = args.Parser(prog="lmscale embed", description=__doc__.splitlines()[0])
@@ -70,53 +66,6 @@ def dataset_inputs(model, meta: dataset.DatasetMeta, split: str):
         yield f"{split}:{r}:{k}", shard, ids, len(piece) > model.cfg.seq_len - 2
 
 
-def resolve_pool(model, pool: str | None) -> str:
-  """``--pool`` (None: not given) for this model: a fine-tuned one has its head's."""
-  if model.head is None:
-    return pool or "mean"
-  if pool and pool != model.head["pool"]:
-    raise UserError(f"--pool {pool}: {model.source} is fine-tuned with {model.head['pool']} "
-                    "pooling and a projection head, which give its embeddings; leave --pool out")
-  return model.head["pool"]
-
-
-def embed(model, inputs, pool: str | None = None) -> dict:
-  pool = resolve_pool(model, pool)
-  pad = model.special_ids["[PAD]"]
-  names, files, lengths, cuts, vectors = [], [], [], [], []
-  batch: list = []
-
-  def flush():
-    # Always BATCH rows (the last batch padded with empty ones): one compiled program per model.
-    rows = [b[2] for b in batch]
-    ids = trained_model.pad_batch(rows + [rows[0][:0]] * (BATCH - len(rows)), model.cfg.seq_len,
-                                  pad)
-    if model.head is not None:  # the fine-tuned embedding: pooled, projected, normalised
-      vectors.extend(trained_model.embeddings(model, ids)[:len(rows)])
-      batch.clear()
-      return
-    h = trained_model.last_hidden(model, ids)
-    for row, (_, _, x, _) in zip(h, batch):
-      # Mean over the function's own tokens: positions 1..len-2 (not [CLS], [SEP], padding).
-      vectors.append(row[0] if pool == "cls" else row[1:len(x) - 1].mean(axis=0))
-    batch.clear()
-
-  for item in inputs:
-    name, file, ids, cut = item
-    names.append(name), files.append(file), lengths.append(len(ids) - 2), cuts.append(cut)
-    batch.append(item)
-    if len(batch) == BATCH:
-      flush()
-  if batch:
-    flush()
-  if not vectors:
-    raise UserError("no functions to embed in the given input")
-  return {"embeddings": np.stack(vectors).astype(np.float32), "names": np.array(names),
-          "files": np.array(files), "tokens": np.array(lengths, np.int32),
-          "truncated": np.array(cuts, bool), "pool": np.array(pool),
-          "projection": np.array(model.head is not None)}
-
-
 def main(argv=None) -> int:
   parser_ = parser()
   a = parser_.parse_args(argv)
@@ -130,7 +79,7 @@ def main(argv=None) -> int:
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer, data=meta)
     inputs = (elf_inputs(model, a.elf) if meta is None
               else dataset_inputs(model, meta, a.split))
-    out = embed(model, inputs, a.pool)
+    out = function_vectors.embed(model, inputs, a.pool)
     buf = io.BytesIO()
     np.savez(buf, **out)
     file_io.atomic_write_bytes(a.output, buf.getvalue())

@@ -102,14 +102,14 @@ def model_vectors(model, texts: list[str], pool: str, name: str = "",
   """lmscale embed's embedding of each function text (alone, as [CLS] text [SEP]); and the
   share of the texts cut at the model's sequence length (it sees only their beginning).
   ``progress``: a bar over the functions (every function of the benchmark, per model)."""
-  import embed as embed_tool  # lmscale embed (jax: imported once a model is needed)
-  from lmscale_jax.inference import trained_model
+  # jax: imported once a model is needed
+  from lmscale_jax.inference import function_vectors, trained_model
 
   inputs = ((str(i), "", *trained_model.encode(model, t)) for i, t in enumerate(texts))
   inputs = progress_lib.over(inputs, progress, total=len(texts), unit="function",
                              desc=f"embed {name}")
   pool = None if model.head is not None else pool  # a fine-tuned model pools as it trained
-  out = embed_tool.embed(model, inputs, pool)
+  out = function_vectors.embed(model, inputs, pool)
   return retrieval.normalise(out["embeddings"]), float(out["truncated"].mean())
 
 
