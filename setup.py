@@ -13,7 +13,7 @@ from setuptools import Extension, setup
 FLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 
 setup(ext_modules=[
-    Extension("lmscale_jax.prep._pretokens", ["lmscale_jax/prep/_pretokens.c"],
+    Extension("lmscale_jax.prep.elf._pretokens", ["lmscale_jax/prep/elf/_pretokens.c"],
               extra_compile_args=FLAGS,
               libraries=["dl"],  # dlopen/dlsym (part of libc since glibc 2.34; harmless before)
               optional=True),

@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _host  # noqa: E402
-from lmscale_jax.prep import elf_corpus, prepare  # noqa: E402
+from lmscale_jax.prep import prepare  # noqa: E402
+from lmscale_jax.prep.elf import elf_corpus  # noqa: E402
 from lmscale_jax.store import dataset, records  # noqa: E402
 
 CODECS = tuple(dataset.COMPRESSIONS)  # zstd first: the reference row
@@ -38,7 +39,7 @@ BATCH = 256
 
 def prepare_with(files, out, codec, a, tokenizer=""):
   t0 = time.perf_counter()
-  stats = prepare.prepare(prepare.Options(
+  stats = prepare.prepare(prepare.PrepareOptions(
       kind="binary", inputs=files, output=out, seq_len=a.seq_len, workers=a.workers,
       compression=codec, tokenizer=tokenizer, progress=False, overwrite=True))
   return time.perf_counter() - t0, stats

@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _host  # noqa: E402
 
-from lmscale_jax.prep import elf_corpus, prepare
-from lmscale_jax.prep import pretokenize  # noqa: E402
+from lmscale_jax.prep import prepare  # noqa: E402
+from lmscale_jax.prep.elf import elf_corpus, pretokenize  # noqa: E402
 
 # The goal: end to end with one worker, absolute and against capstone alone in the run.
 GOAL_MB_S_CORE, GOAL_RATIO, GOAL_SCALING = 3.0, 0.65, 0.9
@@ -182,7 +182,7 @@ def prepare_only(files: list[str], workers: int, backend: str,
   out = tempfile.mkdtemp(prefix="bench_prep_")
   try:
     t0, c0 = time.perf_counter(), cpu_seconds()
-    st = prepare.prepare(prepare.Options(kind="binary", inputs=files, output=out,
+    st = prepare.prepare(prepare.PrepareOptions(kind="binary", inputs=files, output=out,
                                          workers=workers, progress=False, overwrite=True,
                                          shard_size_mb=shard_size_mb))
     return time.perf_counter() - t0, cpu_seconds() - c0, st

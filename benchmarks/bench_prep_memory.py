@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
 
-from lmscale_jax.prep import elf_corpus  # noqa: E402
+from lmscale_jax.prep.elf import elf_corpus  # noqa: E402
 from lmscale_jax.store import dataset
 
 

@@ -23,7 +23,7 @@ import sys
 
 from lmscale_jax.errors import UserError
 from lmscale_jax.evals import seeds
-from lmscale_jax.store import dataset
+from lmscale_jax.store import file_io
 
 CELLS = "gcc-O0↔gcc-O3@100,all@100,gcc-O0↔gcc-O3@1000,all@1000"
 
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
   print(table(found, list(sets), labels, cells))
   print("\n".join(["", *map(show_comparison, compared)]) if compared else "")
   if a.json:
-    dataset.atomic_write_json(a.json, {
+    file_io.atomic_write_json(a.json, {
         "cells": [c.row() | {"set": s} for (s, _), cs in found.items() for c in cs.values()],
         "comparisons": compared})
   return 0

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from lmscale_jax.prep import prepare
-from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.similarity import function_groups
 from lmscale_jax.store import dataset, records
 from lmscale_jax.train import trainer as train
 from tests.helpers import ROOT, communicate, small_train_config
@@ -51,7 +51,7 @@ def one_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
 
 
 def prepared(out, **kw) -> str:
-  prepare.prepare(prepare.Options(**{**dict(kind="binary", inputs=INPUTS, output=str(out),
+  prepare.prepare(prepare.PrepareOptions(**{**dict(kind="binary", inputs=INPUTS, output=str(out),
                                             seq_len=64, vocab_size=400, val_fraction=0.1,
                                             workers=1, progress=False), **kw}))
   return str(out)
@@ -69,9 +69,9 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
   """A similarity benchmark (also a fine-tuning pairs file) built from tests/data/similarity."""
-  header, groups = similarity_bench.build([SOURCES], ["gcc"], ["O0", "O3"], say=print)
+  header, groups = function_groups.build([SOURCES], ["gcc"], ["O0", "O3"], say=print)
   out = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-  similarity_bench.write(str(out), header, groups)
+  function_groups.write(str(out), header, groups)
   return str(out)
 
 

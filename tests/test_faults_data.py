@@ -21,7 +21,7 @@ from lmscale_jax.errors import ConfigError
 from lmscale_jax.input import dataset_checks as data_checks
 from lmscale_jax.input import loader as data_lib
 from lmscale_jax.input import staging
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,7 +218,7 @@ def test_verify_shards(clean, damaged):
   shard, _ = damage(damaged, "flip")  # same size, different bytes
   damaged_meta = dataset.DatasetMeta.load(str(damaged))
   entry = next(s for s in meta.splits["train"]["shards"] if s["file"] == os.path.basename(shard))
-  actual = dataset.sha256_file(shard)
+  actual = file_io.sha256_file(shard)
   with pytest.raises(staging.StagingError) as e:
     data_checks.verify_shards(damaged_meta, log=logs.append)
   msg = str(e.value)

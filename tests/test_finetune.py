@@ -26,7 +26,7 @@ from lmscale_jax.cluster import supervisor
 from lmscale_jax.finetune import pairs as finetune_pairs
 from lmscale_jax.inference import trained_model
 from lmscale_jax.prep import prepare
-from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.similarity import function_groups
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import checkpoint_manifest
@@ -70,9 +70,9 @@ def tiny_config():
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-  header, groups = similarity_bench.build([SOURCES], ["gcc"], ["O0", "O3"], say=print)
+  header, groups = function_groups.build([SOURCES], ["gcc"], ["O0", "O3"], say=print)
   out = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-  similarity_bench.write(str(out), header, groups)
+  function_groups.write(str(out), header, groups)
   return out
 
 
@@ -83,10 +83,10 @@ def pretrained(tmp_path_factory):
   base = tmp_path_factory.mktemp("pre")
   (base / "elf").mkdir()
   for name in ("codecs", "containers", "numeric", "strings"):
-    subprocess.run(["gcc", "-O2", *similarity_bench.BASE_FLAGS, f"-I{SOURCES}", "-o",
+    subprocess.run(["gcc", "-O2", *function_groups.BASE_FLAGS, f"-I{SOURCES}", "-o",
                     str(base / "elf" / f"lib{name}.so"), os.path.join(SOURCES, f"{name}.c")],
                    check=True, timeout=120)
-  prepare.prepare(prepare.Options(kind="binary", inputs=[str(base / "elf")],
+  prepare.prepare(prepare.PrepareOptions(kind="binary", inputs=[str(base / "elf")],
                                   output=str(base / "ds"), seq_len=64, vocab_size=400,
                                   val_fraction=0.1, workers=1, progress=False))
   config = tiny_config()
@@ -327,7 +327,7 @@ def test_embed_and_eval_use_the_head_and_show_it_beside_the_pretrained_run(
   assert info[f"ft@{STEPS}"]["init"] == f"workdir:{pretrained[1]}"
   # How much of each function the models see: the share cut at their sequence length.
   model = trained_model.load(workdir=str(pretrained[1]))
-  _, groups = similarity_bench.load(str(bench))
+  _, groups = function_groups.load(str(bench))
   cut = np.mean([trained_model.encode(model, v["text"])[1] for g in groups
                  for v in g["variants"].values()])
   assert info["run@2"]["seq_len"] == 64 and info["run@2"]["cut_frac"] == pytest.approx(cut)
@@ -355,7 +355,7 @@ def test_export_writes_the_encoder_and_the_head_that_give_the_same_embedding(
       os.listdir(out))
   assert "feature-extraction" in (out / "README.md").read_text()
   ft, hf = trained_model.load(workdir=str(tuned)), trained_model.load(hf=str(out))
-  _, groups = similarity_bench.load(str(bench))
+  _, groups = function_groups.load(str(bench))
   ids = trained_model.pad_batch([trained_model.encode(ft, g["variants"][v]["text"])[0]
                                  for g in groups[:16] for v in ("gcc-O0", "gcc-O3")],
                                 ft.cfg.seq_len, 0)
@@ -375,7 +375,7 @@ def test_the_export_in_transformers_gives_the_same_embedding(bench, tuned, expor
   .venv-hf, as every HF parity test: tools/test.sh makes it)."""
   from tests.hf_helpers import hf_side
 
-  _, groups = similarity_bench.load(str(bench))
+  _, groups = function_groups.load(str(bench))
   texts = [g["variants"][v]["text"] for g in groups[:6] for v in ("gcc-O0", "gcc-O3")]
   theirs = hf_side(tmp_path, [{"op": "embed", "dir": str(exported[0]), "texts": texts}])[0]
   ft = trained_model.load(workdir=str(tuned))

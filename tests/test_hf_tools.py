@@ -50,7 +50,7 @@ def run(tmp_path_factory):
   """A binary-code dataset from two system libraries and a 6-step run on it."""
   base = tmp_path_factory.mktemp("use")
   data = base / "ds"
-  prepare.prepare(prepare.Options(kind="binary", inputs=INPUTS, output=str(data), seq_len=64,
+  prepare.prepare(prepare.PrepareOptions(kind="binary", inputs=INPUTS, output=str(data), seq_len=64,
                                   vocab_size=400, val_fraction=0.1, workers=1, progress=False))
   workdir = base / "run"
   train.train_and_evaluate(small_train_config(str(data)), str(workdir))

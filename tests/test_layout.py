@@ -1,9 +1,9 @@
 """The package's floor plan: which subpackage may import which, no import cycles, and
-docs/design.md naming exactly the modules that exist.
+docs/design.md naming exactly the modules that exist and only config keys that exist.
 
-Read with the standard library's ``ast`` only (nothing is imported): every ``import`` counts,
-also those inside functions and under ``if TYPE_CHECKING:`` — a lazy import that closes a cycle
-is still a cycle a reader has to hold in their head.
+The imports are read with the standard library's ``ast`` only (nothing is imported): every
+``import`` counts, also those inside functions and under ``if TYPE_CHECKING:`` — a lazy import
+that closes a cycle is still a cycle a reader has to hold in their head.
 """
 
 from __future__ import annotations
@@ -16,36 +16,38 @@ from tests.helpers import ROOT
 
 PACKAGE = os.path.join(ROOT, "lmscale_jax")
 
-# Who may import whom, lowest layer first. A subpackage imports only the ones listed for it
-# (and itself); the top-level modules are the base (``errors``, ``child_process``) and the two
-# entry points.
+# Who may import whom, lowest layer first: exactly the edges that exist (a new one is a decision,
+# made here; an unused one is removed). A subpackage imports only the ones listed for it (and
+# itself); the top-level modules are the base (``errors``, ``child_process``, ``progress``) and
+# the entry point. ``prep.elf`` (ELF files → functions → pretoken text) is its own group: the
+# only part of preparation that the similarity data and the evaluation import.
 ALLOWED = {
     "errors": set(),
     # A base like errors: that the processes a layer starts end with it (prep's pool, Grain's
     # workers, a sweep's runs); one mechanism, so it sits below every layer that starts any.
     "child_process": set(),
+    # A base too: the progress bars of prep's passes, the similarity build and the evaluation.
+    "progress": set(),
     "config": {"errors"},
     "store": {"errors", "config"},
-    "cluster": {"errors", "config", "store", "child_process"},
-    "prep": {"errors", "store", "child_process"},
+    "cluster": {"errors", "child_process"},
+    "prep.elf": {"errors", "store"},
+    "prep": {"errors", "store", "child_process", "progress", "prep.elf"},
     "input": {"errors", "config", "store", "cluster", "child_process"},
     "model": {"errors", "config", "store"},
     "train": {"errors", "config", "store", "cluster", "input", "model"},
     "inference": {"errors", "config", "store", "model", "train"},
-    "similarity": {"errors", "store", "prep"},
+    "similarity": {"errors", "store", "progress", "prep.elf"},
     "finetune": {"errors", "config", "store", "cluster", "model", "train", "inference",
                  "similarity"},
-    "evals": {"errors", "store", "prep", "inference", "similarity"},
-    "study": {"errors", "config", "store", "cluster", "input", "model", "train",
-              "child_process"},
-    "gpu": {"errors", "config", "store", "input", "model", "train"},
-    "run_state": {"cluster"},
-    # The ``lmscale`` command: the top floor, above every library layer (nothing imports it).
-    "cli": {"errors", "child_process", "config", "store", "cluster", "prep", "input", "model",
-            "train", "inference", "similarity", "finetune", "evals", "study", "gpu"},
-    "main": {"errors", "config", "store", "cluster", "input", "train"},
+    "evals": {"errors", "progress", "prep.elf", "similarity"},
+    "study": {"errors", "config", "store", "input", "model", "train", "child_process"},
+    "gpu": {"config", "store", "input", "model", "train"},
+    "main": {"errors", "config", "cluster", "input", "train"},
 }
-
+# The ``lmscale`` command: the top floor, above every library layer (nothing imports it); it may
+# import any of them, so it is the one entry not held to "exactly the edges that exist".
+ALLOWED["cli"] = set(ALLOWED)
 
 def modules() -> dict[str, str]:
   """``{"lmscale_jax.train.steps": path}`` for every module of the package."""
@@ -78,8 +80,19 @@ def graph() -> dict[str, set[str]]:
 
 
 def group(module: str) -> str:
-  """``lmscale_jax.train.steps`` -> ``train``; ``lmscale_jax.errors`` -> ``errors``."""
-  return module.split(".")[1]
+  """``lmscale_jax.train.steps`` -> ``train``; ``lmscale_jax.errors`` -> ``errors``;
+  ``lmscale_jax.prep.elf.elf_corpus`` -> ``prep.elf`` (a subpackage with its own row)."""
+  parts = module.split(".")
+  return ".".join(parts[1:3]) if ".".join(parts[1:3]) in ALLOWED else parts[1]
+
+
+def edges() -> dict[str, set[str]]:
+  """``{"train": {"model", …}}``: which groups import which, from the modules on disk."""
+  out = {g: set() for g in ALLOWED}
+  for m, deps in graph().items():
+    if m != "lmscale_jax":
+      out[group(m)] |= {group(d) for d in deps if group(d) != group(m)}
+  return out
 
 
 def test_every_subpackage_is_on_the_table():
@@ -90,6 +103,19 @@ def test_imports_between_subpackages_go_only_the_allowed_directions():
   wrong = sorted(f"{m} imports {dep}" for m, deps in graph().items() if m != "lmscale_jax"
                  for dep in deps
                  if group(dep) != group(m) and group(dep) not in ALLOWED[group(m)])
+  assert not wrong, "\n".join(wrong)
+
+
+def test_every_allowed_import_is_one_that_exists():
+  found = edges()
+  unused = sorted(f"{g} -> {dep}" for g, deps in ALLOWED.items() if g != "cli"
+                  for dep in deps - found[g])
+  assert not unused, "ALLOWED lists imports no module makes (remove them):\n" + "\n".join(unused)
+
+
+def test_similarity_and_evals_import_only_the_elf_part_of_prep():
+  wrong = sorted(f"{m} imports {dep}" for m, deps in graph().items() if m != "lmscale_jax"
+                 and group(m) in ("similarity", "evals") for dep in deps if group(dep) == "prep")
   assert not wrong, "\n".join(wrong)
 
 
@@ -122,3 +148,40 @@ def test_design_md_names_every_module_and_only_modules_that_exist():
   assert not on_disk - named, f"docs/design.md does not describe {sorted(on_disk - named)}"
   assert not named - on_disk, f"docs/design.md names modules that do not exist: " \
                               f"{sorted(named - on_disk)}"
+
+
+def config_keys_in_design_md() -> set[str]:
+  """The keys docs/design.md's "## Config" blocks name: ``data.path`` starts a line, and a line
+  like ``train.steps, learning_rate, schedule ("linear"|"cosine"), …`` names more keys of the
+  same section; a line starting with a bare word (``init_from``) names a top-level key."""
+  text = open(os.path.join(ROOT, "docs", "design.md")).read()
+  section = text.split("\n## Config", 1)[1].split("\n## ", 1)[0]
+  named = set()
+  for block in section.split("```")[1::2]:
+    for line in block.strip().splitlines():
+      first = re.match(r"(\w+)(?:\.(\w+))?(?:\s*\([^)]*\))?", line)
+      prefix = f"{first[1]}." if first[2] else ""
+      named.add(first[1] + (f".{first[2]}" if first[2] else ""))
+      rest = line[first.end():]
+      while prefix and (more := re.match(r",\s*(\w+)(?:\s*\([^)]*\))?", rest)):
+        named.add(prefix + more[1])
+        rest = rest[more.end():]
+  return named
+
+
+def test_design_md_config_names_only_keys_that_exist_and_every_section():
+  from lmscale_jax.config import defaults, finetune
+
+  configs = [defaults.get_base_config(), finetune.get_config()]
+  named = config_keys_in_design_md()
+
+  def exists(key: str) -> bool:
+    section, _, name = key.partition(".")
+    return any(section in c and (not name or (hasattr(c[section], "keys") and name in c[section]))
+               for c in configs)
+
+  unknown = sorted(k for k in named if not exists(k))
+  assert not unknown, f"docs/design.md's config names keys that do not exist: {unknown}"
+  sections = {k for c in configs for k in c.keys()}
+  missing = sections - {k.partition(".")[0] for k in named}
+  assert not missing, f"docs/design.md's config does not describe {sorted(missing)}"

@@ -20,7 +20,7 @@ from lmscale_jax.errors import ConfigError
 from lmscale_jax.input import loader as data
 from lmscale_jax.model import bert as M
 from lmscale_jax.prep.packing import Packer
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset
 from tests.test_distributed import local_sh
 from tests.test_faults import args as run_args
@@ -194,7 +194,7 @@ def test_masked_loader_batches_keep_the_segments_of_their_records(tmp_path):
 def _as_format_1(meta: dataset.DatasetMeta) -> None:
   path = os.path.join(meta.path, dataset.METADATA)
   raw = dict(meta.raw, format=dataset.FORMAT_1)
-  dataset.atomic_write_json(path, raw)
+  file_io.atomic_write_json(path, raw)
 
 
 def test_format_1_datasets_load_and_segment_mode_needs_a_cls_per_function(tmp_path):
@@ -214,7 +214,7 @@ def test_format_1_datasets_load_and_segment_mode_needs_a_cls_per_function(tmp_pa
                      r"lmscale_jax.dataset/1.*re-prepare.*packed_attention=cross"):
     config_checks.check_model_fits_dataset(segment, old_greedy)
   raw = dict(old_greedy.raw, format="lmscale_jax.dataset/0")
-  dataset.atomic_write_json(os.path.join(old_greedy.path, dataset.METADATA), raw)
+  file_io.atomic_write_json(os.path.join(old_greedy.path, dataset.METADATA), raw)
   with pytest.raises(dataset.DatasetError, match="format 'lmscale_jax.dataset/0'.*re-prepare"):
     dataset.DatasetMeta.load(str(tmp_path / "greedy"))
 

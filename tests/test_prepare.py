@@ -15,8 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from lmscale_jax.prep import elf_corpus, prepare, shard_writer, tokenize_pack
-from lmscale_jax.prep.pretokenize import Pretokenizer, normalize_number
+from lmscale_jax.prep import prepare, shard_writer, tokenize_pack
+from lmscale_jax.prep.elf import elf_corpus
+from lmscale_jax.prep.elf.pretokenize import Pretokenizer, normalize_number
 from lmscale_jax.store import dataset, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +41,7 @@ def opts(out, inputs=None, **kw):
   kw.setdefault("seq_len", SEQ)
   kw.setdefault("vocab_size", 2000)
   kw.setdefault("val_fraction", 0.05)
-  return prepare.Options(kind=kw.pop("kind", "binary"), inputs=inputs or small_elves(),
+  return prepare.PrepareOptions(kind=kw.pop("kind", "binary"), inputs=inputs or small_elves(),
                          output=str(out), **kw)
 
 
@@ -189,7 +190,8 @@ def test_identical_for_any_worker_count(built, tmp_path):
 
 @pytest.mark.parametrize("shown", [True, False])
 def test_progress_bars_of_every_pass_are_drawn_only_when_asked(tmp_path, shown):
-  code = (f"from lmscale_jax.prep import prepare; prepare.prepare(prepare.Options(kind='binary', "
+  code = (f"from lmscale_jax.prep import prepare; "
+          f"prepare.prepare(prepare.PrepareOptions(kind='binary', "
           f"inputs={small_elves(3)!r}, output={str(tmp_path / 'ds')!r}, workers=2, seq_len=128, "
           f"vocab_size=2000, progress={shown}))")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -597,7 +599,8 @@ def test_an_unfinished_run_of_the_other_pretokenizer_backend_names_the_way_to_re
   """The backends' texts differ on ~0.005% of instructions, so a run never mixes them: a run
   started with the python backend (its first steps, then killed) is refused by the compiled
   one, with both ways out; under the python backend again it resumes and completes."""
-  from lmscale_jax.prep import corpus_extract, pretokenize
+  from lmscale_jax.prep import corpus_extract
+  from lmscale_jax.prep.elf import pretokenize
 
   o = opts(tmp_path / "o", small_elves(2), workers=1)
   try:

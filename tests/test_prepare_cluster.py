@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from lmscale_jax.prep import cluster_extract, cluster_stages, prepare, pretokenize
+from lmscale_jax.prep import cluster_extract, cluster_stages, packing, prepare
 from lmscale_jax.store import dataset
 from tests.test_bad_input_prepare import cli, one_line
 from tests.test_prepare import opts, small_elves
@@ -85,9 +85,9 @@ def test_without_the_token_ids_extension_the_dataset_is_the_same(tmp_path, singl
                                                                  monkeypatch):
   """prep/_token_ids.c (counts, ids, packing) against its Python references, end to end: the
   fallback where the extension cannot build writes the same bytes."""
-  if pretokenize.token_ids_module() is None:
+  if packing.token_ids_module() is None:
     pytest.skip("the _token_ids extension is not built: the fixture ran the fallback already")
-  monkeypatch.setattr(pretokenize, "token_ids_module", lambda: None)
+  monkeypatch.setattr(packing, "token_ids_module", lambda: None)
   out = tmp_path / "ds"
   prepare.prepare(opts(out, workers=1, **SETTINGS))
   assert_same_dataset(single_node[0], out)

@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from lmscale_jax.errors import PrepareError
-from lmscale_jax.prep import pretokenize
-from lmscale_jax.prep.pretokenize import NEXT, CodePretokenizer, CompiledPretokenizer
+from lmscale_jax.prep.elf import pretokenize
+from lmscale_jax.prep.elf.pretokenize import NEXT, CodePretokenizer, CompiledPretokenizer
 from tests.test_pretokens_iced import LIB, LIBRARIES, functions, iced_pretokens
 
 
@@ -161,10 +161,10 @@ def test_code_pretokenizer_is_compiled_where_built_and_python_when_forced(monkey
 
 def test_without_the_extension_the_default_falls_back_to_python_and_forcing_it_is_one_error(
     monkeypatch):
-  import lmscale_jax.prep
+  import lmscale_jax.prep.elf
 
-  monkeypatch.setitem(sys.modules, "lmscale_jax.prep._pretokens", None)  # import fails
-  monkeypatch.delattr(lmscale_jax.prep, "_pretokens", raising=False)  # as if never imported
+  monkeypatch.setitem(sys.modules, "lmscale_jax.prep.elf._pretokens", None)  # import fails
+  monkeypatch.delattr(lmscale_jax.prep.elf, "_pretokens", raising=False)  # as if never imported
   assert isinstance(pretokenize.make_pretokenizer(""), CodePretokenizer)
   with pytest.raises(PrepareError) as e:
     pretokenize.make_pretokenizer("compiled")

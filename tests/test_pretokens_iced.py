@@ -20,8 +20,8 @@ import os
 
 import pytest
 
-from lmscale_jax.prep import elf_corpus
-from lmscale_jax.prep.pretokenize import CodePretokenizer, NEXT, Pretokenizer
+from lmscale_jax.prep.elf import elf_corpus
+from lmscale_jax.prep.elf.pretokenize import CodePretokenizer, NEXT, Pretokenizer
 
 LIB = "/usr/lib/x86_64-linux-gnu"
 LIBRARIES = ["libc.so.6", "libsqlite3.so.0", "libcrypto.so.3"]

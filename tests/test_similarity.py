@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.similarity import function_groups
 from tests.helpers import ROOT, make_config
 
 SOURCES = os.path.join(ROOT, "tests", "data", "similarity")
@@ -46,10 +46,10 @@ def hf_model(directory, bench_path):
   from lmscale_jax.inference import trained_model
   from lmscale_jax.model import bert as model_lib
   from lmscale_jax.model import hf_convert
-  from lmscale_jax.similarity import bench as similarity_bench
+  from lmscale_jax.similarity import function_groups
   from lmscale_jax.store import tokenizer as toklib
 
-  _, groups = similarity_bench.load(str(bench_path))
+  _, groups = function_groups.load(str(bench_path))
   texts = [v["text"] for g in groups for v in g["variants"].values()]
   tok = toklib.train(texts, vocab_size=512, kind="binary")
   os.makedirs(directory)
@@ -88,9 +88,9 @@ def test_tfidf_far_above_chance_and_identical_functions_rank_first(bench, tmp_pa
   # An ELF of the pretraining corpus: codecs.c built at -O0 as the benchmark builds it.
   leak_so = tmp_path / "corpus" / "libcodecs.so"
   leak_so.parent.mkdir()
-  from lmscale_jax.similarity import bench as similarity_bench
-  assert similarity_bench._compile(
-      "gcc", "O0", similarity_bench.Source(os.path.join(SOURCES, "codecs.c"), "codecs.c"),
+  from lmscale_jax.similarity import function_groups
+  assert function_groups._compile(
+      "gcc", "O0", function_groups.Source(os.path.join(SOURCES, "codecs.c"), "codecs.c"),
       str(leak_so), [f"-I{SOURCES}"]) == ""
   out = tmp_path / "eval.json"
   results = tmp_path / "results.jsonl"
@@ -156,7 +156,7 @@ def test_a_fifo_among_the_sources_is_left_out(tmp_path):
   src.mkdir()
   shutil.copy(os.path.join(SOURCES, "numeric.c"), src / "numeric.c")
   os.mkfifo(src / "pipe.c")
-  assert [s.ident for s in similarity_bench.find_sources([str(src)])] == ["src/numeric.c"]
+  assert [s.ident for s in function_groups.find_sources([str(src)])] == ["src/numeric.c"]
 
 
 # ----------------------------------------------------------------------------- issue 41

@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from lmscale_jax.similarity import bench as similarity_bench
+from lmscale_jax.similarity import function_groups
 from lmscale_jax.similarity import spec as similarity_spec
 from tests.helpers import ROOT
 from tests.test_similarity import SOURCES, tool
@@ -106,7 +106,7 @@ def build(tmp_path, out, *args):
 
 
 def groups_of(path) -> list[dict]:
-  return similarity_bench.load(str(path))[1]
+  return function_groups.load(str(path))[1]
 
 
 def test_a_spec_compiles_each_library_with_its_own_flags_headers_and_files(libs):
@@ -215,7 +215,7 @@ def test_merge_keeps_two_libraries_util_c_init_apart_and_adds_up_the_headers(tmp
     assert r.returncode == 0, r.stderr
   r = tool("build_similarity_bench.py", "--merge", a, b, "--output", merged)
   assert r.returncode == 0, r.stderr
-  (ha, ga), (hb, gb), (h, g) = (similarity_bench.load(str(p)) for p in (a, b, merged))
+  (ha, ga), (hb, gb), (h, g) = (function_groups.load(str(p)) for p in (a, b, merged))
   for gs in (ga, gb):  # each input alone: src/util.c:init
     assert ("src/util.c", "init") in {(x["source"], x["name"]) for x in gs}
   keys = [(x["source"], x["name"]) for x in g]

@@ -23,7 +23,7 @@ import uuid
 import pytest
 
 from lmscale_jax.cluster import run_state
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 from tests.helpers import communicate, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -229,7 +229,7 @@ def test_a_stale_preempted_state_is_not_requeued(tmp_path, data, cache):
   trains nothing (--dry_run): no requeue, or every allocation would requeue the next."""
   workdir = tmp_path / "w"
   os.makedirs(workdir)
-  dataset.atomic_write_json(str(workdir / "run_state.json"), run_state.record(
+  file_io.atomic_write_json(str(workdir / "run_state.json"), run_state.record(
       "preempted", 40, 100, str(workdir / "checkpoints" / "40"),
       env={"SLURM_JOB_ID": JOB, "SLURM_RESTART_COUNT": "0"}))
   job = FakeSlurm(tmp_path, data, cache, restart_count=1)

@@ -16,7 +16,7 @@ import pytest
 
 from lmscale_jax.input import dataset_checks as data_checks
 from lmscale_jax.input import staging
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 from tests.helpers import make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +98,7 @@ def test_partial_copy_after_a_crash_is_recovered(src, tmp_path):
   shutil.copy(os.path.join(src, names[1]), os.path.join(dest, f".{names[1]}{staging.TMP_SUFFIX}"))
   os.unlink(os.path.join(dest, names[2]))
   os.unlink(os.path.join(dest, dataset.METADATA))
-  dataset.atomic_write_json(os.path.join(dest, staging.STAGE_FILE),
+  file_io.atomic_write_json(os.path.join(dest, staging.STAGE_FILE),
                        {"status": "copying", "source": src, "host": "h"})
   with pytest.raises(staging.StagingError, match="did not finish .*rerun tools/stage.py"):
     data_checks.check_dataset_dir(dest)

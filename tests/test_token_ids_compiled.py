@@ -11,7 +11,8 @@ import os
 import numpy as np
 import pytest
 
-from lmscale_jax.prep import elf_corpus, pretokenize, tokenize_pack
+from lmscale_jax.prep import packing, tokenize_pack
+from lmscale_jax.prep.elf import elf_corpus, pretokenize
 from lmscale_jax.prep.packing import Packer, pack_documents
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.store.dataset import NEXT
@@ -64,7 +65,7 @@ def test_count_pretokens_is_the_same_with_and_without_the_extension(texts, monke
   compiled = toklib.count_pretokens(texts, _token_ids)
   assert toklib.count_pretokens(texts) == compiled
   monkeypatch.setenv(pretokenize.BACKEND_ENV, "python")
-  assert pretokenize.token_ids_module() is None
+  assert packing.token_ids_module() is None
 
 
 @pytest.mark.parametrize("table_size", [1 << 18, 7])  # 7: emptied every few instructions

@@ -18,7 +18,7 @@ import threading
 
 from lmscale_jax.errors import UserError, disk_full
 from lmscale_jax.prep import options as prep_options
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a process SIGTERM ended
@@ -67,7 +67,7 @@ def append_file(text: str) -> str:
   """An argparse type: a file to append to (a results file), checked as :func:`output_file`
   and, when it exists, a regular file this process may write."""
   output_file(text)
-  if kind := dataset.not_regular(text):
+  if kind := file_io.not_regular(text):
     raise argparse.ArgumentTypeError(f"{text!r} is {kind}: expected a file to append to")
   if os.path.exists(text) and not os.access(text, os.W_OK):
     raise argparse.ArgumentTypeError(f"{text!r} is not writable")
@@ -99,7 +99,7 @@ def input_file(text: str) -> str:
     return text
   if not os.path.exists(text):
     raise argparse.ArgumentTypeError(f"{text!r}: no such file")
-  if kind := dataset.not_regular(text):
+  if kind := file_io.not_regular(text):
     raise argparse.ArgumentTypeError(f"{text!r} is {kind}: expected a regular file to read")
   if not os.access(text, os.R_OK):
     raise argparse.ArgumentTypeError(f"{text!r} is not readable (permissions)")

@@ -3,15 +3,15 @@
 Training (process 0) writes it (``workdir.write_run_state``): ``running`` at the start (a crash
 leaves that), ``finished`` or ``preempted`` at the end, with the step reached and, inside
 Slurm, the job id and restart count of the allocation that wrote it. ``launch/slurm.sbatch``
-asks :func:`requeue_decision` after its training step (``python -m lmscale_jax.run_state``):
-requeue only a run that this allocation saw preempted after it made progress, and at most
-``MAX_REQUEUES`` times, so a stale ``preempted`` (an earlier allocation's, or a ``--dry_run``
-that trained nothing) never requeues forever.
+asks :func:`requeue_decision` after its training step
+(``python -m lmscale_jax.cluster.run_state``): requeue only a run that this allocation saw
+preempted after it made progress, and at most ``MAX_REQUEUES`` times, so a stale ``preempted``
+(an earlier allocation's, or a ``--dry_run`` that trained nothing) never requeues forever.
 
 Imports nothing heavy: the batch script runs it on the batch node before and after training.
 
-  python -m lmscale_jax.run_state step WORKDIR       # the step reached so far (-1: none)
-  python -m lmscale_jax.run_state requeue WORKDIR --since-step N [--max-requeues 20]
+  python -m lmscale_jax.cluster.run_state step WORKDIR   # the step reached so far (-1: none)
+  python -m lmscale_jax.cluster.run_state requeue WORKDIR --since-step N [--max-requeues 20]
       # exit 0: requeue; 1: do not; the reason on stdout either way
 """
 
@@ -79,7 +79,7 @@ def requeue_decision(state: dict | None, *, since_step: int, job_id: str, restar
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m lmscale_jax.run_state",
+  parser = argparse.ArgumentParser(prog="python -m lmscale_jax.cluster.run_state",
                                    description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("step", help="the step reached so far (-1: none)").add_argument("workdir")

@@ -15,7 +15,7 @@ pools are drawn once (seeded), so every method ranks exactly the same pools. Tie
 against the positive (a negative scoring within 1e-6 of it ranks above): a method that cannot
 tell two functions apart gets no credit for the order it happened to list them in.
 
-The benchmark's file format and its build: :mod:`lmscale_jax.similarity.bench`.
+The benchmark's file format and its build: :mod:`lmscale_jax.similarity.function_groups`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import dataclasses
 
 import numpy as np
 
-from lmscale_jax.prep import elf_corpus
-from lmscale_jax.prep import progress as progress_lib
-from lmscale_jax.similarity.bench import BenchError
+from lmscale_jax import progress as progress_lib
+from lmscale_jax.prep.elf import elf_corpus
+from lmscale_jax.similarity.function_groups import FunctionGroupsError
 
 TIE = 1e-6
 # The most memory one block of a pool's gathered vectors may take while it is ranked: all
@@ -109,7 +109,7 @@ def parse_pairs(spec: str, variants: list[str]) -> list[tuple[str, str]]:
   for part in spec.split(","):
     ab = part.split(":")
     if len(ab) != 2 or not all(x in variants for x in ab):
-      raise BenchError(f"--pairs {part!r}: expected A:B with A and B among the benchmark's "
+      raise FunctionGroupsError(f"--pairs {part!r}: expected A:B with A and B among the benchmark's "
                        f"variants {', '.join(variants)}")
     out.append((ab[0], ab[1]))
   return out

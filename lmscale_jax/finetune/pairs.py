@@ -1,5 +1,5 @@
 """The training pairs of contrastive fine-tuning: a file in the similarity benchmark's format
-(:mod:`lmscale_jax.similarity.bench`: a header line, then one source function per line with
+(:mod:`lmscale_jax.similarity.function_groups`: a header line, then one source function per line with
 its compiled ``variants``), and the batches drawn from it.
 
 Step ``k`` (1-based) of a run with seed ``s`` takes B distinct groups and two different
@@ -25,8 +25,8 @@ import numpy as np
 
 from lmscale_jax.errors import UserError
 from lmscale_jax.inference import trained_model
-from lmscale_jax.similarity import bench as similarity_bench
-from lmscale_jax.store import dataset
+from lmscale_jax.similarity import function_groups
+from lmscale_jax.store import file_io
 
 
 class PairsError(UserError, ValueError):
@@ -52,8 +52,8 @@ def load(path: str, max_groups: int = 0, seed: int = 0) -> Pairs:
     raise PairsError(f"--pairs {path}: no such file (a file tools/build_similarity_bench.py "
                      "wrote, e.g. from the training sources of tools/fetch_bench_sources.py)")
   try:
-    _, groups = similarity_bench.load(path)
-  except similarity_bench.BenchError as e:
+    _, groups = function_groups.load(path)
+  except function_groups.FunctionGroupsError as e:
     raise PairsError(f"--pairs: {e}") from None
   texts = [[g["variants"][v]["text"] for v in sorted(g["variants"])] for g in groups]
   usable = [t for t in texts if len(t) >= 2]
@@ -65,7 +65,7 @@ def load(path: str, max_groups: int = 0, seed: int = 0) -> Pairs:
     keep = np.sort(np.random.default_rng([seed, 0]).choice(len(usable), max_groups,
                                                             replace=False))
     usable = [usable[i] for i in keep.tolist()]
-  return Pairs(path=path, sha256=dataset.sha256_file(path), texts=usable, dropped=dropped)
+  return Pairs(path=path, sha256=file_io.sha256_file(path), texts=usable, dropped=dropped)
 
 
 def check_enough(pairs: Pairs, batch_size: int) -> None:

@@ -51,7 +51,7 @@ from lmscale_jax.errors import ConfigError, UserError
 from lmscale_jax.finetune import pairs as finetune_pairs
 from lmscale_jax.inference import trained_model
 from lmscale_jax.model import contrastive
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import finetune_state, optim, sharding
 from lmscale_jax.train import metrics as metrics_lib
@@ -331,7 +331,7 @@ def _finetune(config, workdir: str, pairs, allow_config_change: bool, say) -> di
                                        on_full=str(config.checkpoint.on_full),
                                        run_record=record)
   if is_writer and start_model is not None:
-    dataset.atomic_write_bytes(os.path.join(workdir, TOKENIZER), model.tokenizer.to_str().encode())
+    file_io.atomic_write_bytes(os.path.join(workdir, TOKENIZER), model.tokenizer.to_str().encode())
   steps = build_steps(config, model.cfg)
   batches = finetune_pairs.PairBatches(pairs, model, seed=t.seed, batch_size=t.batch_size,
                                        process_index=jax.process_index(),

@@ -34,7 +34,7 @@ from lmscale_jax.config import legacy
 from lmscale_jax.errors import UserError
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import contrastive, hf_convert
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import finetune_state
@@ -68,7 +68,7 @@ _SHAPE_INTS = ("vocab_size", "seq_len", "layers", "hidden", "heads", "ffn")
 
 def regular_file(path: str, what: str) -> str:
   """``path``, once it is known to be a regular file (a FIFO would block its reader)."""
-  if kind := dataset.not_regular(path):
+  if kind := file_io.not_regular(path):
     raise UserError(f"{path} is {kind}: expected {what}")
   return path
 
@@ -163,7 +163,7 @@ def restore_params(workdir: str, step: int | None, abstract_state) -> tuple[int,
   tool's stderr is its own lines (one, when it fails)."""
   root = os.path.join(workdir, "checkpoints")
   if os.path.exists(root) and not os.path.isdir(root):
-    raise UserError(f"{root} is {dataset.not_regular(root) or 'a file'}: expected the directory "
+    raise UserError(f"{root} is {file_io.not_regular(root) or 'a file'}: expected the directory "
                     "of the run's checkpoints (restore it, or give the --workdir of a run)")
   verbosity = logging.get_verbosity()
   logging.set_verbosity(logging.ERROR)
@@ -311,7 +311,7 @@ def check_hf_files(hf_dir: str) -> None:
   for name in (hf_convert.CONFIG, hf_convert.WEIGHTS, dataset.TOKENIZER,
                contrastive.HEAD_WEIGHTS, contrastive.HEAD_CONFIG):
     path = os.path.join(hf_dir, name)
-    if kind := dataset.not_regular(path):
+    if kind := file_io.not_regular(path):
       raise UserError(f"{path} is {kind}: expected the model directory's {name} file")
   path = os.path.join(hf_dir, hf_convert.CONFIG)
   if os.path.exists(path) and not isinstance(config := read_json(path, "a JSON object"), dict):

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 
 from absl import logging
 
-from lmscale_jax.store import dataset
+from lmscale_jax.store import file_io
 
 FILENAME = "loader_autotune.json"
 
@@ -121,7 +121,7 @@ def resolve_workers(workdir: str, data_config, *, is_writer: bool,
             "step_seconds": step_s, "max_workers": max_workers, "measurements": results}
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
-    dataset.atomic_write_json(path, record)
+    file_io.atomic_write_json(path, record)
   logging.info("loader autotune: %d workers (%s)", record["workers"], record["reason"])
   return int(record["workers"])
 

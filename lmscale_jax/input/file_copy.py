@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.store import dataset
+from lmscale_jax.store import file_io
 from lmscale_jax.store import dir_lock as store_lock
 
 TMP_SUFFIX = ".staging"  # a copy in progress: ``.{name}.staging`` beside its final name
@@ -25,7 +25,7 @@ def temp_name(path: str) -> str:
 
 
 def hash_file(path: str) -> str:
-  return dataset.sha256_file(path, chunk=CHUNK)
+  return file_io.sha256_file(path, chunk=CHUNK)
 
 
 def signature(path: str) -> list | None:

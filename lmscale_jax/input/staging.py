@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 from lmscale_jax.config import defaults as config_defaults
 from lmscale_jax.errors import UserError
 from lmscale_jax.input import file_copy
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 
 STAGE_FILE = "staging.json"
 LOCK_FILE = ".stage.lock"
@@ -140,7 +140,7 @@ def read_state(directory: str) -> dict | None:
 
 
 def _write_state(directory: str, **state) -> None:
-  dataset.atomic_write_json(os.path.join(directory, STAGE_FILE),
+  file_io.atomic_write_json(os.path.join(directory, STAGE_FILE),
                             {"host": socket.gethostname(), "time": time.time(), **state})
 
 
@@ -323,7 +323,7 @@ def _commit_metadata(src: str, dest: str, source_metadata: bytes) -> None:
   are the ones staging planned with, and only while the source still has them: a source
   replaced mid-copy would otherwise pair new metadata with old shards."""
   _check_source_unchanged(src, source_metadata)
-  dataset.atomic_write_bytes(os.path.join(dest, dataset.METADATA), source_metadata)
+  file_io.atomic_write_bytes(os.path.join(dest, dataset.METADATA), source_metadata)
 
 
 def _same_metadata(src: str, dest: str) -> bool:
@@ -393,7 +393,7 @@ def _stage_locked(src: str, dest: str, meta: dataset.DatasetMeta, *, workers: in
   dst_meta = os.path.join(dest, dataset.METADATA)
   if os.path.exists(dst_meta):
     os.unlink(dst_meta)  # absent until every file is verified: never a half-staged dataset
-  dataset.fsync_dir(dest)
+  file_io.fsync_dir(dest)
   log(f"staging {src} -> {dest}: {len(todo)} files, {human_bytes(todo_bytes)} to copy, {kept} "
       f"already verified; {workers} workers")
   bar = file_copy.Progress(todo_bytes, progress, "staging")

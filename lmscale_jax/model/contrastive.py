@@ -32,7 +32,7 @@ import optax
 from lmscale_jax.config.modes import POOLS
 from lmscale_jax.errors import UserError
 from lmscale_jax.model import bert as model_lib
-from lmscale_jax.store import dataset
+from lmscale_jax.store import file_io
 
 HEAD_WEIGHTS = "projection.safetensors"
 HEAD_CONFIG = "projection.json"
@@ -109,8 +109,8 @@ def save_head(head: dict, out_dir: str) -> None:
   kernel = np.asarray(head["projection"]["kernel"], np.float32)
   tensors = {"weight": np.ascontiguousarray(kernel.T),
              "bias": np.asarray(head["projection"]["bias"], np.float32)}
-  dataset.atomic_write_bytes(os.path.join(out_dir, HEAD_WEIGHTS), save(tensors))
-  dataset.atomic_write_json(os.path.join(out_dir, HEAD_CONFIG), {
+  file_io.atomic_write_bytes(os.path.join(out_dir, HEAD_WEIGHTS), save(tensors))
+  file_io.atomic_write_json(os.path.join(out_dir, HEAD_CONFIG), {
       "format": HEAD_FORMAT, "pool": head["pool"], "normalize": True,
       "in_features": int(kernel.shape[0]), "out_features": int(kernel.shape[1]),
       "pool_means": "mean: last hidden layer averaged over attention_mask (non-pad tokens, "

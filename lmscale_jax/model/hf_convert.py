@@ -27,7 +27,7 @@ import numpy as np
 
 from lmscale_jax.errors import UserError
 from lmscale_jax.model import bert as model_lib
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 
 CONFIG = "config.json"
@@ -193,7 +193,7 @@ def read_config(hf_dir: str) -> dict:
   if not os.path.isdir(hf_dir):
     raise HFError(f"{hf_dir}: not a directory (expected a Hugging Face model directory with "
                   f"{CONFIG} and {WEIGHTS}, e.g. one tools/export_hf.py wrote)")
-  kind = dataset.not_regular(path)
+  kind = file_io.not_regular(path)
   if kind:  # a FIFO would block the read forever
     raise HFError(f"{path} is {kind}: expected the model's {CONFIG} file")
   try:
@@ -269,9 +269,9 @@ def save_model(params, cfg: ml_collections.ConfigDict, out_dir: str) -> None:
 
   check_exportable(cfg)
   sd = to_hf_state_dict(params, cfg, tied_aliases=False)
-  dataset.atomic_write_bytes(os.path.join(out_dir, WEIGHTS),
+  file_io.atomic_write_bytes(os.path.join(out_dir, WEIGHTS),
                              save(sd, metadata={"format": "pt"}))
-  dataset.atomic_write_json(os.path.join(out_dir, CONFIG), hf_config(cfg))
+  file_io.atomic_write_json(os.path.join(out_dir, CONFIG), hf_config(cfg))
 
 
 # --------------------------------------------------------------------------- pretraining from HF

@@ -16,8 +16,8 @@ import numpy as np
 
 from lmscale_jax.errors import PrepareError
 from lmscale_jax.prep import corpus_extract, corpus_layout, packed_pieces, prepare, worker_pool
-from lmscale_jax.prep.options import Options, check_options
-from lmscale_jax.store import dataset
+from lmscale_jax.prep.options import PrepareOptions, check_options
+from lmscale_jax.store import file_io
 
 ENGINE = "slurm-array"
 PLAN = "plan.json"
@@ -59,7 +59,7 @@ def share(units: int, task: int, tasks: int) -> range:
 
 
 # ----------------------------------------------------------------------------- plan
-def plan(o: Options, slices: int, buckets: int) -> dict:
+def plan(o: PrepareOptions, slices: int, buckets: int) -> dict:
   """Opens the output as ``prepare.prepare`` does and writes ``plan.json`` once; a rerun with
   the same options keeps the existing plan (its slices and buckets are fixed)."""
   check_options(o)
@@ -68,7 +68,7 @@ def plan(o: Options, slices: int, buckets: int) -> dict:
     return _plan(o, slices, buckets)
 
 
-def _plan(o: Options, slices: int, buckets: int) -> dict:
+def _plan(o: PrepareOptions, slices: int, buckets: int) -> dict:
   files, skipped, notes = corpus_extract.list_files(o)
   for note in notes:
     print(note, file=sys.stderr)
@@ -94,17 +94,17 @@ def _plan(o: Options, slices: int, buckets: int) -> dict:
        "tasks": tasks,
        "slices": corpus_layout.balanced_ranges([sizes[i] / n for i, _, n in tasks], slices),
        "buckets": buckets, "started": time.time()}
-  dataset.atomic_write_json(path, p)
+  file_io.atomic_write_json(path, p)
   return p
 
 
-def load_plan(output: str) -> tuple[dict, Options]:
+def load_plan(output: str) -> tuple[dict, PrepareOptions]:
   path = work_path(work_dir(output), PLAN)
   if not os.path.exists(path):
     raise PrepareError(f"{path}: no plan; run the plan stage first (tools/prepare_cluster.py "
                        f"plan --input … --output {output})")
   p = read_json(path)
-  return p, Options(**p["options"])
+  return p, PrepareOptions(**p["options"])
 
 
 # ----------------------------------------------------------------------------- extract
@@ -123,7 +123,7 @@ def extract(output: str, task: int, tasks: int, workers: int) -> None:
       _extract_slice(work_dir(output), p, o, k, workers)
 
 
-def _extract_slice(work: str, p: dict, o: Options, k: int, workers: int) -> None:
+def _extract_slice(work: str, p: dict, o: PrepareOptions, k: int, workers: int) -> None:
   if os.path.exists(slice_file(work, k, ".json")):
     print(f"extract: slice {k} done already")
     return
@@ -155,7 +155,7 @@ def _extract_slice(work: str, p: dict, o: Options, k: int, workers: int) -> None
   save_npy(slice_file(work, k, ".len.npy"), np.asarray(lengths, np.uint32))
   _write_buckets(work, k, b"".join(digests), p["buckets"])
   shutil.rmtree(tmpdir, ignore_errors=True)
-  dataset.atomic_write_json(slice_file(work, k, ".json"),
+  file_io.atomic_write_json(slice_file(work, k, ".json"),
                             {"tasks": results, "workers": workers, "seconds": time.time() - t0})
   print(f"extract: slice {k} done: {len(lengths):,} lines in {time.time() - t0:.1f} s")
 

@@ -28,13 +28,13 @@ import time
 import numpy as np
 
 from lmscale_jax.errors import PrepareError
-from lmscale_jax.prep import (corpus_extract, corpus_layout, packed_pieces, prepare, pretokenize,
+from lmscale_jax.prep import (corpus_extract, corpus_layout, packed_pieces, packing, prepare,
                               shard_writer, tokenize_pack, worker_pool)
 from lmscale_jax.prep.cluster_extract import (held, load_plan, missing, read_json, save_npy,
                                               share, slice_file, work_dir, work_path)
-from lmscale_jax.prep.elf_corpus import FileResult
-from lmscale_jax.prep.options import Options
-from lmscale_jax.store import dataset
+from lmscale_jax.prep.elf.elf_corpus import FileResult
+from lmscale_jax.prep.options import PrepareOptions
+from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 
 STAGES = ("plan", "extract", "dedup", "layout", "pack", "shards", "finish")
@@ -53,7 +53,7 @@ def _keep_masks(work: str, p: dict, lengths: list[np.ndarray]) -> list[np.ndarra
   return keep
 
 
-def _extract_stats(p: dict, o: Options, slice_results: list[list[dict]], keep, lengths):
+def _extract_stats(p: dict, o: PrepareOptions, slice_results: list[list[dict]], keep, lengths):
   """The stats single-node pass 1 keeps, and each input file's kept lines and bytes."""
   stats = corpus_extract.empty_stats()
   for reason, n in p["skipped"].items():
@@ -122,7 +122,7 @@ def _layout(output: str, workers: int) -> dict:
   seconds["tokenizer"] = time.time() - t
   out = {"pieces": pieces, "kept_at": kept_at, "extract_stats": stats, "seconds": seconds,
          "extract_workers": max(side["workers"] for side in sides)}
-  dataset.atomic_write_json(work_path(work, LAYOUT), out)
+  file_io.atomic_write_json(work_path(work, LAYOUT), out)
   print(f"layout: {stats['kept']:,} lines kept, {len(pieces)} pieces, in {time.time() - t0:.1f} s")
   return out
 
@@ -135,10 +135,10 @@ def _sampled_texts(work: str, k: int, kept_at: list[int], stride: int) -> list[s
 
 
 def _count_slice(args) -> collections.Counter:
-  return toklib.count_pretokens(_sampled_texts(*args), pretokenize.token_ids_module())
+  return toklib.count_pretokens(_sampled_texts(*args), packing.token_ids_module())
 
 
-def _tokenizer(work: str, o: Options, kept_at: list[int], total: int, workers: int) -> None:
+def _tokenizer(work: str, o: PrepareOptions, kept_at: list[int], total: int, workers: int) -> None:
   path = work_path(work, dataset.TOKENIZER)
   stride = corpus_layout.sample_stride(total, o.tokenizer_sample_mb << 20)
   try:
@@ -158,7 +158,7 @@ def _tokenizer(work: str, o: Options, kept_at: list[int], total: int, workers: i
       prepare.check_trained_size(o, tok)
   except toklib.TokenizerError as e:
     raise PrepareError(str(e)) from None
-  dataset.atomic_write_bytes(path, tok.to_str().encode())
+  file_io.atomic_write_bytes(path, tok.to_str().encode())
 
 
 # ----------------------------------------------------------------------------- reading lines
@@ -213,7 +213,7 @@ def _piece_batches(work: str, g0: int, g1: int):
 
 
 # ----------------------------------------------------------------------------- pack, shards
-def _load_layout(output: str, stage: str) -> tuple[dict, Options, dict]:
+def _load_layout(output: str, stage: str) -> tuple[dict, PrepareOptions, dict]:
   p, o = load_plan(output)
   path = work_path(work_dir(output), LAYOUT)
   missing(stage, [path], "layout")
@@ -243,7 +243,7 @@ def _pack(output: str, task: int, tasks: int, workers: int) -> None:
         f"already, in {time.time() - t0:.1f} s")
 
 
-def _piece_counts(output: str, stage: str) -> tuple[dict, Options, dict, list[dict]]:
+def _piece_counts(output: str, stage: str) -> tuple[dict, PrepareOptions, dict, list[dict]]:
   p, o, lay = _load_layout(output, stage)
   work = work_dir(output)
   bases = [packed_pieces.piece_base(work, i) for i in range(len(lay["pieces"]))]
@@ -251,7 +251,7 @@ def _piece_counts(output: str, stage: str) -> tuple[dict, Options, dict, list[di
   return p, o, lay, [packed_pieces.done_piece(b) for b in bases]
 
 
-def _shard_tasks(output: str, o: Options, counts: list[dict]) -> list[tuple]:
+def _shard_tasks(output: str, o: PrepareOptions, counts: list[dict]) -> list[tuple]:
   return packed_pieces.shard_tasks(work_dir(output), counts,
                                    packed_pieces.records_per_shard(o.seq_len, o.shard_size_mb),
                                    o.compression)

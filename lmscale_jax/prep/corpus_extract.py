@@ -17,10 +17,12 @@ from typing import Iterator
 import numpy as np
 
 from lmscale_jax.errors import PrepareError
-from lmscale_jax.prep import corpus_layout, elf_corpus, pretokenize, progress, text_corpus
-from lmscale_jax.prep.elf_corpus import FileResult, InputError
-from lmscale_jax.prep.options import Options
-from lmscale_jax.store import dataset
+from lmscale_jax import progress
+from lmscale_jax.prep import corpus_layout, packing, text_corpus
+from lmscale_jax.prep.elf import elf_corpus
+from lmscale_jax.prep.elf.elf_corpus import FileResult, InputError
+from lmscale_jax.prep.options import PrepareOptions
+from lmscale_jax.store import file_io
 from lmscale_jax.store import tokenizer as toklib
 
 
@@ -133,7 +135,7 @@ def empty_stats() -> dict:
           "deduplicated": 0, "partially_decoded": 0, "files_skipped": {}}
 
 
-def list_files(o: Options) -> tuple[list[str], dict, list[str]]:
+def list_files(o: PrepareOptions) -> tuple[list[str], dict, list[str]]:
   """The input files pass 1 reads, in order: (files, skip counts, notes for the user)."""
   skipped: dict = {}
   notes: list[str] = []
@@ -183,7 +185,7 @@ class _ChunkWriter:
     os.fsync(self.file.fileno())
     self.file.close()
     os.replace(self.path + ".partial", self.path)
-    dataset.atomic_write_json(self.path[:-4] + ".json",
+    file_io.atomic_write_json(self.path[:-4] + ".json",
                               {"next_file": next_file, "last": last, "stats": self.stats})
     self.index += 1
     if not last:
@@ -246,7 +248,7 @@ def count_file(stats: dict, whole: FileResult, kind: str) -> None:
     stats["partially_decoded"] += whole.partial
 
 
-def extract(o: Options, work: str, files: list[str], skipped: dict, seconds: dict,
+def extract(o: PrepareOptions, work: str, files: list[str], skipped: dict, seconds: dict,
             pmap) -> list[str]:
   """Pass 1 over ``files`` (from :func:`list_files`) on ``pmap`` (``worker_pool.ordered_map``'s).
   Returns the corpus chunk paths.
@@ -335,5 +337,5 @@ def count_sample(args) -> collections.Counter:
       yield from (lines[i][TEXT_AT:] for i in range((-at) % stride, len(lines), stride))
       at += len(lines)
 
-  return toklib.count_pretokens(texts(), pretokenize.token_ids_module())
+  return toklib.count_pretokens(texts(), packing.token_ids_module())
 

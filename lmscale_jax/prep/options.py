@@ -9,12 +9,12 @@ import math
 import os
 
 from lmscale_jax.errors import PrepareError
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 
 
 @dataclasses.dataclass
-class Options:
+class PrepareOptions:
   kind: str                       # "binary" | "text"
   inputs: list
   output: str
@@ -44,7 +44,7 @@ class Options:
       del d["compression"]
     d["inputs"] = [os.path.abspath(p) for p in self.inputs]
     if self.tokenizer:
-      d["tokenizer"] = dataset.sha256_file(self.tokenizer)
+      d["tokenizer"] = file_io.sha256_file(self.tokenizer)
     return d
 
 
@@ -73,7 +73,7 @@ def _finite(name: str, value, lo: float, hi: float) -> None:
     raise PrepareError(f"{name} {value!r}: expected a finite number in {show_range(lo, hi)}")
 
 
-def check_options(o: Options) -> None:
+def check_options(o: PrepareOptions) -> None:
   """Every option on its own (one PrepareError naming the flag)."""
   if o.kind not in ("binary", "text"):
     raise PrepareError(f"kind {o.kind!r}: expected 'binary' or 'text'")

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from lmscale_jax.prep import tokenize_pack
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 
 PIECES, SHARDS = "pieces", "shards"
 
@@ -71,7 +71,7 @@ def pack_piece(task) -> dict:
                      "tokens": int(np.count_nonzero(seqs != special["[PAD]"])),
                      "unk": int(np.count_nonzero(seqs == special["[UNK]"]))}
   info = {"splits": counts, "seconds": seconds}
-  dataset.atomic_write_json(base + ".json", info)
+  file_io.atomic_write_json(base + ".json", info)
   return info
 
 
@@ -148,7 +148,7 @@ def write_shard(task) -> dict:
   os.makedirs(os.path.dirname(base), exist_ok=True)
   info = dataset.write_array_record(base + ".array_record", records(), compression)
   info["seconds"] = time.perf_counter() - t0  # the sidecar's too: a cluster's finish adds them
-  dataset.atomic_write_json(base + ".json", info)
+  file_io.atomic_write_json(base + ".json", info)
   return info
 
 

@@ -34,8 +34,8 @@ import time
 from lmscale_jax import errors
 from lmscale_jax.errors import PrepareError  # noqa: F401  (tools/_cli.py catches it from here)
 from lmscale_jax.prep import corpus_extract, corpus_layout, shard_writer, worker_pool
-from lmscale_jax.prep.options import Options, check_options
-from lmscale_jax.store import dataset, dir_lock
+from lmscale_jax.prep.options import PrepareOptions, check_options
+from lmscale_jax.store import dataset, dir_lock, file_io
 from lmscale_jax.store import tokenizer as toklib
 
 WORK = "_work"
@@ -46,7 +46,7 @@ def _inside(path: str, top: str) -> bool:
   return path != top and os.path.commonpath([path, top]) == top
 
 
-def check_overlap(o: Options) -> None:
+def check_overlap(o: PrepareOptions) -> None:
   """The output directory is cleared and written: it must not hold, lie in or be an input."""
   out = os.path.realpath(o.output)
   named = [("--input", p) for p in o.inputs] + ([("--tokenizer", o.tokenizer)]
@@ -92,11 +92,11 @@ def _manifest(out: str) -> list[str] | None:
 
 
 def _write_manifest(out: str, names) -> None:
-  dataset.atomic_write_json(os.path.join(out, MANIFEST),
+  file_io.atomic_write_json(os.path.join(out, MANIFEST),
                             {"tool": "lmscale_jax.prepare", "files": sorted(set(names))})
 
 
-# The temp file of an atomic write killed half way (dataset.atomic_write_bytes): ".NAME.*.tmp".
+# The temp file of an atomic write killed half way (file_io.atomic_write_bytes): ".NAME.*.tmp".
 _TEMP_NAME = re.compile(r"\.(.+)\.[^.]+\.tmp")
 
 
@@ -137,7 +137,7 @@ def _clear_own(out: str, names: list[str]) -> None:
     os.unlink(os.path.join(out, MANIFEST))
 
 
-def _resume_or_restart(o: Options, params: dict) -> bool:
+def _resume_or_restart(o: PrepareOptions, params: dict) -> bool:
   """An unfinished preparation in the work dir: True to resume it; False when it was started
   on other input files (then its work is dropped: nothing of it is valid)."""
   work = os.path.join(o.output, WORK)
@@ -209,7 +209,7 @@ def output_lock(out: str, *, shared: bool = False, doing: str = "a single-node p
         os.rmdir(out)
 
 
-def open_output(o: Options, params: dict) -> bool:
+def open_output(o: PrepareOptions, params: dict) -> bool:
   """Creates/validates the output directory (held by :func:`output_lock`). Returns True when
   resuming an earlier run."""
   out, work = o.output, os.path.join(o.output, WORK)
@@ -236,7 +236,7 @@ def open_output(o: Options, params: dict) -> bool:
     # The manifest first: whatever happens next, --overwrite knows what is ours.
     _write_manifest(out, (_manifest(out) or []) + [WORK])
     os.makedirs(work, exist_ok=True)
-    dataset.atomic_write_json(os.path.join(work, "params.json"), params)
+    file_io.atomic_write_json(os.path.join(work, "params.json"), params)
   except OSError as e:
     if errors.disk_full(e):
       raise
@@ -244,14 +244,14 @@ def open_output(o: Options, params: dict) -> bool:
   return False
 
 
-def pretokenizer_params(o: Options) -> dict:
+def pretokenizer_params(o: PrepareOptions) -> dict:
   """The compiled backend (prep/_pretokens.c) writes capstone's text, which differs from the
   python backend's on ~0.005% of instructions: a run never resumes with the other one. Its
   absence means the python backend (every run before the compiled one existed). Called in the
   parent, before any task: a bad $LMSCALE_PRETOKENIZER is one line here, not in a worker."""
   if o.kind != "binary":
     return {}
-  from lmscale_jax.prep.pretokenize import code_pretokenizer
+  from lmscale_jax.prep.elf.pretokenize import code_pretokenizer
 
   pre = code_pretokenizer()
   return {"pretokenizer": f"compiled ({pre.decoder})"} if pre.backend == "compiled" else {}
@@ -268,7 +268,7 @@ def input_key(files: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------- pass 2
-def _sample_counts(o: Options, work: str, chunks: list[str], pmap) -> collections.Counter:
+def _sample_counts(o: PrepareOptions, work: str, chunks: list[str], pmap) -> collections.Counter:
   """The binary tokenizer's pretoken counts of ``iter_texts``' sample, counted in the workers
   (the parent counted them alone: 0.67 s of a two-worker run's ~5 s, measured), one ~4 MB piece
   a task. Per piece, not in a few large groups: pass 3 waits for the last count, and with two
@@ -288,7 +288,7 @@ def _sample_counts(o: Options, work: str, chunks: list[str], pmap) -> collection
   return counts
 
 
-def _tokenizer(o: Options, work: str, chunks: list[str], pmap):
+def _tokenizer(o: PrepareOptions, work: str, chunks: list[str], pmap):
   path = os.path.join(work, dataset.TOKENIZER)
   if os.path.exists(path):
     return toklib.load(path)
@@ -304,11 +304,11 @@ def _tokenizer(o: Options, work: str, chunks: list[str], pmap):
       check_trained_size(o, tok)
   except toklib.TokenizerError as e:
     raise PrepareError(str(e)) from None
-  dataset.atomic_write_bytes(path, tok.to_str().encode())
+  file_io.atomic_write_bytes(path, tok.to_str().encode())
   return tok
 
 
-def check_trained_size(o: Options, tok) -> None:
+def check_trained_size(o: PrepareOptions, tok) -> None:
   """A trained text tokenizer holds at least the special tokens and its initial alphabet (the
   corpus's characters as WordPiece pieces; BPE's 256 bytes), whatever --vocab-size asks:
   --vocab-size 7 made a 55-token vocabulary without a word."""
@@ -321,7 +321,7 @@ def check_trained_size(o: Options, tok) -> None:
 
 
 # ----------------------------------------------------------------------------- finalize
-def _check_splits(o: Options, work: str, result: dict) -> None:
+def _check_splits(o: PrepareOptions, work: str, result: dict) -> None:
   """A split without sequences is no dataset: say which one and what to change, before
   anything is moved into the output (nothing there may look complete). The work files go: no
   rerun could use them (another --val-fraction or input starts afresh), and "nothing was
@@ -349,7 +349,7 @@ def _remove_work(out: str, work: str) -> None:
     os.unlink(os.path.join(out, MANIFEST))
 
 
-def _move_into_place(o: Options, work: str, name: str, result: dict) -> dict:
+def _move_into_place(o: PrepareOptions, work: str, name: str, result: dict) -> dict:
   splits = {}
   for split, shards in result["splits"].items():
     infos = []
@@ -366,7 +366,7 @@ def _move_into_place(o: Options, work: str, name: str, result: dict) -> dict:
   return splits
 
 
-def finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: float,
+def finalize(o: PrepareOptions, work: str, result: dict, extract_stats: dict, t0: float,
               workers: int) -> dict:
   name = "binary_code" if o.kind == "binary" else "text_corpus"
   _check_splits(o, work, result)
@@ -412,7 +412,7 @@ def finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: float
     stats["pretokenizer"] = pretokenizer_params(o).get("pretokenizer", "python (iced-x86)")
     stats["code_bytes"] = extract_stats["code_bytes"]
     stats["functions_partially_decoded"] = extract_stats["partially_decoded"]
-  dataset.atomic_write_json(os.path.join(o.output, dataset.STATS), stats)
+  file_io.atomic_write_json(os.path.join(o.output, dataset.STATS), stats)
   dataset.finalize(o.output, name=name, seq_len=o.seq_len, vocab_size=stats["vocab_size"],
               special_ids=result["special"], splits=splits,
               extra={"kind": o.kind, "packing": o.packing, "tokens": tokens})
@@ -423,7 +423,7 @@ def finalize(o: Options, work: str, result: dict, extract_stats: dict, t0: float
   return stats
 
 
-def _no_space(o: Options, full: errors.DiskFull) -> str:
+def _no_space(o: PrepareOptions, full: errors.DiskFull) -> str:
   where = os.path.dirname(full.filename) if full.filename else o.output
   try:
     free = f"{shutil.disk_usage(where).free:,} bytes free"
@@ -433,7 +433,7 @@ def _no_space(o: Options, full: errors.DiskFull) -> str:
           "--output, then rerun the same command to resume")
 
 
-def prepare(o: Options) -> dict:
+def prepare(o: PrepareOptions) -> dict:
   """Runs (or resumes) a preparation; returns the stats written to stats.json."""
   try:
     return _prepare(o)
@@ -453,7 +453,7 @@ WORKER_MODULES = {
 }
 
 
-def _open_run(o: Options) -> tuple[list[str], dict]:
+def _open_run(o: PrepareOptions) -> tuple[list[str], dict]:
   """The input files (and those skipped), the output directory created or resumed."""
   files, skipped, notes = corpus_extract.list_files(o)
   for note in notes:
@@ -466,7 +466,7 @@ def _open_run(o: Options) -> tuple[list[str], dict]:
   return files, skipped
 
 
-def _prepare(o: Options) -> dict:
+def _prepare(o: PrepareOptions) -> dict:
   t0 = time.time()
   check_options(o)
   check_overlap(o)

@@ -12,9 +12,10 @@ import contextlib
 import json
 import os
 
-from lmscale_jax.prep import packed_pieces, progress, tokenize_pack
-from lmscale_jax.prep.options import Options
-from lmscale_jax.store import dataset
+from lmscale_jax import progress
+from lmscale_jax.prep import packed_pieces, tokenize_pack
+from lmscale_jax.prep.options import PrepareOptions
+from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 
 TOKENIZE_BATCH = tokenize_pack.TOKENIZE_BATCH
@@ -56,7 +57,7 @@ def piece_list(work: str, chunks: list[str]) -> list[tuple[str, int, int]]:
   except FileNotFoundError:
     pass
   out = pieces(chunks)
-  dataset.atomic_write_json(path, [[os.path.relpath(p, work), s, e] for p, s, e in out])
+  file_io.atomic_write_json(path, [[os.path.relpath(p, work), s, e] for p, s, e in out])
   return out
 
 
@@ -75,7 +76,7 @@ def _piece_lines(path: str, start: int, end: int):
     yield lines[i:i + TOKENIZE_BATCH]
 
 
-def write_shards(o: Options, work: str, chunks: list[str], tok, pmap) -> dict:
+def write_shards(o: PrepareOptions, work: str, chunks: list[str], tok, pmap) -> dict:
   """Pass 3 on ``pmap`` (``worker_pool.ordered_map``'s). The result's ``seconds``:
   ``tokenize``, ``pack`` and ``write`` (records into shards), each summed over the workers."""
   special = toklib.validate(tok, "tokenizer")

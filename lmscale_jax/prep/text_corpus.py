@@ -13,12 +13,12 @@ import stat
 import sys
 from typing import Iterator
 
-from lmscale_jax.prep.elf_corpus import FileResult
-from lmscale_jax.prep.elf_corpus import InputError
-from lmscale_jax.prep.elf_corpus import describe_non_regular
-from lmscale_jax.prep.elf_corpus import function_digest
-from lmscale_jax.prep.elf_corpus import nothing_fits
-from lmscale_jax.prep.elf_corpus import over_limit_note
+from lmscale_jax.prep.elf.elf_corpus import FileResult
+from lmscale_jax.prep.elf.elf_corpus import InputError
+from lmscale_jax.prep.elf.elf_corpus import describe_non_regular
+from lmscale_jax.prep.elf.elf_corpus import function_digest
+from lmscale_jax.prep.elf.elf_corpus import nothing_fits
+from lmscale_jax.prep.elf.elf_corpus import over_limit_note
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # One document is one corpus line, tokenized as a whole: bound it so memory stays bounded.

@@ -1,5 +1,5 @@
 """Leakage between a training pairs file and an evaluation benchmark (both in the format of
-:mod:`lmscale_jax.similarity.bench`): a model fine-tuned on the same function it is later
+:mod:`lmscale_jax.similarity.function_groups`): a model fine-tuned on the same function it is later
 asked to find has learnt the answer, not the task.
 
 Two keys, because either can miss what the other finds:
@@ -31,36 +31,36 @@ def digests(groups: list[dict]) -> set[str]:
   return {v["digest"] for g in groups for v in g["variants"].values() if v.get("digest")}
 
 
-def shared(train: list[dict], bench: list[dict]) -> tuple[list[int], list[int]]:
-  """→ (indices of training groups sharing a digest, … sharing a name key) with ``bench``."""
-  at_digest, at_name = digests(bench), {name_key(g) for g in bench}
+def shared(train: list[dict], evaluation: list[dict]) -> tuple[list[int], list[int]]:
+  """→ (indices of training groups sharing a digest, … sharing a name key) with ``evaluation``."""
+  at_digest, at_name = digests(evaluation), {name_key(g) for g in evaluation}
   by_digest = [i for i, g in enumerate(train)
                if any(v.get("digest") in at_digest for v in g["variants"].values())]
   by_name = [i for i, g in enumerate(train) if name_key(g) in at_name]
   return by_digest, by_name
 
 
-def report(train: list[dict], bench: list[dict]) -> dict:
+def report(train: list[dict], evaluation: list[dict]) -> dict:
   """Counts of shared groups by each key (and by either), the training functions whose text
   is in the benchmark, and the first few shared ``source:name`` of each key."""
-  return _report(train, bench, *shared(train, bench))
+  return _report(train, evaluation, *shared(train, evaluation))
 
 
-def without(train: list[dict], bench: list[dict]) -> tuple[list[dict], dict]:
-  """→ (the training groups that share nothing with ``bench``, the report before removal,
+def without(train: list[dict], evaluation: list[dict]) -> tuple[list[dict], dict]:
+  """→ (the training groups that share nothing with ``evaluation``, the report before removal,
   which also lists every group dropped as ``dropped``: ``source:name``)."""
-  by_digest, by_name = shared(train, bench)
+  by_digest, by_name = shared(train, evaluation)
   drop = set(by_digest) | set(by_name)
-  rep = _report(train, bench, by_digest, by_name)
+  rep = _report(train, evaluation, by_digest, by_name)
   rep["dropped"] = [_label(train[i]) for i in sorted(drop)]
   return [g for i, g in enumerate(train) if i not in drop], rep
 
 
-def _report(train: list[dict], bench: list[dict], by_digest: list[int],
+def _report(train: list[dict], evaluation: list[dict], by_digest: list[int],
             by_name: list[int]) -> dict:
-  at_digest = digests(bench)
+  at_digest = digests(evaluation)
   return {
-      "train_groups": len(train), "bench_groups": len(bench),
+      "train_groups": len(train), "bench_groups": len(evaluation),
       "shared_by_digest": len(by_digest), "shared_by_name": len(by_name),
       "shared_either": len(set(by_digest) | set(by_name)),
       "train_functions_with_bench_digest": sum(

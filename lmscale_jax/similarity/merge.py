@@ -1,4 +1,4 @@
-"""Several benchmark files (:mod:`lmscale_jax.similarity.bench`'s format) as one: one library
+"""Several benchmark files (:mod:`lmscale_jax.similarity.function_groups`'s format) as one: one library
 per build, merged (``tools/build_similarity_bench.py --merge A.jsonl B.jsonl --output C``).
 
 * A group is its source file + function name, the source file named with its library's
@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import os
 
-from lmscale_jax.similarity import bench
+from lmscale_jax.similarity import function_groups
 
 AGREE = ("compilers", "min_instructions")
 
@@ -27,27 +27,27 @@ AGREE = ("compilers", "min_instructions")
 def merge(paths: list[str]) -> tuple[dict, list[dict]]:
   """→ (header, groups) of the inputs, groups sorted as a build writes them."""
   if len(set(map(os.path.realpath, paths))) < len(paths):
-    raise bench.BenchError(f"--merge {' '.join(paths)}: a file is given twice")
-  inputs = [(path, *bench.load(path)) for path in paths]
+    raise function_groups.FunctionGroupsError(f"--merge {' '.join(paths)}: a file is given twice")
+  inputs = [(path, *function_groups.load(path)) for path in paths]
   for path, header, _ in inputs[1:]:
     agree(inputs[0][0], inputs[0][1], path, header)
   prefixes = qualify(inputs)
   groups = sorted((renamed(g, prefixes[path]) for path, _, gs in inputs for g in gs),
                   key=lambda g: (g["source"], g["name"]))
   header = combined(inputs, prefixes)
-  bench.restat(header, groups)
+  function_groups.restat(header, groups)
   return header, groups
 
 
 def agree(first: str, ours: dict, path: str, theirs: dict) -> None:
   for key in AGREE:
     if theirs.get(key) != ours.get(key):
-      raise bench.BenchError(
+      raise function_groups.FunctionGroupsError(
           f"--merge {path}: {key} {theirs.get(key)!r} is not {first}'s {ours.get(key)!r} "
           "(functions are compared across variants: rebuild both with the same compilers, "
           "--opt and --min-instructions)")
   if set(theirs["variants"]) != set(ours["variants"]):
-    raise bench.BenchError(
+    raise function_groups.FunctionGroupsError(
         f"--merge {path}: variants {','.join(theirs['variants'])} are not {first}'s "
         f"{','.join(ours['variants'])} (rebuild both with the same --compilers and --opt)")
 
@@ -63,7 +63,7 @@ def qualify(inputs: list) -> dict[str, str]:
   prefixes = {path: _stem(path) if path in shared else "" for path, _, _ in inputs}
   stems = collections.Counter(p for p in prefixes.values() if p)
   if clash := [p for p, n in stems.items() if n > 1]:
-    raise bench.BenchError(
+    raise function_groups.FunctionGroupsError(
         f"--merge: {' and '.join(x for x in prefixes if prefixes[x] == clash[0])} hold the "
         f"same source files and would both be named {clash[0]}/… (rename one file: its stem "
         "names its sources)")
@@ -80,7 +80,7 @@ def renamed(group: dict, prefix: str) -> dict:
 
 def combined(inputs: list, prefixes: dict[str, str]) -> dict:
   first = inputs[0][1]
-  header = {"format": bench.FORMAT, "variants": first["variants"],
+  header = {"format": function_groups.FORMAT, "variants": first["variants"],
             "compilers": first["compilers"], "min_instructions": first["min_instructions"],
             "cflags": [f for f in first["cflags"] if all(f in h["cflags"] for _, h, _ in inputs)],
             "sources": [_name(prefixes[p], s) for p, h, _ in inputs for s in h["sources"]],
@@ -102,7 +102,7 @@ def _name(prefix: str, source: str) -> str:
 
 def summed(stats: list[dict]) -> dict:
   """The counters of what was built and dropped, added up (what the file holds is recounted
-  by :func:`bench.restat`)."""
+  by :func:`function_groups.restat`)."""
   out: dict = {}
   for s in stats:
     for key, value in s.items():

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
-import stat
-import tempfile
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from lmscale_jax.errors import UserError
+from lmscale_jax.store import file_io
 
 FORMAT = "lmscale_jax.dataset/2"  # 2: a [CLS] before every packed piece (packing.Packer)
 FORMAT_1 = "lmscale_jax.dataset/1"  # records identical for --packing none; still loads
@@ -115,67 +113,6 @@ def decode_record(record: bytes, seq_len: int, where: str = "record") -> np.ndar
   return np.frombuffer(record, dtype="<u2", offset=len(prefix))
 
 
-# --------------------------------------------------------------------------- files
-def not_regular(path: str) -> str | None:
-  """What ``path`` is when it exists but is no regular file ("a directory", "a FIFO", …), else
-  None. Opening a FIFO to read blocks until something writes to it: every reader of a file a
-  user names asks this first, so a FIFO is one line instead of a hang."""
-  try:
-    mode = os.stat(path).st_mode
-  except OSError:
-    return None  # missing: the caller's own message says what was expected there
-  for test, kind in ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"),
-                     (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                     (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-    if test(mode):
-      return kind
-  return "not a regular file"
-
-
-def error_reason(e: BaseException) -> str:
-  """An exception as the reason of a one-line error: its message, or its type where it has
-  none (array_record raises ``RuntimeError('')`` for a shard cut at a 64 KiB block boundary)."""
-  return str(e).strip() or f"{type(e).__name__} without a message"
-
-
-def sha256_file(path: str, chunk: int = 1 << 22) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    while block := f.read(chunk):
-      h.update(block)
-  return h.hexdigest()
-
-
-def fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Write to a temp file in the same directory, fsync, rename: never a partial file."""
-  d = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-  try:
-    os.fchmod(fd, 0o644)  # mkstemp creates 0600; datasets are shared between users/nodes
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-  fsync_dir(d)
-
-
-def atomic_write_json(path: str, obj: Any) -> None:
-  atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
 # A shard's per-record compression -> ArrayRecord's writer options. Every record is its own
 # chunk (group_size:1: random access); readers find the codec in each chunk, so any choice
 # reads back without being told. zstd is ArrayRecord's default (written as before: the same
@@ -200,9 +137,9 @@ def write_array_record(path: str, records: Iterable[bytes], compression: str = "
     writer.close()
   with open(tmp, "rb+") as f:
     os.fsync(f.fileno())
-  info = {"records": n, "bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
+  info = {"records": n, "bytes": os.path.getsize(tmp), "sha256": file_io.sha256_file(tmp)}
   os.replace(tmp, path)
-  fsync_dir(d)
+  file_io.fsync_dir(d)
   return info
 
 
@@ -280,7 +217,7 @@ class DatasetMeta:
     if not os.path.exists(mpath):
       raise DatasetError(f"{mpath}: missing; {path!r} is not a complete lmscale_jax dataset "
                          "(an interrupted preparation? rerun it to finish)")
-    if kind := not_regular(mpath):
+    if kind := file_io.not_regular(mpath):
       raise DatasetError(f"{mpath} is {kind}: expected the dataset's metadata file (JSON)")
     try:
       with open(mpath) as f:
@@ -341,7 +278,7 @@ class DatasetMeta:
     from array_record.python import array_record_module
 
     p = os.path.join(self.path, shard["file"])
-    if kind := not_regular(p):
+    if kind := file_io.not_regular(p):
       return f"{p} is {kind}, not a shard file"
     try:
       size = os.path.getsize(p)
@@ -350,7 +287,7 @@ class DatasetMeta:
     if size != shard["bytes"]:
       return f"{p}: size {size} bytes, expected {shard['bytes']} (metadata.json)"
     if checksums:
-      digest = sha256_file(p, chunk=8 << 20)
+      digest = file_io.sha256_file(p, chunk=8 << 20)
       if digest != shard["sha256"]:
         return f"{p}: sha256 {digest}, expected {shard['sha256']} (metadata.json)"
     try:
@@ -358,7 +295,7 @@ class DatasetMeta:
       n = r.num_records()
       r.close()
     except Exception as e:  # array_record raises plain RuntimeError on corrupt footers
-      return f"{p}: unreadable ArrayRecord file: {error_reason(e)}"
+      return f"{p}: unreadable ArrayRecord file: {file_io.error_reason(e)}"
     if n != shard["records"]:
       return f"{p}: {n} records, expected {shard['records']} (metadata.json)"
     return None
@@ -379,5 +316,5 @@ def finalize(directory: str, *, name: str, seq_len: int, vocab_size: int, specia
   meta = {"format": FORMAT, "name": name, "seq_len": seq_len, "vocab_size": vocab_size,
           "dtype": DTYPE, "feature": FEATURE, "record_encoding": "tf.train.Example bytes",
           "special_ids": special_ids, "splits": split_meta, **(extra or {})}
-  atomic_write_json(os.path.join(directory, METADATA), meta)
+  file_io.atomic_write_json(os.path.join(directory, METADATA), meta)
   return DatasetMeta.load(directory)

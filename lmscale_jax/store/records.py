@@ -24,7 +24,7 @@ from absl import logging
 
 from lmscale_jax.config.modes import ON_CORRUPT
 from lmscale_jax.errors import ConfigError
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 
 
 class _UnopenableShard:
@@ -118,7 +118,7 @@ class ShardRecords:
       from array_record.python import array_record_module
 
       path = self.paths[shard]
-      if kind := dataset.not_regular(path):  # a FIFO would block the open forever
+      if kind := file_io.not_regular(path):  # a FIFO would block the open forever
         return self._unopenable(shard, f"{path} is {kind}, not an ArrayRecord shard file")
       try:
         # Records are ~1 KB and read at random: no readahead, no thread pool, small buffer.
@@ -142,7 +142,7 @@ class ShardRecords:
   def _why(self, shard: int, error: Exception) -> str:
     """The reason a shard cannot be opened: the reader's, and its size against metadata.json's
     when they differ (the reader says nothing at all for a file cut at a block boundary)."""
-    reason = dataset.error_reason(error)
+    reason = file_io.error_reason(error)
     try:
       size = os.path.getsize(self.paths[shard])
     except OSError:
@@ -185,7 +185,7 @@ class ShardRecords:
   def _unreadable(self, shard: int, reader, index: int, error: Exception) -> bytes:
     """Reading split record ``index`` failed (the caller holds the shard's lock). Error mode:
     raises DatasetError naming it. Skip mode: warns once, returns the all-[PAD] record."""
-    message = f"{self.where(index)}: unreadable (corrupt shard?): {dataset.error_reason(error)}"
+    message = f"{self.where(index)}: unreadable (corrupt shard?): {file_io.error_reason(error)}"
     unopenable = isinstance(reader, _UnopenableShard)  # reported when opened
     if not unopenable:
       # A Riegeli reader that failed stays failed: reopen it, else the shard's other

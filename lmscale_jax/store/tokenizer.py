@@ -18,7 +18,7 @@ import json
 
 from typing import Iterable
 
-from lmscale_jax.store import dataset
+from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store.dataset import NEXT
 
 
@@ -76,7 +76,7 @@ def count_pretokens(texts: Iterable[str], compiled=None) -> collections.Counter:
   preparation can count its share and one step builds the tokenizer."""
   # Counted per instruction first (" [NEXT] "-separated; ~4× fewer items than words, and the
   # distinct instructions are few), then spread to their words: the same counts, ~2× faster.
-  # ``compiled``: prep/_token_ids.c's module (prep passes pretokenize.token_ids_module(): store
+  # ``compiled``: prep/_token_ids.c's module (prep passes packing.token_ids_module(): store
   # does not import prep), whose count does both in C (measured on libc: 3.7× faster).
   if compiled is not None:
     counts = collections.Counter(compiled.count(texts, f" {NEXT} ", words=True))
@@ -122,7 +122,7 @@ def digest(path: str) -> str:
   keys in another order, has one digest; any change to its vocabulary, merges, normalizer or
   pre-tokenizer gives another. What binds a training run to its dataset
   (train/workdir.py ``dataset_identity``)."""
-  kind = dataset.not_regular(path)
+  kind = file_io.not_regular(path)
   if kind:
     raise TokenizerError(f"{path} is {kind}: expected a Hugging Face tokenizer.json file")
   try:
@@ -137,7 +137,7 @@ def digest(path: str) -> str:
 def load(path: str):
   from tokenizers import Tokenizer
 
-  kind = dataset.not_regular(path)
+  kind = file_io.not_regular(path)
   if kind:  # a FIFO would block the read forever
     raise TokenizerError(f"{path} is {kind}: expected a Hugging Face tokenizer.json file")
   try:
@@ -209,8 +209,8 @@ def write_hf_files(tok, directory: str, *, model_max_length: int) -> None:
             "model_max_length": int(model_max_length),
             # transformers' clean-up would glue "[ rbp - 0x18 ]" and "mov rax , …" together.
             "clean_up_tokenization_spaces": False, "do_lower_case": False}
-  dataset.atomic_write_bytes(os.path.join(directory, dataset.TOKENIZER), tok.to_str().encode())
-  dataset.atomic_write_bytes(os.path.join(directory, TOKENIZER_CONFIG),
+  file_io.atomic_write_bytes(os.path.join(directory, dataset.TOKENIZER), tok.to_str().encode())
+  file_io.atomic_write_bytes(os.path.join(directory, TOKENIZER_CONFIG),
                              json.dumps(config, indent=2).encode())
-  dataset.atomic_write_bytes(os.path.join(directory, SPECIAL_TOKENS_MAP),
+  file_io.atomic_write_bytes(os.path.join(directory, SPECIAL_TOKENS_MAP),
                              json.dumps(HF_ROLES, indent=2).encode())

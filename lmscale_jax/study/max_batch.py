@@ -42,7 +42,7 @@ class MaxBatchError(UserError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class MaxBatchOptions:
   """tools/max_batch.py's flags, as its parser leaves them (its destinations' names)."""
   config: str | None
   sets: list            # KEY=VALUE overrides
@@ -225,7 +225,7 @@ def fit_only(probe: Probe, budget: int, accum: int, probes=(4, 8),
 
 
 # ----------------------------------------------------------------------------- the table
-def models(o: Options) -> tuple[list, list[str]]:
+def models(o: MaxBatchOptions) -> tuple[list, list[str]]:
   """[(label, config)] to measure and the levers to measure each with."""
   if o.table:
     base = []
@@ -240,7 +240,7 @@ def models(o: Options) -> tuple[list, list[str]]:
   return [(name, load_config(o.config, o.sets))], (o.levers or "plain").split(",")
 
 
-def measure(o: Options, config, budget: int, probes: tuple) -> dict:
+def measure(o: MaxBatchOptions, config, budget: int, probes: tuple) -> dict:
   """One (model, lever) entry: the search's (or fit's) result, at what cost."""
   probe = Probe(config, o.seq, o.vocab)
   t0 = time.perf_counter()
@@ -259,7 +259,7 @@ def measure(o: Options, config, budget: int, probes: tuple) -> dict:
           "points": {str(k): v["peak"] for k, v in sorted(probe.cache.items())}}
 
 
-def run(o: Options, log: Callable[[str], None] = say) -> list[dict]:
+def run(o: MaxBatchOptions, log: Callable[[str], None] = say) -> list[dict]:
   """Every (model, lever) entry, each logged as a JSON line and appended to ``o.json`` as it
   finishes (a long table run keeps what it finished)."""
   import jax
@@ -294,7 +294,7 @@ def read_rows(path: str) -> list[dict]:
   return [json.loads(line) for line in open(path) if line.strip()]
 
 
-def summary(o: Options, rows: list[dict]) -> str:
+def summary(o: MaxBatchOptions, rows: list[dict]) -> str:
   """The line above the table: budget, shapes, the devices that compiled."""
   import jax
 

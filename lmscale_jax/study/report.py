@@ -379,7 +379,7 @@ def write_report(results: list[str], output: str,
   if table:
     sections.append(("Staged vs shared storage (model)", table))
   text = "\n\n".join(f"## {title}\n\n{body}" for title, body in sections)
-  from lmscale_jax.store import dataset
+  from lmscale_jax.store import file_io
 
-  dataset.atomic_write_bytes(os.path.join(output, "report.md"), (text + "\n").encode())
+  file_io.atomic_write_bytes(os.path.join(output, "report.md"), (text + "\n").encode())
   return text, made

@@ -32,7 +32,7 @@ MARKER = "sweep_point.json"  # written in every run directory this module makes 
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class SweepOptions:
   """tools/sweep.py's flags, as its parser leaves them (one value each where it takes one;
   configs relative to :data:`ROOT`, the dataset absolute, ``sets`` as (key, value) pairs)."""
   data: str
@@ -74,7 +74,7 @@ def gpu_count() -> int:
   return sum(line.startswith("GPU") for line in out.splitlines())
 
 
-def device_name(o: Options, plan: Plan, pt: Point) -> str:
+def device_name(o: SweepOptions, plan: Plan, pt: Point) -> str:
   if plan.launcher == "slurm":
     return f"slurm: {o.gpus_per_node} gpu(s) per node"
   if plan.gpus >= pt.processes:
@@ -93,7 +93,7 @@ def main_args(plan: Plan, pt: Point, workdir: str) -> list[str]:
           *(f"--config.{k}={v}" for k, v in sets)]
 
 
-def command(o: Options, plan: Plan, pt: Point, workdir: str) -> tuple[list[str], dict]:
+def command(o: SweepOptions, plan: Plan, pt: Point, workdir: str) -> tuple[list[str], dict]:
   """The command that runs a point, and the environment it adds."""
   env = dict(kv.split("=", 1) for kv in plan.env)
   if plan.launcher == "local":
@@ -142,7 +142,7 @@ def compile_peaks(spec_file: str, out_file: str) -> None:
   json.dump(out, open(out_file, "w"))
 
 
-def probe(o: Options, plan: Plan, points: list[Point], scratch: str,
+def probe(o: SweepOptions, plan: Plan, points: list[Point], scratch: str,
           log: Callable[[str], None] = say) -> dict:
   """Compiled peak bytes per device (and parameter count) of each point's training step:
   one process per device count, one compilation per distinct step (the loader's worker count
@@ -163,7 +163,7 @@ def probe(o: Options, plan: Plan, points: list[Point], scratch: str,
   return {pt: found[wanted[pt]] for pt in points}
 
 
-def probe_devices(o: Options, plan: Plan, n: int, specs: dict, scratch: str) -> dict:
+def probe_devices(o: SweepOptions, plan: Plan, n: int, specs: dict, scratch: str) -> dict:
   """One child process compiling ``specs`` on ``n`` devices (CPU devices where this machine
   has fewer GPUs); a spec it did not answer gets the child's last error line."""
   spec_file, out_file = (os.path.join(scratch, f"probe-{n}.{x}") for x in ("in", "out"))
@@ -186,7 +186,7 @@ def probe_devices(o: Options, plan: Plan, n: int, specs: dict, scratch: str) -> 
 
 
 # ----------------------------------------------------------------------------- one run
-def run_point(o: Options, plan: Plan, pt: Point, workdir: str) -> dict:
+def run_point(o: SweepOptions, plan: Plan, pt: Point, workdir: str) -> dict:
   if os.path.exists(workdir):  # an interrupted attempt: start afresh, not from its checkpoint
     if not os.path.exists(os.path.join(workdir, MARKER)):
       raise SweepError(f"{workdir} exists but was not made by tools/sweep.py: remove it or "
@@ -228,7 +228,7 @@ def run_point(o: Options, plan: Plan, pt: Point, workdir: str) -> dict:
   return outcome(o, workdir, log_path, rc, timed_out, wall)
 
 
-def outcome(o: Options, workdir: str, log_path: str, rc: int, timed_out: bool,
+def outcome(o: SweepOptions, workdir: str, log_path: str, rc: int, timed_out: bool,
             wall: float) -> dict:
   """A finished run's status, reason and medians, from its log (and Slurm's) and metrics."""
   text = open(log_path, errors="replace").read()
@@ -255,7 +255,7 @@ def stop(proc: subprocess.Popen) -> int:
   return proc.wait()
 
 
-def run_and_record(o: Options, plan: Plan, pt: Point, runs: str, peak: dict) -> dict:
+def run_and_record(o: SweepOptions, plan: Plan, pt: Point, runs: str, peak: dict) -> dict:
   key = sg.point_key(plan, pt)
   workdir = os.path.join(runs, key)
   n = sg.devices(plan, pt)
@@ -280,7 +280,7 @@ def run_and_record(o: Options, plan: Plan, pt: Point, runs: str, peak: dict) -> 
 
 
 # ----------------------------------------------------------------------------- the sweep
-def plan_points(o: Options) -> tuple[Plan, list[Point]]:
+def plan_points(o: SweepOptions) -> tuple[Plan, list[Point]]:
   """The plan and its points; every config and override loads (and Slurm's node counts are
   whole) before anything runs."""
   plan = Plan(data=o.data, steps=o.steps, log_every=o.log_every, sets=tuple(o.sets),
@@ -298,12 +298,12 @@ def plan_points(o: Options) -> tuple[Plan, list[Point]]:
   return plan, points
 
 
-def runs_dir(o: Options) -> str:
+def runs_dir(o: SweepOptions) -> str:
   return o.runs or os.path.join(ROOT, "runs", "sweep-" + os.path.splitext(
       os.path.basename(o.output))[0])
 
 
-def dry_run(o: Options) -> list[str]:
+def dry_run(o: SweepOptions) -> list[str]:
   """Every point's command line (its added environment first), shell-quoted; runs nothing."""
   plan, points = plan_points(o)
   lines = []
@@ -314,7 +314,7 @@ def dry_run(o: Options) -> list[str]:
   return lines
 
 
-def sweep(o: Options, log: Callable[[str], None] = say) -> list[dict]:
+def sweep(o: SweepOptions, log: Callable[[str], None] = say) -> list[dict]:
   """Runs the points the results file does not hold yet (and, with ``retry_failed``, the
   failed ones), recording each row as it finishes; returns the rows of every point."""
   plan, points = plan_points(o)

@@ -18,7 +18,7 @@ import re
 import statistics
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.store import dataset
+from lmscale_jax.store import file_io
 
 # Keys a point sets itself: --set may not change them (the sweep's own flags do).
 GRID_KEYS = {"data.path": "--data", "data.workers": "--workers", "train.batch_size": "--batch",
@@ -222,4 +222,4 @@ def save_row(path: str, row: dict) -> None:
   renamed, so a killed sweep never leaves half a row."""
   rows = [r for r in read_rows(path) if r.get("key") != row["key"]] + [row]
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  dataset.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+  file_io.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode())

@@ -25,7 +25,7 @@ import json
 import os
 import re
 
-from lmscale_jax.store import dataset
+from lmscale_jax.store import file_io
 
 FORMAT = "lmscale_jax.checkpoint_manifest/1"
 ALGORITHM = "sha256"
@@ -74,11 +74,11 @@ def write_part(step_dir: str, process: int, count: int, step: int) -> dict:
   """Hashes this process's files in ``step_dir`` (a temporary or committed step directory)
   and writes its manifest there atomically (temp file, fsync, rename). Returns it."""
   files = {rel: {"bytes": os.path.getsize(os.path.join(step_dir, rel)),
-                 ALGORITHM: dataset.sha256_file(os.path.join(step_dir, rel))}
+                 ALGORITHM: file_io.sha256_file(os.path.join(step_dir, rel))}
            for rel in files_of(step_dir, process)}
   manifest = {"format": FORMAT, "step": int(step), "process": process,
               "process_count": count, "algorithm": ALGORITHM, "files": files}
-  dataset.atomic_write_json(os.path.join(step_dir, part_name(process, count)), manifest)
+  file_io.atomic_write_json(os.path.join(step_dir, part_name(process, count)), manifest)
   return manifest
 
 
@@ -126,7 +126,7 @@ def verify_part(step_dir: str, process: int, count: int) -> list[str]:
       continue
     if size != want["bytes"]:
       problems.append(f"{file}: {size} bytes, the manifest says {want['bytes']}")
-    elif dataset.sha256_file(file) != want[ALGORITHM]:
+    elif file_io.sha256_file(file) != want[ALGORITHM]:
       problems.append(f"{file}: checksum mismatch ({ALGORITHM} differs from {name})")
   if process == 0:
     problems += _commit_problems(step_dir)

@@ -14,7 +14,35 @@ import time
 
 from absl import logging
 
-from lmscale_jax.store import dataset
+from lmscale_jax.errors import UserError
+from lmscale_jax.store import file_io
+
+
+# ----------------------------------------------------------------------------- train.nonfinite
+class NonFiniteLoss(UserError, FloatingPointError):
+  """A non-finite loss or gradient (``train.nonfinite``): names the step and the last good
+  checkpoint (nothing after it is saved)."""
+
+
+def raise_on_nonfinite(train_config, first_step: int, flags, last_good: str,
+                       advice: str) -> None:
+  """Error mode: the first of the steps ``first_step, …`` whose ``nonfinite`` flag is set
+  stops the run (``advice``: what to change). Skip mode: nothing (the step was skipped)."""
+  bad = [first_step + i for i, flag in enumerate(flags) if flag]
+  if bad and train_config.nonfinite == "error":
+    raise NonFiniteLoss(f"non-finite loss or gradient at step {bad[0]}; last good checkpoint: "
+                        f"{last_good} (nothing later was saved). {advice}")
+
+
+def raise_on_consecutive_skips(train_config, last_step: int, run: int, last_good: str) -> None:
+  """Skip mode: ``train.max_consecutive_nonfinite`` skipped steps in a row (``run`` ending at
+  ``last_step``) stop the run."""
+  if run >= train_config.max_consecutive_nonfinite:
+    raise NonFiniteLoss(
+        f"{run} consecutive steps with a non-finite loss or gradient (steps "
+        f"{last_step - run + 1}-{last_step}, all skipped; "
+        f"train.max_consecutive_nonfinite={train_config.max_consecutive_nonfinite}); last good "
+        f"checkpoint: {last_good}")
 
 
 def _clean(v):
@@ -51,7 +79,7 @@ def _truncate_after(path: str, step: int) -> None:
       keep.append(line + b"\n")
   data = b"".join(keep)
   if len(keep) != len([x for x in lines if x]):
-    dataset.atomic_write_bytes(path, data)
+    file_io.atomic_write_bytes(path, data)
 
 
 class MetricsWriter:

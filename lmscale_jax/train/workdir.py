@@ -21,7 +21,7 @@ from lmscale_jax.cluster import run_state
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.config import legacy
 from lmscale_jax.errors import UserError
-from lmscale_jax.store import dataset, dir_lock
+from lmscale_jax.store import dataset, dir_lock, file_io
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train.checkpoint import IncompatibleCheckpoint, step_dir
@@ -255,7 +255,7 @@ def save_config(workdir: str, config, model_cfg, check: ConfigCheck, is_writer: 
   unchanged = check.old is not None and not check.restored and check.old == record
   if is_writer and not unchanged:
     os.makedirs(workdir, exist_ok=True)
-    dataset.atomic_write_json(os.path.join(workdir, RUN_CONFIG), record)
+    file_io.atomic_write_json(os.path.join(workdir, RUN_CONFIG), record)
   return record
 
 
@@ -280,10 +280,10 @@ def check_entries(workdir: str) -> None:
 
 
 def _kind_of(path: str) -> str:
-  """What an entry is, in ``dataset.not_regular``'s words (one owner for them)."""
+  """What an entry is, in ``file_io.not_regular``'s words (one owner for them)."""
   if not os.path.exists(path):
     return "a broken symbolic link"
-  return dataset.not_regular(path) or "a regular file"
+  return file_io.not_regular(path) or "a regular file"
 
 
 class WorkdirError(UserError, ValueError):
@@ -366,5 +366,5 @@ def write_run_state(workdir: str, state: str, step: int, total_steps: int) -> No
   "preempted"), with the step reached and the Slurm job id and restart count of the
   allocation (``lmscale_jax/cluster/run_state.py``), so a job script can decide to requeue itself
   (launch/slurm.sbatch) without parsing logs; a crash leaves "running"."""
-  dataset.atomic_write_json(os.path.join(workdir, RUN_STATE), run_state.record(
+  file_io.atomic_write_json(os.path.join(workdir, RUN_STATE), run_state.record(
       state, step, total_steps, step_dir(workdir, step)))

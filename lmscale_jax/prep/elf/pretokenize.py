@@ -26,8 +26,9 @@ choice (``LMSCALE_PRETOKENIZER=compiled|python`` forces one):
     per instruction; tests/test_pretokens_iced.py holds it to ≥ 99.9% of instructions identical
     to the reference on real libraries and lists where they differ, and why.
 The two can differ on those rare instructions, so a dataset records which backend made it.
-The same switch picks pass 3's C code (``_token_ids.c``: instruction counts, token ids, packing;
-:func:`token_ids_module`) or its Python reference; those two give identical outputs.
+The same switch picks pass 3's C code (``prep/_token_ids.c``: instruction counts, token ids,
+packing; ``prep/packing.token_ids_module``) or its Python reference; those two give identical
+outputs.
 """
 
 from __future__ import annotations
@@ -376,7 +377,7 @@ class CompiledPretokenizer:
   def __init__(self):
     """Raises ImportError (one line: what is missing) where the extension is not built or
     capstone's library cannot be opened."""
-    from lmscale_jax.prep import _pretokens  # the C extension (setup.py): optional
+    from lmscale_jax.prep.elf import _pretokens  # the C extension (setup.py): optional
 
     _pretokens.load(capstone_library())
     # The C function itself: no Python frame between the caller and the decoder.
@@ -443,15 +444,3 @@ def make_pretokenizer(choice: str = "") -> CodePretokenizer | CompiledPretokeniz
                          f"{BACKEND_ENV}") from e
     return CodePretokenizer()
 
-
-def token_ids_module():
-  """``_token_ids`` (prep/_token_ids.c: instruction counts, token ids, packing in C), or None
-  for the pure-Python references: where it is not built, or with ``LMSCALE_PRETOKENIZER=python``
-  (one switch for all of preparation's compiled code; the outputs are identical either way)."""
-  if os.environ.get(BACKEND_ENV, "") == "python":
-    return None
-  try:
-    from lmscale_jax.prep import _token_ids  # the C extension (setup.py): optional
-  except ImportError:
-    return None
-  return _token_ids

@@ -1,8 +1,9 @@
-"""A binary-code similarity benchmark built on this machine: C sources → one shared object per
-source file, compiler and optimisation level → named functions as pretoken text (the project's
-own extraction, :mod:`lmscale_jax.prep.elf_functions`) → groups of the same source function.
+"""Function-groups files, built on this machine: C sources → one shared object per source file,
+compiler and optimisation level → named functions as pretoken text (the project's own
+extraction, :mod:`lmscale_jax.prep.elf.elf_functions`) → groups of the same source function.
+One format serves the similarity benchmark (evaluation) and the fine-tuning pairs (training).
 
-The benchmark file (``BENCH``, JSON lines, written atomically):
+A function-groups file (the ``--bench``/``--pairs`` files; JSON lines, written atomically):
 
 * line 1, the header: ``{"format": "lmscale_jax.similarity/1", "variants": ["gcc-O0", …],
   "sources": [the source files], "compilers": {"gcc": "gcc (Debian 12.2.0…) 12.2.0"},
@@ -42,10 +43,11 @@ import sys
 import tempfile
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.prep import elf_corpus, elf_functions, progress as progress_bars
+from lmscale_jax import progress as progress_bars
+from lmscale_jax.prep.elf import elf_corpus, elf_functions
 from lmscale_jax.similarity import sources as similarity_sources
 from lmscale_jax.similarity import spec
-from lmscale_jax.store import dataset
+from lmscale_jax.store import file_io
 
 FORMAT = "lmscale_jax.similarity/1"
 LEVELS = ("O0", "O1", "O2", "O3", "Os")
@@ -59,8 +61,8 @@ _CLONE = re.compile(r"(\.(isra|constprop|lto_priv|localalias)(\.\d+)?)+$")
 COMPILE_TIMEOUT = 600
 
 
-class BenchError(UserError, ValueError):
-  """Bad arguments or input of the similarity benchmark (its file, its sources)."""
+class FunctionGroupsError(UserError, ValueError):
+  """Bad arguments or input of a function-groups file's build or load (the file, its sources)."""
 
 
 @dataclasses.dataclass
@@ -77,7 +79,7 @@ def find_sources(roots: list[str], base: str = "") -> list[Source]:
   out = []
   for root in roots:
     if not os.path.exists(root):
-      raise BenchError(f"--sources {root}: no such file or directory")
+      raise FunctionGroupsError(f"--sources {root}: no such file or directory")
     root = os.path.abspath(root)
     rel_to = os.path.abspath(base) if base else os.path.dirname(root)
     paths = [root] if os.path.isfile(root) else [
@@ -86,7 +88,7 @@ def find_sources(roots: list[str], base: str = "") -> list[Source]:
         if f.endswith(".c") and os.path.isfile(os.path.join(d, f))]  # a FIFO: gcc would hang
     out += [Source(p, os.path.relpath(p, rel_to)) for p in paths]
   if not out:
-    raise BenchError(f"no .c files under {', '.join(roots)}")
+    raise FunctionGroupsError(f"no .c files under {', '.join(roots)}")
   return out
 
 
@@ -120,7 +122,7 @@ def compiler_versions(names: list[str], say) -> dict[str, str]:
     r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
     found[name] = (r.stdout.splitlines() or [name])[0].strip()
   if not found:
-    raise BenchError(f"none of the compilers {', '.join(names)} is installed")
+    raise FunctionGroupsError(f"none of the compilers {', '.join(names)} is installed")
   return found
 
 
@@ -188,7 +190,7 @@ def build_set(name: str, where: str, compilers: list[str], levels: list[str], **
   """A named set of :mod:`lmscale_jax.similarity.sources` (a shipped spec file), unpacked
   under ``where`` → (header, groups), the header naming the set."""
   if name not in similarity_sources.SETS:
-    raise BenchError(f"--set {name}: expected one of {', '.join(similarity_sources.SETS)}")
+    raise FunctionGroupsError(f"--set {name}: expected one of {', '.join(similarity_sources.SETS)}")
   header, kept = build_specs(similarity_sources.load_set(name), where, compilers, levels,
                              fetch_with=f"--set {name}", **kw)
   header["set"] = name
@@ -204,7 +206,7 @@ def build_specs(libs: list[spec.Library], where: str, compilers: list[str], leve
   for a library not there yet (default: its spec file)."""
   check_levels(levels)
   spec.unique(libs)
-  with tempfile.TemporaryDirectory(prefix="simbench-headers-") as headers:
+  with tempfile.TemporaryDirectory(prefix="function-groups-headers-") as headers:
     sources, files = [], []
     for i, lib in enumerate(libs):
       mine, counts = library_sources(lib, where, os.path.join(headers, str(i)),
@@ -253,9 +255,9 @@ def library_root(lib: spec.Library, where: str, fetch_with: str) -> str:
   if os.path.isdir(root):
     return root
   if lib.package:
-    raise BenchError(f"{root}: no such directory ({lib.name}: fetch it first: python "
+    raise FunctionGroupsError(f"{root}: no such directory ({lib.name}: fetch it first: python "
                      f"tools/fetch_bench_sources.py {fetch_with} --output {where})")
-  raise BenchError(f"{root}: no such directory ({lib.where()}: key 'root': unpack its "
+  raise FunctionGroupsError(f"{root}: no such directory ({lib.where()}: key 'root': unpack its "
                    "sources there, e.g. with apt-get source, or fix root or --from)")
 
 
@@ -263,7 +265,7 @@ def checked(lib: spec.Library, key: str, root: str, rel: str, test) -> str:
   path = os.path.join(root, rel)
   if not test(path):
     what = "directory" if test is os.path.isdir else "file or directory"
-    raise BenchError(f"{lib.where()}: key {key!r}: {rel!r}: no such {what} under {root}")
+    raise FunctionGroupsError(f"{lib.where()}: key {key!r}: {rel!r}: no such {what} under {root}")
   return path
 
 
@@ -280,7 +282,7 @@ def split(lib: spec.Library, root: str, found: list[Source], say) -> tuple[list[
   counts = {k: sum(v == k for v in kind.values()) for k in ("compiled", "exclude",
                                                             "include_only")}
   if not counts["compiled"]:
-    raise BenchError(f"{lib.where()}: no .c file left to compile under {root} (all "
+    raise FunctionGroupsError(f"{lib.where()}: no .c file left to compile under {root} (all "
                      f"{len(found)} are exclude or include_only)")
   return [s for s in found if kind[s.path] == "compiled"], counts
 
@@ -295,7 +297,7 @@ def _kind(lib: spec.Library, rel: str) -> str:
 def check_levels(levels: list[str]) -> None:
   for lv in levels:
     if lv not in LEVELS:
-      raise BenchError(f"--opt {lv}: expected some of {','.join(LEVELS)}")
+      raise FunctionGroupsError(f"--opt {lv}: expected some of {','.join(LEVELS)}")
 
 
 def build_sources(sources: list[Source], compilers: list[str], levels: list[str], *,
@@ -309,7 +311,7 @@ def build_sources(sources: list[Source], compilers: list[str], levels: list[str]
   stats, problems = new_stats(), []
   stats["sources"] = len(sources)
   groups: dict[tuple[str, str], dict] = {}
-  with tempfile.TemporaryDirectory(prefix="simbench-") as tmp:
+  with tempfile.TemporaryDirectory(prefix="function-groups-") as tmp:
     jobs = [(cc, lv, i, s) for cc in found for lv in levels for i, s in enumerate(sources)]
     bar = progress_bars.bar(progress, total=len(jobs), desc="compile", unit="obj",
                             file=sys.stderr)
@@ -337,7 +339,7 @@ def build_sources(sources: list[Source], compilers: list[str], levels: list[str]
     kept.append({"source": key[0], "name": key[1],
                  "variants": {v: groups[key][v] for v in variants if v in groups[key]}})
   if not kept:
-    raise BenchError(f"no function of {what} was built in two variants with "
+    raise FunctionGroupsError(f"no function of {what} was built in two variants with "
                      f">= {min_instructions} instructions ({stats})")
   header = {"format": FORMAT, "variants": variants, "compilers": found,
             "cflags": list(BASE_FLAGS), "min_instructions": min_instructions,
@@ -377,29 +379,29 @@ def _add_object(groups: dict, path: str, src: Source, variant: str, min_instruct
 # --------------------------------------------------------------------------- the file
 def write(path: str, header: dict, groups: list[dict]) -> None:
   lines = [json.dumps(header, sort_keys=True)] + [json.dumps(g, sort_keys=True) for g in groups]
-  dataset.atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+  file_io.atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
 
 
 def load(path: str) -> tuple[dict, list[dict]]:
   if not os.path.isfile(path):
-    raise BenchError(f"--bench {path}: no such file (build one with "
+    raise FunctionGroupsError(f"--bench {path}: no such file (build one with "
                      "tools/build_similarity_bench.py)")
   with open(path, encoding="utf-8") as f:
     lines = f.read().splitlines()
   try:
     header = json.loads(lines[0]) if lines else {}
     if header.get("format") != FORMAT:
-      raise BenchError(f"{path}: not a similarity benchmark (line 1 has format "
+      raise FunctionGroupsError(f"{path}: not a similarity benchmark (line 1 has format "
                        f"{header.get('format')!r}, expected {FORMAT!r})")
     groups = []
     for i, line in enumerate(lines[1:], 2):
       g = json.loads(line)
       if not isinstance(g.get("variants"), dict) or not all(
           isinstance(v, dict) and isinstance(v.get("text"), str) for v in g["variants"].values()):
-        raise BenchError(f"{path}:{i}: a group without variants {{name: {{text: …}}}}")
+        raise FunctionGroupsError(f"{path}:{i}: a group without variants {{name: {{text: …}}}}")
       groups.append(g)
   except json.JSONDecodeError as e:
-    raise BenchError(f"{path}: malformed JSON ({e})") from None
+    raise FunctionGroupsError(f"{path}: malformed JSON ({e})") from None
   if not groups:
-    raise BenchError(f"{path}: no function groups")
+    raise FunctionGroupsError(f"{path}: no function groups")
   return header, groups

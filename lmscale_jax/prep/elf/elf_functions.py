@@ -14,8 +14,8 @@ import dataclasses
 import mmap
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.prep import elf_corpus
-from lmscale_jax.prep.pretokenize import NEXT, code_pretokenizer
+from lmscale_jax.prep.elf import elf_corpus
+from lmscale_jax.prep.elf.pretokenize import NEXT, code_pretokenizer
 
 _SHF_EXECINSTR = 0x4  # ELF section flag: holds machine code
 

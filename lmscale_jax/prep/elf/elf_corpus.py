@@ -248,7 +248,7 @@ def iter_functions(path: str, res: FileResult, part: int = 0, parts: int = 1,
   from elftools.common.exceptions import ELFError
   from elftools.elf.elffile import ELFFile
 
-  from lmscale_jax.prep.pretokenize import code_pretokenizer
+  from lmscale_jax.prep.elf.pretokenize import code_pretokenizer
 
   t0, decode = time.perf_counter(), 0.0
   try:

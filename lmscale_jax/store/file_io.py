@@ -1,0 +1,72 @@
+"""Reading and writing the files every layer shares, safely: a write is a temp file renamed over
+the target (a reader never sees half a file, a crash leaves the old one), and a path a user names
+is asked whether it is a regular file before it is opened (a FIFO would block the reader)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import tempfile
+from typing import Any
+
+
+def not_regular(path: str) -> str | None:
+  """What ``path`` is when it exists but is no regular file ("a directory", "a FIFO", …), else
+  None. Opening a FIFO to read blocks until something writes to it: every reader of a file a
+  user names asks this first, so a FIFO is one line instead of a hang."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return None  # missing: the caller's own message says what was expected there
+  for test, kind in ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"),
+                     (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                     (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    if test(mode):
+      return kind
+  return "not a regular file"
+
+
+def error_reason(e: BaseException) -> str:
+  """An exception as the reason of a one-line error: its message, or its type where it has
+  none (array_record raises ``RuntimeError('')`` for a shard cut at a 64 KiB block boundary)."""
+  return str(e).strip() or f"{type(e).__name__} without a message"
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while block := f.read(chunk):
+      h.update(block)
+  return h.hexdigest()
+
+
+def fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+  """Write to a temp file in the same directory, fsync, rename: never a partial file."""
+  d = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+  try:
+    os.fchmod(fd, 0o644)  # mkstemp creates 0600; datasets are shared between users/nodes
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+  fsync_dir(d)
+
+
+def atomic_write_json(path: str, obj: Any) -> None:
+  atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
