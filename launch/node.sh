@@ -10,7 +10,7 @@
 #   started on the same COORDINATOR).
 # PROCS_PER_NODE: G (default: one process per GPU) or 1 (one process driving all G GPUs).
 # STAGE_FROM=/shared/dataset DATA_DIR=/local/ssd/dataset: first copy the dataset to this
-#   node's local disk (tools/stage.py; a rerun verifies and copies nothing), then train from
+#   node's local disk (lmscale stage; a rerun verifies and copies nothing), then train from
 #   DATA_DIR (passed as --config.data.path). STAGE_WORKERS: parallel copies (default 16).
 #   STAGE_ONLY_NEEDED=1: copy only the shards this node's processes read and train with
 #   --config.data.shard_by_process=True (1/NUM_NODES of the data per node; see docs/cluster.md).
@@ -57,8 +57,8 @@ if [[ -n "${STAGE_FROM:-}" ]]; then
           --process-ids "$(seq -s, "$first" $((first + procs - 1)))")
     args+=(--config.data.shard_by_process=True)
   fi
-  "$LMSCALE_PY" tools/stage.py "$STAGE_FROM" "$DATA_DIR" --workers "${STAGE_WORKERS:-16}" \
-    $progress ${only[@]+"${only[@]}"}
+  "$LMSCALE_PY" -m lmscale_jax.cli.lmscale stage "$STAGE_FROM" "$DATA_DIR" \
+    --workers "${STAGE_WORKERS:-16}" $progress ${only[@]+"${only[@]}"}
   args+=(--config.data.path="$DATA_DIR")
 fi
 echo "node $NODE_RANK of $NUM_NODES: processes $first…$((first + procs - 1))" \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import numpy as np
 
@@ -14,6 +15,21 @@ from lmscale_jax.config import defaults as config_defaults
 from lmscale_jax.store import dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The lmscale subcommand module each old tools/<name>.py is kept for (where the names differ).
+CLI_MODULES = {"inspect_shards": "inspect_data", "fetch_bench_sources": "similarity_sources",
+               "build_similarity_bench": "similarity_build", "finetune_similarity": "finetune"}
+
+
+def lmscale(tool: str) -> list[str]:
+  """The command line of the lmscale subcommand ``tool`` (an old tools/ name, ``.py`` or not)
+  as ``python -m lmscale_jax.cli.<module>``: what the installed ``lmscale`` runs."""
+  name = tool.removesuffix(".py")
+  if name.startswith("prepare_"):  # prepare_binary / _text / _cluster: one module, kind first
+    return [sys.executable, "-m", "lmscale_jax.cli.prepare", name.removeprefix("prepare_")]
+  return [sys.executable, "-m", f"lmscale_jax.cli.{CLI_MODULES.get(name, name)}"]
+
+
 SPECIAL_IDS = {t: i for i, t in enumerate(dataset.SPECIAL_TOKENS)}
 
 

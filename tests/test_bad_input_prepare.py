@@ -19,18 +19,20 @@ import time
 
 import pytest
 
+from lmscale_jax.cli.args import EXIT_USAGE
 from lmscale_jax.prep import prepare, text_corpus
 from lmscale_jax.store import dataset
+from tests.helpers import lmscale
 from tests.test_prepare import ROOT, SEQ, _same_output, opts, small_elves
 from tests.test_worker_pool import alive_in_group, kill_group, wait_until_gone
 
 
 def cli(tool, *args, timeout=300, **kw):
-  return subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *map(str, args)],
-                        capture_output=True, text=True, timeout=timeout, **kw)
+  return subprocess.run([*lmscale(tool), *map(str, args)], capture_output=True, text=True,
+                        timeout=timeout, **kw)
 
 
-def one_line(r, code=2) -> str:
+def one_line(r, code=EXIT_USAGE) -> str:
   assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
   err = r.stderr.strip()
   assert err.count("\n") == 0 and err.startswith("error: "), err
@@ -121,9 +123,8 @@ def test_overwrite_refuses_files_no_run_wrote(tmp_path):
 
 # ----------------------------------------------------------------------------- case 3: resume
 def _start(args, **kw):
-  return subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "prepare_binary.py"),
-                           *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, **kw)
+  return subprocess.Popen([*lmscale("prepare_binary"), *map(str, args)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def _wait_for(proc, path, timeout=120):
@@ -565,7 +566,7 @@ def test_shell_tools_refuse_an_unknown_option_in_one_line(tmp_path, script):
   before = tree(box)
   r = subprocess.run(["bash", str(box / script), "--frobnicate"], capture_output=True,
                      text=True, timeout=30, env=env, cwd=tmp_path)
-  assert r.returncode == 2 and "--frobnicate" in one_line(r)
+  assert r.returncode == 2 and "--frobnicate" in one_line(r, code=2)
   assert tree(box) == before
 
 

@@ -14,16 +14,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from lmscale_jax.cli.args import EXIT_USAGE
 from lmscale_jax.prep import prepare
 from lmscale_jax.similarity import function_groups
 from lmscale_jax.store import dataset, records
 from lmscale_jax.train import trainer as train
-from tests.helpers import ROOT, communicate, small_train_config
+from tests.helpers import ROOT, communicate, lmscale, small_train_config
 from tests.test_hf_tools import ELF, INPUTS
 
 SOURCES = os.path.join(ROOT, "tests", "data", "similarity")
@@ -32,9 +32,9 @@ needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 
 def cli(tool: str, *args, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-  """tools/<tool> as a user runs it; past ``timeout`` its process group is killed and the
-  test fails (a FIFO read blocks forever)."""
-  p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", tool), *map(str, args)],
+  """The lmscale subcommand ``tool`` (its old tools/ name) as a user runs it; past ``timeout``
+  its process group is killed and the test fails (a FIFO read blocks forever)."""
+  p = subprocess.Popen([*lmscale(tool), *map(str, args)],
                        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), text=True,
                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, start_new_session=True)
@@ -42,7 +42,7 @@ def cli(tool: str, *args, timeout: float = TIMEOUT) -> subprocess.CompletedProce
   return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def one_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
+def one_line(r: subprocess.CompletedProcess, code: int = EXIT_USAGE) -> str:
   """The run's whole stderr: one `error:` line, and exit ``code``."""
   assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
   err = r.stderr.strip()
@@ -149,10 +149,10 @@ def test_the_runs_tokenizer_is_found_from_any_working_directory(trained, tmp_pat
   _tokens_swapped(data, elsewhere / os.path.basename(data))
   answers = []
   for where in (cwd, elsewhere):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fill_mask.py"),
-                        "--workdir", str(run), "--text", "push rbp [NEXT] [MASK] rbp rsp",
-                        "--json"], cwd=where, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                       capture_output=True, text=True, timeout=TIMEOUT)
+    r = subprocess.run([*lmscale("fill_mask"), "--workdir", str(run), "--text",
+                        "push rbp [NEXT] [MASK] rbp rsp", "--json"], cwd=where,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     answers.append(json.loads(r.stdout))
   assert answers[0] == answers[1]  # "push" and "rbp" swap ids in the copy elsewhere
@@ -224,9 +224,10 @@ DAMAGE = [
 def test_a_damaged_workdir_file_is_one_line_naming_it(trained, pairs, tmp_path, how, tool,
                                                       message):
   """inspect_checkpoint lists what it can and exits 1 (a file it cannot read is a problem of
-  the workdir, as a checkpoint that fails --verify is); the others exit 2 (a user error)."""
+  the workdir, as a checkpoint that fails --verify is); the others exit EXIT_USAGE (a user
+  error)."""
   workdir = damage(trained[1], how, tmp_path)
-  code = 1 if tool == "inspect_checkpoint" and how != "checkpoints_file" else 2
+  code = 1 if tool == "inspect_checkpoint" and how != "checkpoints_file" else EXIT_USAGE
   err = one_line(cli(*command(tool, workdir, trained, pairs, tmp_path)), code)
   assert workdir in err and message in err
   assert not (tmp_path / "hf").exists() and not (tmp_path / "e.npz").exists()
@@ -282,7 +283,7 @@ def test_every_output_path_is_checked_as_it_is_parsed(trained, tmp_path, case):
                                            "--json"),
   }[case]
   r = cli(tool, *args)
-  assert r.returncode == 2, r.stderr[-3000:]
+  assert r.returncode == EXIT_USAGE, r.stderr[-3000:]
   assert f"argument {option}:" in r.stderr.strip().splitlines()[-1]  # max_batch: after usage
   assert os.listdir(tmp_path) == ["file"]
 

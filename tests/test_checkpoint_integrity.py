@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests import test_distributed as dist
-from tests.helpers import make_synthetic_dataset, small_train_config
+from tests.helpers import lmscale, make_synthetic_dataset, small_train_config
 from tests.test_faults import args, env, finish, series, start
 
 STEPS = 6
@@ -111,8 +111,8 @@ def test_missing_manifest_is_not_loaded(reference, tmp_path):
   assert choice.step == 4
   assert [s for s, _ in choice.failed] == [6]
   assert f"{manifest}: manifest missing" in choice.failed[0][1][0]
-  tool = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(workdir),
-                         "--verify"], cwd=dist.ROOT, capture_output=True, text=True,
+  tool = subprocess.run([*lmscale("inspect_checkpoint"), str(workdir), "--verify"],
+                        cwd=dist.ROOT, capture_output=True, text=True,
                         timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert tool.returncode == 1
   assert f"{manifest}: manifest missing" in tool.stderr
@@ -142,8 +142,8 @@ def test_a_manifest_that_does_not_list_every_file_does_not_verify(reference, tmp
   why = (f"{manifest}: lists no files" if edit == "empty" else
          f"{bad}: not in manifest.process_0-of-1.json")
   assert why in choice.failed[0][1][0], choice.failed
-  tool = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(workdir),
-                         "--verify"], cwd=dist.ROOT, capture_output=True, text=True,
+  tool = subprocess.run([*lmscale("inspect_checkpoint"), str(workdir), "--verify"],
+                        cwd=dist.ROOT, capture_output=True, text=True,
                         timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert tool.returncode == 1 and why in tool.stderr, tool.stderr
 

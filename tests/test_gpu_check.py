@@ -1,4 +1,4 @@
-"""tools/gpu_check.py, the GPU self-check, on the CPU: with --allow-cpu at tiny shapes (every
+"""lmscale gpu-check, the GPU self-check, on the CPU: with --allow-cpu at tiny shapes (every
 report field present; what needs a GPU null with its reason; the attention comparison, the
 real training steps and the all-reduce over 2 CPU devices measured), and without it (no GPU:
 FAIL at once, saying why, measuring nothing)."""
@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from lmscale_jax.cli.args import EXIT_USAGE
 from lmscale_jax.gpu import check as gpu_check
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.store import dataset
-from tests.helpers import ROOT, make_config
+from tests.helpers import ROOT, lmscale, make_config
 
-TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
+TOOL = lmscale("gpu_check")
 TINY = ["--config", "configs/tiny.py", "--set", "model.layers=1", "--set", "model.hidden=32",
         "--set", "model.ffn=64", "--seq", "32", "--vocab", "256", "--small-batch", "1",
         "--batch", "2"]
@@ -28,7 +29,7 @@ TINY = ["--config", "configs/tiny.py", "--set", "model.layers=1", "--set", "mode
 def run_tool(args, timeout=300, **env):
   full_env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
   full_env.update(env)
-  return subprocess.run([sys.executable, TOOL, *args], cwd=ROOT, env=full_env,
+  return subprocess.run([*TOOL, *args], cwd=ROOT, env=full_env,
                         capture_output=True, text=True, timeout=timeout,
                         stdin=subprocess.DEVNULL)
 
@@ -102,7 +103,7 @@ def test_without_gpu_fails_at_once_saying_so_and_measures_nothing():
 def test_misspelt_override_is_one_line_naming_the_key():
   r = run_tool(["--set", "model.layres=2"], timeout=60)
   err = r.stderr.strip()
-  assert r.returncode == 2 and err.count("\n") == 0, (r.returncode, err[-2000:])
+  assert r.returncode == EXIT_USAGE and err.count("\n") == 0, (r.returncode, err[-2000:])
   assert err.startswith("error: --set 'model.layres=2'") and "model.layers" in err, err
 
 

@@ -241,7 +241,7 @@ def test_compiled_memory_of_the_levers(runs):
 
   XLA:CPU's scheduler does not place recomputation as tightly as XLA:GPU's (with its default
   concurrency-optimized scheduler it realizes no remat saving at all, hence the flag in
-  ``runs``), so the CPU saving understates the GPU one; tools/max_batch.py measures the levers
+  ``runs``), so the CPU saving understates the GPU one; lmscale max-batch measures the levers
   on the GPU itself.
   """
   plain = runs["plain"]["peak_bytes"]
@@ -369,8 +369,7 @@ def test_train_with_loader_autotune(data, tmp_path):
     (10.0, 1.0, 0.0, 2, 8),    # coarse: multiples of lcm(2, 8)
 ])
 def test_max_batch_search_finds_the_boundary(fixed, per_seq, bump, accum, granularity):
-  sys.path.insert(0, os.path.join(ROOT, "tools"))
-  import max_batch
+  from lmscale_jax.cli import max_batch
 
   calls = []
 

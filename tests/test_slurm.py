@@ -1,5 +1,5 @@
 """The Slurm path with real processes: launch/slurm.sbatch under a fake Slurm (srun/scontrol on
-PATH that record their calls and run the real tasks: tools/stage.py, python -m lmscale_jax.main
+PATH that record their calls and run the real tasks: lmscale stage, python -m lmscale_jax.main
 on a tiny model), and two jobs whose derived coordinator ports collide.
 
 Signals are real and go where Slurm sends them: SIGUSR1 (--signal=USR1@120) to the training
@@ -218,7 +218,7 @@ def test_a_finished_run_is_not_requeued_and_srun_gets_cpus(tmp_path, data, cache
   assert run_state.read(str(workdir))["state"] == "finished"
   assert job.requeues() == 0 and "no requeue: the run finished at step 3" in out, out
   stage, train = [c for c in job.calls() if c.startswith("srun")]
-  assert "tools/stage.py" in stage and "--ntasks-per-node=1" in stage
+  assert "lmscale_jax.cli.lmscale stage" in stage and "--ntasks-per-node=1" in stage
   assert "--cpus-per-task=6" in stage and f"{data} {expected_dir}" in stage
   assert "lmscale_jax.main" in train and "--cpus-per-task=2" in train
   assert f"--config.data.path={expected_dir}" in train

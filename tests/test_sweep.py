@@ -1,4 +1,4 @@
-"""tools/sweep.py and tools/report.py end to end: a real grid of launch/local.sh runs (1 and 2
+"""lmscale sweep and lmscale report end to end: a real grid of launch/local.sh runs (1 and 2
 CPU processes) on a real dataset, one row per point (a failing point is a row, the sweep goes
 on), a rerun that skips finished points, the plots from its results; the Slurm commands it
 would submit; bad grids and flags as one line."""
@@ -11,24 +11,23 @@ import os
 import signal
 import struct
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.helpers import ROOT, make_synthetic_dataset
+from tests.helpers import ROOT, lmscale, make_synthetic_dataset
 from tests.test_faults import FAST_XLA
 from tests.test_process_cleanup import kill_all, left_of, process_tree, wait_until_gone
 
-SWEEP = os.path.join(ROOT, "tools", "sweep.py")
-REPORT = os.path.join(ROOT, "tools", "report.py")
+SWEEP = lmscale("sweep")
+REPORT = lmscale("report")
 # The tests' small model (tests/helpers.small_train_config: the default config, 2 × 64).
 CONFIG = "from tests.helpers import small_train_config\n\n\ndef get_config():\n" \
          "  return small_train_config('')\n"
 
 
 def tool(script, *args, timeout=120, **env):
-  return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT,
+  return subprocess.run([*script, *map(str, args)], cwd=ROOT,
                         env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, capture_output=True,
                         text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -121,7 +120,7 @@ def test_a_running_point_ends_with_the_sweep(setup, tmp_path, how):
   launcher gets SIGTERM from the kernel and stops its processes as it does for any SIGTERM
   (checkpoint, exit); Ctrl-C: the sweep stops the point, then exits 130."""
   runs, log = tmp_path / "runs", tmp_path / "sweep.log"
-  cmd = [sys.executable, SWEEP, "--data", setup / "ds", "--output", tmp_path / "out.jsonl",
+  cmd = [*SWEEP, "--data", setup / "ds", "--output", tmp_path / "out.jsonl",
          "--config", setup / "small.py", "--workers", "2", "--batch", "4", "--steps", "100000",
          "--log-every", "1", "--timeout", "600", "--no-probe", "--runs", runs]
   # STOP_S: launch/_procs.sh's wait between its SIGTERM and SIGKILL, for which it also stays
@@ -183,7 +182,7 @@ def test_slurm_commands(setup):
     (["--set", "model.layerz=3"], "'model.layerz' (--set/--model) does not exist in "
                                    "configs/tiny.py; did you mean 'model.layers'?"),
     (["--set", "train.batch_size=4"], "--set train.batch_size: set by the sweep; use --batch"),
-    (["--set", "model.layers=two"], "model.layers='two': expected a int"),
+    (["--set", "model.layers=two"], "model.layers=two: expected an integer"),
     (["--model", "nolabel"], "--model 'nolabel': expected LABEL:key=value"),
     (["--config", "configs/nope.py"], "--config configs/nope.py: no such config file"),
     (["--steps", "4", "--log-every", "4"], "need at least two logging windows"),
@@ -210,10 +209,10 @@ def test_missing_dataset_and_bad_results_are_one_line(setup, tmp_path):
 
 def test_report_regenerates_the_committed_plots_and_the_storage_models(tmp_path):
   """The committed sweeps (benchmarks/results) through report.py, with the storage model's
-  own output (tools/storage_model.py --json at its documented defaults)."""
+  own output (lmscale storage-model --json at its documented defaults)."""
   committed = [os.path.join(ROOT, "benchmarks", "results", f"2026-12-01-cpu-sweep{x}.jsonl")
                for x in ("", "-models")]
-  model = tool(os.path.join(ROOT, "tools", "storage_model.py"), "--json")
+  model = tool(lmscale("storage_model"), "--json")
   assert model.returncode == 0, model.stderr[-2000:]
   storage = tmp_path / "storage.json"
   storage.write_text(model.stdout)

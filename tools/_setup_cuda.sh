@@ -56,7 +56,7 @@ fi
 if [ -z "$driver" ]; then
   echo "no NVIDIA driver on this machine (no /proc/driver/nvidia/version, no nvidia-smi):" \
        "installed for the GPU nodes, which need driver >= $MIN_DRIVER. On one, first run:" \
-       "$venv/bin/python tools/gpu_check.py"
+       "$venv/bin/lmscale gpu-check"
   exit 0
 fi
 if [ "${driver%%.*}" -lt "$MIN_DRIVER" ]; then
@@ -76,4 +76,4 @@ sys.exit(0 if devices else 1)' 2>/dev/null); then
   echo "error: NVIDIA driver $driver is present but JAX cannot use a GPU: $out" >&2
   exit 1
 fi
-echo "JAX runs on $out (driver $driver). Next: $venv/bin/python tools/gpu_check.py"
+echo "JAX runs on $out (driver $driver). Next: $venv/bin/lmscale gpu-check"

@@ -4,7 +4,7 @@
 #   bash tools/bench_gpu.sh OUTDIR            # on the GPU machine, from the repository root
 #   BENCH_SMOKE=1 bash tools/bench_gpu.sh OUT # CPU dry run: tiny shapes, same code paths
 #
-# 0. tools/gpu_check.py (devices, versions, cuDNN vs XLA attention, a 120M step at batch 8 and
+# 0. lmscale gpu-check (devices, versions, cuDNN vs XLA attention, a 120M step at batch 8 and
 # B120): if it FAILs, the script stops there with its reason (no minutes spent on a broken
 # install); 1. bf16 matmul peak (the MFU denominator); 2. lmscale_jax training steps on synthetic
 # batches: 120M batch 184, 350M batch 64 (with a jax.profiler trace), 350M at 128 sequences
@@ -12,7 +12,7 @@
 # (.gpu/peer_hf_bert.py) at the same shapes: bf16 120M b184, bf16 350M b64, fp32 350M b20
 # (the paper's recipe); 4. A/B variants while time remains (Hopper XLA flags, the earlier
 # cuDNN bias mask, rbg dropout); 5. the loader: a real 120M training run on a generated
-# dataset with data.autotune, its input-wait fraction; 6. tools/max_batch.py for 350M on the
+# dataset with data.autotune, its input-wait fraction; 6. lmscale max-batch for 350M on the
 # GPU. Results: OUTDIR/gpu_check.json (the self-check's report),
 # OUTDIR/<date>-gpu-bench.jsonl (one object per measurement: system, model, batch, seq,
 # samples_per_sec, mfu, peak_mem_gb, device, …, the 350M step's top device ops
@@ -145,7 +145,7 @@ peer() {  # peer NAME MODE CONFIG BATCH
 CHECK=(--config configs/bert120m.py --seq $SEQ --vocab $VOCAB --batch $B120)
 [ -n "${BENCH_SMOKE:-}" ] && CHECK+=(--allow-cpu --small-batch 2 "${SHAPE120[@]}")
 log "gpu_check"
-timeout 300 "$PY" tools/gpu_check.py "${CHECK[@]}" --json "$OUT/gpu_check.json" \
+timeout 300 "$PY" -m lmscale_jax.cli.lmscale gpu-check "${CHECK[@]}" --json "$OUT/gpu_check.json" \
   >"$OUT/logs/gpu_check.log" 2>&1
 rc=$?
 sed -n '/^devices:/,$p' "$OUT/logs/gpu_check.log"
@@ -229,8 +229,8 @@ fi
 
 # --- 6. max batch on the GPU ---------------------------------------------------------------
 if [ "$(left)" -gt 60 ]; then
-  run max_batch_350m $(( $(left) > 200 ? 200 : $(left) )) "$PY" tools/max_batch.py \
-    --config configs/bert350m.py --name bert350m --levers plain,remat_dots \
+  run max_batch_350m $(( $(left) > 200 ? 200 : $(left) )) "$PY" -m lmscale_jax.cli.lmscale \
+    max-batch --config configs/bert350m.py --name bert350m --levers plain,remat_dots \
     --budget-gb $MAXB_BUDGET --seq $SEQ --vocab $VOCAB --json "$OUT/max_batch_gpu.jsonl" \
     ${SHAPE350[@]+"${SHAPE350[@]}"}
   sed -n '/^| model/,$p' "$OUT/logs/max_batch_350m.log"

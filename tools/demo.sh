@@ -19,11 +19,11 @@ export JAX_PLATFORMS=cpu
 # --val-fraction 0.03: configs/tiny.py evaluates 8 batches of 32; at the default 1% the
 # validation split of 24 MB of ELF input held 4 distinct batches (a warning the demo caused).
 if [ ! -f "$dir/data/metadata.json" ]; then
-  .venv/bin/python tools/prepare_binary.py --input /usr/lib/x86_64-linux-gnu /usr/bin \
+  .venv/bin/lmscale prepare binary --input /usr/lib/x86_64-linux-gnu /usr/bin \
     --output "$dir/data" --seq-len 128 --vocab-size 4096 --val-fraction 0.03 \
     --max-input-bytes $(( ${DEMO_MB:-24} * 1000000 )) --overwrite
 fi
-.venv/bin/python tools/inspect_shards.py "$dir/data" --verify
+.venv/bin/lmscale inspect-data "$dir/data" --verify
 
 # "STATE STEP TOTAL_STEPS" of the run in $1 (run_state.json; "none -1 -1" without one).
 run_state() {

@@ -11,7 +11,7 @@
 # CUDA toolkit is not needed on the machine) and needs Linux x86_64/aarch64 and, where it
 # runs, an NVIDIA driver >= 525 (JAX's requirement for CUDA 12). Without a GPU here (a login
 # node) it installs and says so; with one it checks that JAX runs on the GPU (an error naming
-# why, never a silent CPU fallback). Then run: .venv-cuda/bin/python tools/gpu_check.py
+# why, never a silent CPU fallback). Then run: .venv-cuda/bin/lmscale gpu-check
 set -euo pipefail
 cuda=""
 if [ "${1:-}" = --cuda ]; then cuda=1; shift; fi
