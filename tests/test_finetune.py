@@ -315,7 +315,7 @@ def test_embed_and_eval_use_the_head_and_show_it_beside_the_pretrained_run(
   np.testing.assert_allclose(np.linalg.norm(e["embeddings"], axis=1), 1.0, atol=1e-5)
   code, _, err = run_tool("embed", ["--workdir", tuned, "--elf", elf, "--pool", "cls",
                                     "--output", tmp_path / "c.npz"], capsys)
-  assert code == 2 and "leave --pool out" in err and err.count("\n") == 1
+  assert code == 1 and "leave --pool out" in err and err.count("\n") == 1
   doc = tmp_path / "eval.json"
   code, text, err = run_tool("eval_similarity", [
       "--bench", bench, "--workdir", pretrained[1], "--workdir", tuned, "--pool", "10",
@@ -422,7 +422,7 @@ def test_bad_inputs_are_one_line_each(bench, pretrained, tmp_path,
     workdir = tmp_path / "out"
     code, _, err = run_tool("finetune_similarity", [*argv, "--workdir", workdir,
                                                     "--batch-size", 8], capsys)
-    assert code == 2, (argv, err)
+    assert code == 1, (argv, err)
     assert err.count("\n") == 1 and where in err and message in err, (argv, err)
     # Input checked before the workdir is locked leaves nothing; a model that fails to load
     # (found once the run holds the workdir) leaves its lock file only.
@@ -430,4 +430,4 @@ def test_bad_inputs_are_one_line_each(bench, pretrained, tmp_path,
     shutil.rmtree(workdir, ignore_errors=True)
   code, _, err = run_tool("finetune_similarity", ["--pairs", bench, "--workdir", tmp_path / "x"],
                           capsys)
-  assert code == 2 and "one of the arguments --init-workdir --init-hf --init-random" in err
+  assert code == 1 and "one of the arguments --init-workdir --init-hf --init-random" in err

@@ -19,7 +19,6 @@ from lmscale_jax.prep import prepare, shard_writer, tokenize_pack
 from lmscale_jax.prep.elf import elf_corpus
 from lmscale_jax.prep.elf.pretokenize import Pretokenizer, normalize_number
 from lmscale_jax.store import dataset, records
-from tests.helpers import lmscale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 128
@@ -290,12 +289,12 @@ def test_a_bad_compression_is_one_line(tmp_path):
     prepare.prepare(opts(tmp_path / "o", small_elves(1), compression="lz4"))
   r = _cli("prepare_binary.py", "--input", *small_elves(1), "--output", tmp_path / "o",
            "--compression", "lz4")
-  assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lz4" in r.stderr
+  assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "lz4" in r.stderr
 
 
 def _cli(tool, *args, **kw):
-  return subprocess.run([*lmscale(tool), *map(str, args)], capture_output=True, text=True,
-                        timeout=300, **kw)
+  return subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *map(str, args)],
+                        capture_output=True, text=True, timeout=300, **kw)
 
 
 @pytest.mark.parametrize("wait_for", ["corpus-00001.json", "shards/train-00001.json"])
@@ -308,8 +307,8 @@ def test_kill_and_rerun_completes_identically(built, tmp_path, wait_for):
   # (with 3, a loaded 2-core CI runner's kill after the second landed in finalize)
   ref = tmp_path / "ref"
   assert _cli("prepare_binary.py", *[ref if a == out else a for a in args]).returncode == 0
-  proc = subprocess.Popen([*lmscale("prepare_binary"), *map(str, args)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "prepare_binary.py"),
+                           *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 120
   while not (out / prepare.WORK / wait_for).exists():
     assert proc.poll() is None, proc.stderr.read()
@@ -361,7 +360,7 @@ def test_max_input_bytes_that_no_file_fits_is_one_line_naming_the_smallest(tmp_p
   size = os.path.getsize(small)
   r = _cli("prepare_binary.py", "--input", *small_elves(3), "--output", tmp_path / "o",
            "--max-input-bytes", size - 1, "--no-progress")
-  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
   assert f"error: --max-input-bytes {size - 1:,}: no input file fits in it (the smallest ELF " \
          f"file, {small!r}, has {size:,} bytes); raise it to at least {size}" in r.stderr
   assert not (tmp_path / "o").exists()
@@ -459,7 +458,7 @@ def test_bad_input_clear_error(tmp_path, case, message):
 
 def test_cli_error_is_one_line(tmp_path):
   r = _cli("prepare_binary.py", "--input", tmp_path / "nope", "--output", tmp_path / "o")
-  assert r.returncode == 2
+  assert r.returncode == 1
   assert r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr
 
 

@@ -1,6 +1,6 @@
-"""The cluster model (lmscale_jax/study/cluster_model.py, lmscale scaling-model), its calibration
+"""The cluster model (lmscale_jax/study/cluster_model.py, tools/scaling_model.py), its calibration
 from a real 2-process all-reduce (benchmarks/bench_allreduce.py), and the storage model's
-measurement of the real loader (lmscale_jax/study/storage_model.py, lmscale storage-model).
+measurement of the real loader (lmscale_jax/study/storage_model.py, tools/storage_model.py).
 
 No timings are asserted (speed lives in benchmarks/): the formulas against the issue's worked
 example and against each other, the fit against points it must reproduce, the tools' outputs
@@ -18,21 +18,21 @@ import pytest
 
 from lmscale_jax.study import cluster_model as cm
 from lmscale_jax.study import storage_model as sm
-from tests.helpers import ROOT, lmscale, make_config, make_synthetic_dataset
+from tests.helpers import ROOT, make_config, make_synthetic_dataset
 
-TOOL = lmscale("scaling_model")
-STORAGE_TOOL = lmscale("storage_model")
+TOOL = os.path.join(ROOT, "tools", "scaling_model.py")
+STORAGE_TOOL = os.path.join(ROOT, "tools", "storage_model.py")
 BERT_BASE = 102_949_632  # the H200 anchor's BERT-base (../shared/bench/h200-anchor-*.jsonl)
 
 
 def tool(*args, script=TOOL, timeout=120):
-  return subprocess.run([*script, *args], cwd=ROOT, capture_output=True,
+  return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True,
                         text=True, timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 def one_error_line(result) -> str:
   lines = result.stderr.strip().splitlines()
-  assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (
+  assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), (
       result.returncode, result.stderr[-2000:])
   return lines[0]
 

@@ -1,6 +1,6 @@
 """The binary-code similarity benchmark end to end: real C sources (tests/data/similarity, four
 files of small routines written for this test) compiled by the machine's gcc at -O0 and -O3,
-functions extracted as preparation extracts them, then lmscale eval-similarity on a real
+functions extracted as preparation extracts them, then tools/eval_similarity.py on a real
 Hugging Face directory (random weights, a tokenizer trained on the functions) and TF-IDF.
 """
 
@@ -11,20 +11,20 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 from lmscale_jax.similarity import function_groups
-from tests.helpers import ROOT, lmscale, make_config
+from tests.helpers import ROOT, make_config
 
 SOURCES = os.path.join(ROOT, "tests", "data", "similarity")
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 
 def tool(name, *args, timeout=120):
-  """The lmscale subcommand ``name`` (its old tools/ name) as a user runs it."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([*lmscale(name), *map(str, args)],
+  return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *map(str, args)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                         stdin=subprocess.DEVNULL)
 
@@ -139,14 +139,14 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path):
   not_bench = tmp_path / "x.jsonl"
   not_bench.write_text('{"format": "something else"}\n')
   r = tool("eval_similarity.py", "--bench", not_bench, "--hf", tmp_path)
-  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert r.returncode == 1 and r.stderr.count("\n") == 1
   assert "not a similarity benchmark" in r.stderr
   r = tool("build_similarity_bench.py", "--sources", tmp_path / "none", "--output",
            tmp_path / "o.jsonl")
-  assert r.returncode == 2 and "no such file or directory" in r.stderr
+  assert r.returncode == 1 and "no such file or directory" in r.stderr
   r = tool("build_similarity_bench.py", "--sources", tmp_path, "--output", tmp_path / "o.jsonl",
            "--opt", "O9")
-  assert r.returncode == 2 and "--opt O9" in r.stderr and not (tmp_path / "o.jsonl").exists()
+  assert r.returncode == 1 and "--opt O9" in r.stderr and not (tmp_path / "o.jsonl").exists()
 
 
 def test_a_fifo_among_the_sources_is_left_out(tmp_path):

@@ -147,7 +147,7 @@ def test_build_drops_the_planted_overlap_by_both_keys_and_the_report_then_says_z
   # The leaky file: the report finds the plant by each key, and --check refuses it.
   r = tool("similarity_leakage.py", "--train", leaky, "--bench", bench, "--json",
            tmp_path / "rep.json", "--check")
-  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
   assert f"{strings + 1} training groups share a function text" in r.stderr
   assert f"and {strings + 1} a source file + function name" in r.stderr
   assert "--disjoint-from" in r.stderr
@@ -177,8 +177,8 @@ def test_build_drops_the_planted_overlap_by_both_keys_and_the_report_then_says_z
 def test_a_set_not_fetched_yet_is_one_line_naming_the_fetch(tmp_path):
   r = tool("build_similarity_bench.py", "--set", "train", "--from", tmp_path, "--output",
            tmp_path / "t.jsonl", "--compilers", "gcc")
-  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert r.returncode == 1 and r.stderr.count("\n") == 1
   assert "fetch_bench_sources.py --set train" in r.stderr
   r = tool("build_similarity_bench.py", "--sources", tmp_path, "--output", tmp_path / "t.jsonl",
            "--disjoint-from", tmp_path / "none.jsonl")
-  assert r.returncode == 2 and "--disjoint-from" in r.stderr and "no such file" in r.stderr
+  assert r.returncode == 1 and "--disjoint-from" in r.stderr and "no such file" in r.stderr

@@ -1,6 +1,6 @@
 """Spec files, merges and progress of the similarity benchmark's builder, as a user runs them:
 tiny C libraries written here, compiled by the machine's gcc (real objects, real functions),
-lmscale similarity-build and lmscale similarity-sources as subprocesses.
+tools/build_similarity_bench.py and tools/fetch_bench_sources.py as subprocesses.
 
 The libraries guard what the spec must do with ``#error``: a file that is only ever
 ``#include``d fails when compiled on its own, an excluded file fails anywhere, a source fails
@@ -175,14 +175,14 @@ def test_a_bad_spec_is_one_error_line_naming_the_file_library_and_key(libs, edit
   spec = libs / "libs.toml"
   spec.write_text(edit(SPEC))
   r = build(libs, libs / "b.jsonl", "--spec", spec)
-  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
   assert r.stderr.startswith("error: ") and says.format(spec=spec) in r.stderr, r.stderr
   assert str(spec) in r.stderr and not (libs / "b.jsonl").exists()
 
 
 def test_flags_of_the_command_line_are_refused_with_a_spec(libs):
   r = build(libs, libs / "b.jsonl", "--spec", libs / "libs.toml", "--cflags=-DSCALE=3")
-  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert r.returncode == 1 and r.stderr.count("\n") == 1
   assert "--cflags is for --sources" in r.stderr
 
 
@@ -238,7 +238,7 @@ def test_merge_of_other_compilers_or_levels_is_one_line(tmp_path):
              "--compilers", "gcc", "--opt", opt, "--workers", "1")
     assert r.returncode == 0, r.stderr
   r = tool("build_similarity_bench.py", "--merge", a, b, "--output", tmp_path / "m.jsonl")
-  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert r.returncode == 1 and r.stderr.count("\n") == 1
   assert f"--merge {b}: variants gcc-O0,gcc-O1 are not {a}'s gcc-O0,gcc-O3" in r.stderr
   lines = open(a).read().splitlines()  # a's file as another gcc would have built it
   header = json.loads(lines[0])
@@ -246,7 +246,7 @@ def test_merge_of_other_compilers_or_levels_is_one_line(tmp_path):
   (tmp_path / "c.jsonl").write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
   r = tool("build_similarity_bench.py", "--merge", a, tmp_path / "c.jsonl", "--output",
            tmp_path / "m.jsonl")
-  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert r.returncode == 1 and r.stderr.count("\n") == 1
   assert "compilers {'gcc': 'gcc (Other) 14.1.0'} is not" in r.stderr
   assert not (tmp_path / "m.jsonl").exists()
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import namedtuple
 
@@ -16,7 +17,7 @@ import pytest
 from lmscale_jax.input import dataset_checks as data_checks
 from lmscale_jax.input import staging
 from lmscale_jax.store import dataset, file_io
-from tests.helpers import lmscale, make_config, make_synthetic_dataset
+from tests.helpers import make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,7 +148,7 @@ def by_shard_config(path):
 
 
 def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
-  """lmscale stage --only-needed --plan by_shard copies exactly the shard files that by-shard
+  """tools/stage.py --only-needed --plan by_shard copies exactly the shard files that by-shard
   loaders (data.shard_by_process) of the listed processes read; training accepts the copy
   for those processes, refuses it for the others, and the loaders run from it."""
   from lmscale_jax.input import loader as data_lib
@@ -161,8 +162,9 @@ def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
   read = sorted(os.path.basename(p) for loader in loaders for p in loader.records.paths)
   assert len(read) == len(set(read)) < len(shard_files(src))
   dest = tmp_path / "node"
-  r = subprocess.run([*lmscale("stage"), src, str(dest), "--only-needed", "--plan", "by_shard",
-                      "--num-processes", str(num_processes),
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "stage.py"), src, str(dest),
+                      "--only-needed", "--plan", "by_shard", "--num-processes",
+                      str(num_processes),
                       "--process-ids", ",".join(map(str, ids)), "--no-progress"],
                      capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
@@ -255,7 +257,8 @@ def test_read_only_destination(src, tmp_path):
 
 def test_cli(src, tmp_path):
   dest = tmp_path / "cli"
-  cmd = [*lmscale("stage"), src, str(dest), "--workers", "2"]
+  cmd = [sys.executable, os.path.join(ROOT, "tools", "stage.py"), src, str(dest), "--workers",
+         "2"]
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
   summary = json.loads(r.stdout)
@@ -265,8 +268,9 @@ def test_cli(src, tmp_path):
   r = subprocess.run(cmd + ["--no-progress"], capture_output=True, text=True, timeout=120)
   assert r.returncode == 0 and json.loads(r.stdout)["copied"] == 0
   assert "nothing to copy" in r.stderr
-  r = subprocess.run([*lmscale("stage"), str(tmp_path / "nope"), str(dest)],
-                     capture_output=True, text=True, timeout=120)
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "stage.py"),
+                      str(tmp_path / "nope"), str(dest)], capture_output=True, text=True,
+                     timeout=120)
   assert r.returncode == 1 and r.stderr.startswith("error: staging source")
 
 
@@ -321,9 +325,10 @@ def big_src(tmp_path_factory):
 
 
 def stager(src, dest, log, *extra) -> subprocess.Popen:
-  """lmscale stage in its own session, stderr into ``log`` (polled while it runs)."""
-  return subprocess.Popen([*lmscale("stage"), src, str(dest), "--no-progress", "--workers", "1",
-                           *extra], stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+  """tools/stage.py in its own session, stderr into ``log`` (polled while it runs)."""
+  return subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "stage.py"), src,
+                           str(dest), "--no-progress", "--workers", "1", *extra],
+                          stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                           start_new_session=True)
 
 
@@ -389,7 +394,7 @@ def test_a_stager_waiting_past_its_timeout_names_the_holder(big_src, tmp_path):
     os.kill(first.pid, signal.SIGCONT)
   finish_all([first])
   err = (tmp_path / "late.log").read_text()
-  assert late.returncode == 2 and first.returncode == 0, err
+  assert late.returncode == 1 and first.returncode == 0, err
   assert err.splitlines()[-1] == (
       f"error: pid {first.pid} on {os.uname().nodename} has been staging into {dest} for "
       "longer than 0 s (--wait / data.stage_timeout): wait for it to finish, or raise the "

@@ -192,18 +192,18 @@ def test_slurm_commands(setup):
 def test_bad_grid_is_one_line(setup, args, message):
   r = tool(SWEEP, "--data", setup / "ds", "--output", setup / "never.jsonl", *args)
   lines = r.stderr.strip().splitlines()
-  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+  assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
   assert message in lines[0]
   assert not os.path.exists(setup / "never.jsonl")
 
 
 def test_missing_dataset_and_bad_results_are_one_line(setup, tmp_path):
   r = tool(SWEEP, "--data", tmp_path, "--output", tmp_path / "x.jsonl")
-  assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no metadata.json" in r.stderr
+  assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no metadata.json" in r.stderr
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"nodes": 4}\n')
   r = tool(REPORT, bad, "--output", tmp_path / "p")
-  assert r.returncode == 2 and r.stderr.count("\n") == 1
+  assert r.returncode == 1 and r.stderr.count("\n") == 1
   assert "not a tools/sweep.py results file" in r.stderr
 
 

@@ -2,7 +2,7 @@
 
 Every numeric option is checked where it is parsed (type, finite, range; the bounds are
 ``lmscale_jax.prep.options``'), and every way a run ends badly is one line on stderr: a user
-error or a bad argument (exit 2), a full disk (exit 1), Ctrl-C (exit 130) or SIGTERM (exit 143;
+error or a bad argument or a full disk (exit 1), Ctrl-C (exit 130) or SIGTERM (exit 143;
 the rerun resumes after either). A bug keeps its traceback.
 """
 
@@ -20,7 +20,7 @@ from lmscale_jax.errors import UserError, disk_full
 from lmscale_jax.prep import options as prep_options
 from lmscale_jax.store import dataset, file_io
 
-EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+EXIT_USAGE, EXIT_INTERRUPTED = 1, 130  # usage and user errors alike (docs/design.md "Exit codes")
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a process SIGTERM ended
 
 

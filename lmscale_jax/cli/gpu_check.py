@@ -15,13 +15,12 @@ size and its bus bandwidth. The last line is PASS or FAIL with the reason; exit 
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
 import json
 import os
 import sys
 
 from lmscale_jax.cli import args
+from lmscale_jax.config import loader
 from lmscale_jax.errors import ConfigError
 
 # The checkout (configs/ is there): lmscale_jax/cli/ is two levels below it.
@@ -56,31 +55,13 @@ def parse_args(argv=None):
 
 
 def load_config(path: str, overrides: list[str]):
-  """The config of ``path`` with ``KEY=VALUE`` overrides; a bad file or key is one line."""
+  """The config of ``path`` with ``KEY=VALUE`` overrides (``config.loader``: each key checked,
+  each value typed as ``--config.KEY=VALUE`` is); a bad file or key is one line."""
   full = path if os.path.isabs(path) else os.path.join(ROOT, path)
   if not os.path.isfile(full):
     raise ConfigError(f"--config {path}: no such file (e.g. configs/bert120m.py)")
-  spec = importlib.util.spec_from_file_location("gpu_check_config", full)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    config = module.get_config()
-  except Exception as e:
-    raise ConfigError(f"--config {path} does not load: {type(e).__name__}: {e}") from e
-  for item in overrides:
-    key, sep, value = item.partition("=")
-    section, _, leaf = key.partition(".")
-    valid = [f"{s}.{k}" for s in config for k in config[s]]
-    if not sep or key not in valid:
-      close = difflib.get_close_matches(key, valid, n=1)
-      raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a key of {path}"
-                        + (f" (did you mean {close[0]}?)" if close else ""))
-    old = config[section][leaf]
-    try:
-      config[section][leaf] = (value.lower() in ("1", "true") if isinstance(old, bool)
-                               else type(old)(value))
-    except ValueError:
-      raise ConfigError(f"--set {item!r}: {key} takes a {type(old).__name__}") from None
+  config = loader.load_file(full)
+  loader.apply_sets(config, list(overrides))
   return config
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
 import math
 import os
 import time
 from typing import Callable
 
+from lmscale_jax.config import loader
 from lmscale_jax.errors import UserError
 from lmscale_jax.study.host import ROOT, checkout_importable
 
@@ -70,19 +70,10 @@ def say(line: str) -> None:
 # ----------------------------------------------------------------------------- configs
 def load_config(path: str, overrides: list[str]):
   """``path``'s get_config() (relative paths: from the checkout) with ``section.key=value``
-  overrides, each value parsed as the type of the one it replaces."""
-  spec = importlib.util.spec_from_file_location("max_batch_cfg", os.path.join(ROOT, path)
-                                                if not os.path.isabs(path) else path)
-  mod = importlib.util.module_from_spec(spec)
+  overrides, each checked and typed as ``--config.KEY=VALUE`` is (``config.loader``)."""
   with checkout_importable():  # as a run would load it
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
-  for item in overrides:
-    key, value = item.split("=", 1)
-    section, leaf = key.split(".")
-    old = c[section][leaf]
-    c[section][leaf] = type(old)(value) if not isinstance(old, bool) else value in ("1", "true",
-                                                                                   "True")
+    c = loader.load_file(path if os.path.isabs(path) else os.path.join(ROOT, path))
+  loader.apply_sets(c, list(overrides))
   return c
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
-import importlib.util
 import itertools
 import json
 import os
 import re
 import statistics
 
+from lmscale_jax.config import loader
 from lmscale_jax.errors import UserError
 from lmscale_jax.store import file_io
 
@@ -34,15 +34,9 @@ class SweepError(UserError):
 
 # ----------------------------------------------------------------------------- configs
 def parse_value(old, text: str, key: str):
-  """``text`` as the type of the config's current value (as ml_collections' flags parse)."""
-  try:
-    if isinstance(old, bool):
-      if text.lower() not in ("true", "false", "1", "0"):
-        raise ValueError
-      return text.lower() in ("true", "1")
-    return type(old)(text)
-  except ValueError:
-    raise SweepError(f"{key}={text!r}: expected a {type(old).__name__}") from None
+  """``text`` as the type of the config's current value: the loader's typing
+  (``config.loader.parse_value``), the same as ``--config.KEY=VALUE`` on a run's command line."""
+  return loader.parse_value(old, text, key)
 
 
 def load_config(path: str, sets, root: str = ""):
@@ -50,21 +44,18 @@ def load_config(path: str, sets, root: str = ""):
   unknown key names the closest one."""
   if not os.path.isfile(os.path.join(root, path)):
     raise SweepError(f"--config {path}: no such config file")
-  spec = importlib.util.spec_from_file_location("sweep_config", os.path.join(root, path))
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    config = module.get_config()
-  except Exception as e:  # a config file is user code: any failure is its author's to fix
-    raise SweepError(f"--config {path}: does not load ({type(e).__name__}: {e})") from None
-  keys = [f"{s}.{k}" for s in config for k in config[s]]
+  config = loader.load_file(os.path.join(root, path))
+  keys = loader.dotted_keys(config)
   for key, text in sets:
     if key not in keys:
       near = difflib.get_close_matches(key, keys, n=1)
       raise SweepError(f"config key {key!r} (--set/--model) does not exist in {path}"
                        + (f"; did you mean {near[0]!r}?" if near else ""))
-    section, leaf = key.split(".")
-    config[section][leaf] = parse_value(config[section][leaf], text, key)
+    *sections, leaf = key.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    node[leaf] = parse_value(node[leaf], text, key)
   return config
 
 
