@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-from lmscale_jax.config import modes
+from lmscale_jax.config import legacy, modes
 from lmscale_jax.errors import ConfigError
 
 
@@ -72,8 +72,8 @@ _FLOATS = (
     ("data.autotune_target", 0.0, 1.0, True, True),
     ("metrics.peak_tflops", 0.0, _INF, False, True),
 )
-# Keys renamed: the old spelling is refused with the new name (a config file may still set it).
-RENAMED = {"checkpoint.async": "checkpoint.async_save"}
+# Keys renamed: the old spelling is refused with the new name (config.legacy keeps the table).
+RENAMED = legacy.RENAMED
 
 
 def _get(config, key: str):

@@ -1,11 +1,17 @@
-"""Config keys added after runs already existed, and the value that reproduces what a run whose
-``config.json`` lacks the key did. The one place that knows them: a workdir resumes under that
-value as unchanged (``train.workdir.check_config_change``), and a run's config read back from
-``config.json`` (:func:`complete`) has every key, so no reader needs a per-key fallback."""
+"""The config's history, in one place: keys added after runs already existed (:data:`VALUES`,
+the value that reproduces what a run whose ``config.json`` lacks the key did) and keys renamed
+(:data:`RENAMED`). A workdir resumes under a legacy value as unchanged
+(``train.workdir.check_config_change``), and a run's config read back from ``config.json``
+(:func:`complete`) has every key, so no reader needs a per-key fallback; an old spelling is
+refused with its new name, on the command line (``config.loader``) and in a config file
+(``config.checks``)."""
 
 from __future__ import annotations
 
 import copy
+
+# Keys renamed: old spelling -> new (a config file or command line that still uses it is refused).
+RENAMED = {"checkpoint.async": "checkpoint.async_save"}
 
 VALUES = {
     "model.packed_attention": "cross",  # one attention window per sequence

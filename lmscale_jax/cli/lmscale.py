@@ -1,0 +1,95 @@
+"""The ``lmscale`` command: ``lmscale SUBCOMMAND [ARGS…]`` runs one module of
+:mod:`lmscale_jax.cli` (its ``main(argv) -> exit code``), imported only when that subcommand
+runs, so ``lmscale --help`` answers without importing JAX (about 2 s on a busy CPU).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+
+# (group, [(subcommand, module, summary)]), in the order a user meets them.
+GROUPS = (
+    ("data", [
+        ("prepare", "lmscale_jax.cli.prepare",
+         "binary|text|cluster: a tokenised, sharded dataset from ELF files or text"),
+        ("inspect-data", "lmscale_jax.cli.inspect_data",
+         "a dataset's splits, shards and records (--verify: checksums)"),
+        ("stage", "lmscale_jax.cli.stage", "copy a dataset to node-local storage"),
+    ]),
+    ("training", [
+        ("gpu-check", "lmscale_jax.cli.gpu_check",
+         "what this machine's accelerators run, and how fast"),
+        ("max-batch", "lmscale_jax.cli.max_batch", "the largest batch that fits a device"),
+        ("train", "lmscale_jax.cli.train",
+         "pretrain (python -m lmscale_jax.main's arguments: --config FILE --workdir DIR …)"),
+        ("evaluate", "lmscale_jax.cli.evaluate", "a checkpoint's loss on a split"),
+        ("inspect", "lmscale_jax.cli.inspect_checkpoint", "a workdir's checkpoints and config"),
+    ]),
+    ("using the model", [
+        ("fill-mask", "lmscale_jax.cli.fill_mask", "the model's guesses for [MASK] tokens"),
+        ("embed", "lmscale_jax.cli.embed", "embeddings of functions or texts"),
+        ("export-hf", "lmscale_jax.cli.export_hf", "a checkpoint as a Hugging Face directory"),
+        ("import-hf", "lmscale_jax.cli.import_hf", "a Hugging Face BERT as a start model"),
+    ]),
+    ("similarity", [
+        ("similarity-sources", "lmscale_jax.cli.similarity_sources",
+         "fetch the benchmark's pinned source trees"),
+        ("similarity-build", "lmscale_jax.cli.similarity_build",
+         "compile sources into a similarity benchmark"),
+        ("similarity-leakage", "lmscale_jax.cli.similarity_leakage",
+         "overlap between a benchmark and a training set"),
+        ("finetune", "lmscale_jax.cli.finetune",
+         "contrastive fine-tuning for code similarity"),
+        ("eval-similarity", "lmscale_jax.cli.eval_similarity",
+         "retrieval quality of a model on a benchmark"),
+    ]),
+    ("scaling study", [
+        ("sweep", "lmscale_jax.cli.sweep", "run a grid of short training runs"),
+        ("report", "lmscale_jax.cli.report", "tables and plots of a sweep's results"),
+        ("scaling-model", "lmscale_jax.cli.scaling_model",
+         "throughput at scale from measured runs"),
+        ("storage-model", "lmscale_jax.cli.storage_model",
+         "the storage bandwidth a run needs"),
+    ]),
+    ("cluster", [
+        ("run-state", "lmscale_jax.cluster.run_state",
+         "where a run stands: running, finished, failed, preempted"),
+    ]),
+)
+MODULES = {name: module for _, commands in GROUPS for name, module, _ in commands}
+EXIT_USAGE = 1  # lmscale_jax.cli.args.EXIT_USAGE, without importing it (it imports numpy)
+
+
+def usage() -> str:
+  width = max(map(len, MODULES))
+  lines = ["usage: lmscale SUBCOMMAND [ARGS…]   (lmscale SUBCOMMAND --help: its arguments)"]
+  for group, commands in GROUPS:
+    lines += ["", f"{group}:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, _, summary in commands]
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] in ("-h", "--help", "help"):
+    print(usage())
+    return 0
+  if not argv:
+    print("error: a subcommand is required; lmscale --help lists them", file=sys.stderr)
+    return EXIT_USAGE
+  name, rest = argv[0], argv[1:]
+  if name not in MODULES:
+    near = difflib.get_close_matches(name, list(MODULES), n=1)
+    print(f"error: unknown subcommand {name!r}"
+          + (f" (did you mean {near[0]!r}?)" if near else "")
+          + "; lmscale --help lists them", file=sys.stderr)
+    return EXIT_USAGE
+  sys.argv[0] = f"lmscale {name}"  # argparse's prog for a module's own parser
+  code = importlib.import_module(MODULES[name]).main(rest)
+  return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
