@@ -196,7 +196,7 @@ def check_model_fits_dataset(model_config, meta) -> None:
     raise ConfigError(
         f"model.packed_attention='segment' needs a [CLS] before every packed function, and "
         f"{mpath} is format {meta.raw.get('format')!r} (one [CLS] per record): re-prepare the "
-        "dataset (tools/prepare_binary.py / prepare_text.py put a [CLS] before every function) "
+        "dataset (lmscale prepare binary / text put a [CLS] before every function) "
         "or set model.packed_attention=cross")
 
 

@@ -84,7 +84,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.checkpoint.on_full = "error"  # too little free space for a save: error (clean stop) | skip
 
   # A Hugging Face BertForMaskedLM directory to start pretraining from (its weights at step
-  # 0; config.model must have its shape: tools/import_hf.py writes such a config). "" = none.
+  # 0; config.model must have its shape: lmscale import-hf writes such a config). "" = none.
   c.init_from = ""
 
   c.metrics = ml_collections.ConfigDict()

@@ -1,6 +1,6 @@
 """The configuration of contrastive fine-tuning (lmscale_jax/finetune/trainer.py): an ml_collections
 config like ``configs/*.py``, so ``--config.section.key=value`` overrides it
-(tools/finetune_similarity.py), with the same ``train``, ``checkpoint`` and ``distributed``
+(lmscale finetune), with the same ``train``, ``checkpoint`` and ``distributed``
 sections as pretraining (its optimizer, checkpointing and multi-process start-up read them).
 """
 

@@ -49,8 +49,8 @@ def load(path: str, max_groups: int = 0, seed: int = 0) -> Pairs:
   random ``max_groups`` of them (drawn by ``default_rng([seed, 0])``, a stream no step uses,
   kept in file order): fewer labelled functions, for learning curves."""
   if not os.path.isfile(path):
-    raise PairsError(f"--pairs {path}: no such file (a file tools/build_similarity_bench.py "
-                     "wrote, e.g. from the training sources of tools/fetch_bench_sources.py)")
+    raise PairsError(f"--pairs {path}: no such file (a file lmscale similarity-build "
+                     "wrote, e.g. from the training sources of lmscale similarity-sources)")
   try:
     _, groups = function_groups.load(path)
   except function_groups.FunctionGroupsError as e:

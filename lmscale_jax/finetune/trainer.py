@@ -24,7 +24,7 @@ uninterrupted run's, bit for bit (batches and dropout keyed by (seed, step)).
 Data-parallel on the pretraining mesh (:mod:`lmscale_jax.train.sharding`): pair rows split over the
 ``data`` axis, parameters replicated; the similarity matrix spans the global batch (XLA
 gathers the embeddings). Several processes start like ``python -m lmscale_jax.main``
-(``distributed.initialize(config)``; tools/finetune_similarity.py).
+(``distributed.initialize(config)``; lmscale finetune).
 """
 
 from __future__ import annotations

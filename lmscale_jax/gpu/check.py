@@ -1,4 +1,4 @@
-"""The GPU self-check behind ``tools/gpu_check.py``: is this install right, and is it fast?
+"""The GPU self-check behind ``lmscale gpu-check``: is this install right, and is it fast?
 
 What it reports (:func:`run` → one JSON-able dict; every value that could not be had is
 ``None`` with its reason under ``reasons``):
@@ -187,7 +187,7 @@ def measure_step(config, meta, per_device_batch: int, n: int) -> dict:
   except Exception as e:
     oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
     why = (f"out of memory at {per_device_batch} sequences per device (try --batch, "
-           "train.remat=dots or train.grad_accum_steps; tools/max_batch.py)" if oom else "")
+           "train.remat=dots or train.grad_accum_steps; lmscale max-batch)" if oom else "")
     return {**row, "ok": False, "error": why or gpu_env.one_line(e)}
   kind = jax.devices()[0].device_kind
   peak = flops_lib.device_peak_flops(kind, float(c.metrics.peak_tflops), dtype=s.model_cfg.dtype)

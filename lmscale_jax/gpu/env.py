@@ -100,7 +100,7 @@ def _cpu_only_jax() -> str | None:
   if cuda_versions is not None or _package(CUDA_PLUGINS)[0] is not None:
     return None
   return (f"this Python ({sys.prefix}) has CPU-only jax: install the CUDA one with "
-          "bash tools/setup.sh --cuda, then run .venv-cuda/bin/python tools/gpu_check.py")
+          "bash tools/setup.sh --cuda, then run .venv-cuda/bin/lmscale gpu-check")
 
 
 def gpu_devices() -> tuple[list, str | None]:

@@ -337,7 +337,7 @@ def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
   model_config = hf_model_config(hf_dir)
   path = tokenizer_path or os.path.join(hf_dir, dataset.TOKENIZER)
   if not os.path.exists(path):
-    raise UserError(f"{hf_dir} has no {dataset.TOKENIZER} (export with tools/export_hf.py, "
+    raise UserError(f"{hf_dir} has no {dataset.TOKENIZER} (export with lmscale export-hf, "
                     "or save the tokenizer with save_pretrained)")
   tok = toklib.with_hf_roles(toklib.load(regular_file(path, "a tokenizer.json file")))
   cfg = resolve(model_config, model_config, toklib.validate(tok, path), where=hf_dir)
@@ -456,5 +456,5 @@ def embeddings(model: TrainedModel, ids: np.ndarray) -> np.ndarray:
   normalisation: lmscale_jax/model/contrastive.py), float32 [B,D]."""
   if model.head is None:
     raise UserError(f"{model.source} has no projection head: not a fine-tuned model "
-                    "(tools/finetune_similarity.py makes one)")
+                    "(lmscale finetune makes one)")
   return contrastive.embed(model.cfg, model.params, model.head, ids)

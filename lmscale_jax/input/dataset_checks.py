@@ -32,11 +32,11 @@ def check_dataset_dir(path: str, *, plan: str = "interleaved", num_processes: in
   if status == "failed":
     raise staging.StagingError(
         f"{path}: staging from {state.get('source')} failed: {state.get('error')}; rerun "
-        "tools/stage.py (it recopies what is bad)")
+        "lmscale stage (it recopies what is bad)")
   if status != "complete":
     raise staging.StagingError(
         f"{path}: staging from {state.get('source')} did not finish (status {status!r}, host "
-        f"{state.get('host')}): interrupted? rerun tools/stage.py to complete it")
+        f"{state.get('host')}): interrupted? rerun lmscale stage to complete it")
   meta = dataset.DatasetMeta.load(path)
   needed = staging.needed_shards(meta, num_processes, [process_id], plan)
   missing = []
@@ -51,7 +51,7 @@ def check_dataset_dir(path: str, *, plan: str = "interleaved", num_processes: in
            f"{staged['process_ids']} of {staged['num_processes']})" if staged else "")
     if plan == "by_shard":
       fix = (f"with data.shard_by_process=True process {process_id} of {num_processes} reads "
-             f"shards {process_id}::{num_processes} of every split: stage them (tools/stage.py "
+             f"shards {process_id}::{num_processes} of every split: stage them (lmscale stage "
              f"--only-needed --plan by_shard --num-processes {num_processes} --process-ids "
              "<this node's ids>) or the whole dataset")
     else:
@@ -87,7 +87,7 @@ def verify_shards(meta: dataset.DatasetMeta, *, splits: Sequence[str] = ("train"
     more = f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""
     raise staging.StagingError(
         f"data verification failed: {problems[0]}{more}: the shard is corrupt; restore it "
-        "(rerun tools/stage.py, or re-prepare the dataset)")
+        "(rerun lmscale stage, or re-prepare the dataset)")
   total = sum(int(s["bytes"]) for s in shards)
   rate = total / max(secs, 1e-9) / 1e6
   log(f"verified {len(shards)} shards of {path} ({', '.join(splits)}): "

@@ -23,7 +23,7 @@ least ``pc`` shards. The trade-off: *interleaved* (the default) makes the global
 sequence identical for any process count (the loss trajectory of 1 and 64 processes is the
 same), but every process reads every shard, so every node needs the whole dataset on local
 disk; *by-shard* lets a node stage only its processes' ``1/pc`` of the shards
-(``tools/stage.py --only-needed --plan by_shard``, ``staging.needed_shards``, which asks
+(``lmscale stage --only-needed --plan by_shard``, ``staging.needed_shards``, which asks
 :func:`process_shards`), but which records form a batch depends on the process count (and on
 uneven shard sizes, epochs of different lengths per process), so runs with different process
 counts see different batches, and a checkpoint resumes only with the same process count (as
@@ -119,7 +119,7 @@ def process_shards(meta: dataset.DatasetMeta, split: str, process_index: int,
   ``process_count`` reads; None for all of them (interleaved mode). By-shard mode
   (``data.shard_by_process``): shards ``process_index::process_count``, which needs at least
   one shard per process. The one owner of that rule: ``staging.needed_shards`` (what
-  ``tools/stage.py --only-needed`` copies) asks it too."""
+  ``lmscale stage --only-needed`` copies) asks it too."""
   if not by_shard:
     return None
   n_shards = len(meta.shard_paths(split))  # raises DatasetError for a split with zero shards

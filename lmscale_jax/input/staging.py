@@ -178,7 +178,7 @@ def _metadata_bytes(src: str, meta: dataset.DatasetMeta) -> bytes:
     data = f.read()
   if json.loads(data) != meta.raw:
     raise StagingError(f"the source dataset {src} changed while staging read its "
-                       f"{dataset.METADATA}; rerun tools/stage.py")
+                       f"{dataset.METADATA}; rerun lmscale stage")
   return data
 
 
@@ -278,7 +278,7 @@ def _check_source_unchanged(src: str, source_metadata: bytes) -> None:
     raise StagingError(
         f"the source dataset {src} changed while it was being staged ({dataset.METADATA} "
         "differs from the one staging started with: re-prepared or replaced?); nothing "
-        "half-copied is kept as complete: rerun tools/stage.py to stage the new version")
+        "half-copied is kept as complete: rerun lmscale stage to stage the new version")
 
 
 def _copy_verified(src: str, dest: str, spec: FileSpec, progress: file_copy.Progress,

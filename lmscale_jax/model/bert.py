@@ -102,7 +102,7 @@ def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: dataset.Dat
 
 def attention_impl(cfg: ml_collections.ConfigDict, deterministic: bool) -> str:
   """The attention path the model takes on this process's backend: xla | cudnn | pallas |
-  explicit. "auto" never picks "pallas" (opt-in until tools/gpu_check.py has measured it)."""
+  explicit. "auto" never picks "pallas" (opt-in until lmscale gpu-check has measured it)."""
   if cfg.attention_dropout > 0 and not deterministic:
     return "explicit"
   if cfg.attention_impl != "auto":
@@ -142,7 +142,7 @@ def segment_mask(seg):
 
   A token attends to the tokens of its own segment; [PAD] (segment 0) attends only to [PAD],
   so no query row is fully masked. The dense mask the "xla" and "cudnn" segment paths take
-  (and what tools/gpu_check.py compares the kernels with).
+  (and what lmscale gpu-check compares the kernels with).
   """
   return (seg[:, :, None] == seg[:, None, :])[:, None]
 

@@ -132,7 +132,7 @@ def load_head(directory: str, hidden: int) -> dict | None:
     tensors = load_file(path)
   except (OSError, ValueError) as e:
     raise UserError(f"{directory}: unreadable projection head ({HEAD_WEIGHTS} + {HEAD_CONFIG}:"
-                    f" {e}); export it again with tools/export_hf.py") from None
+                    f" {e}); export it again with lmscale export-hf") from None
   weight = tensors.get("weight")
   if (meta.get("format") != HEAD_FORMAT or meta.get("pool") not in POOLS or weight is None
       or weight.ndim != 2 or weight.shape[1] != hidden or "bias" not in tensors

@@ -77,7 +77,7 @@ def memory_estimate_bytes(cfg: ml_collections.ConfigDict, per_device_batch: int,
   """Rough peak device memory of one training step, in bytes.
 
   Assumptions (an estimate to choose batch size / levers with, not a guarantee; for the
-  compiler's own number see tools/max_batch.py):
+  compiler's own number see lmscale max-batch):
     * state = 16 B/param: float32 params, float32 grads, Adam's two float32 moments; plus
       2 B/param for the bfloat16 copies of the weights when compute is bfloat16;
     * ``fsdp_devices`` > 1 (train.fsdp): params, moments and reduced grads are split over

@@ -5,7 +5,7 @@ parameter tree of ``model.BertForMLM`` onto ``BertForMaskedLM.state_dict()`` nam
 layouts (a Linear weight is our Dense kernel transposed; the decoder is tied to the word
 embeddings, as in BERT). :func:`hf_config` gives every ``BertConfig`` field that changes the
 computation, from the resolved model config (so from a run's own ``config.json``: no dataset).
-:func:`model_keys` is the inverse (``--config.init_from``, tools/import_hf.py).
+:func:`model_keys` is the inverse (``--config.init_from``, lmscale import-hf).
 
 Files, read and written with ``safetensors`` (no torch needed here): an HF model directory is
 ``config.json`` + ``model.safetensors`` (+ the tokenizer files, lmscale_jax/store/tokenizer.py).
@@ -192,7 +192,7 @@ def read_config(hf_dir: str) -> dict:
   path = os.path.join(hf_dir, CONFIG)
   if not os.path.isdir(hf_dir):
     raise HFError(f"{hf_dir}: not a directory (expected a Hugging Face model directory with "
-                  f"{CONFIG} and {WEIGHTS}, e.g. one tools/export_hf.py wrote)")
+                  f"{CONFIG} and {WEIGHTS}, e.g. one lmscale export-hf wrote)")
   kind = file_io.not_regular(path)
   if kind:  # a FIFO would block the read forever
     raise HFError(f"{path} is {kind}: expected the model's {CONFIG} file")
@@ -237,7 +237,7 @@ def check_matches_model_config(hf_dir: str, model_config) -> None:
     if ours != value:
       raise HFError(
           f"init_from={hf_dir}: its {CONFIG} has {MODEL_KEYS.get(key, key)}={value!r} but "
-          f"model.{key}={ours!r}; set --config.model.{key}={value} (tools/import_hf.py writes "
+          f"model.{key}={ours!r}; set --config.model.{key}={value} (lmscale import-hf writes "
           "a config with every such key)")
 
 

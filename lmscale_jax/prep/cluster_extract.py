@@ -101,7 +101,7 @@ def _plan(o: PrepareOptions, slices: int, buckets: int) -> dict:
 def load_plan(output: str) -> tuple[dict, PrepareOptions]:
   path = work_path(work_dir(output), PLAN)
   if not os.path.exists(path):
-    raise PrepareError(f"{path}: no plan; run the plan stage first (tools/prepare_cluster.py "
+    raise PrepareError(f"{path}: no plan; run the plan stage first (lmscale prepare cluster "
                        f"plan --input … --output {output})")
   p = read_json(path)
   return p, PrepareOptions(**p["options"])

@@ -1,4 +1,4 @@
-"""Data preparation as stages of Slurm job arrays (``tools/prepare_cluster.py``,
+"""Data preparation as stages of Slurm job arrays (``lmscale prepare cluster``,
 ``launch/prepare.sbatch``): the same output, byte for byte, as ``prepare.prepare`` on one node.
 
   plan     one task: checks, lists the inputs, fixes the extraction tasks and their slices

@@ -1,4 +1,4 @@
-"""The options of a data preparation (``tools/prepare_binary.py``, ``prepare_text.py``) and
+"""The options of a data preparation (``lmscale prepare binary``, ``lmscale prepare text``) and
 their ranges: what ``tools/_cli.py`` parses and :func:`check_options` checks, for the CLI and
 for library callers alike."""
 

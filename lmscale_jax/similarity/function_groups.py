@@ -13,7 +13,7 @@ A function-groups file (the ``--bench``/``--pairs`` files; JSON lines, written a
   contrastive training) and ``groups_at_O0_and_O3`` per compiler (pool N needs N). A build of
   spec files (:func:`build_specs`; a named set, :func:`build_set`, adds ``"set"``) adds
   ``"specs"`` and ``"libraries"`` (each with its directories, flags and how many files it
-  compiled, excluded and left include-only); tools/build_similarity_bench.py adds
+  compiled, excluded and left include-only); lmscale similarity-build adds
   ``"leakage"`` and ``"duplicates_dropped"`` where it removed groups
   (:mod:`lmscale_jax.similarity.leakage`), and a merge (:mod:`lmscale_jax.similarity.merge`)
   ``"merged"``;
@@ -256,7 +256,7 @@ def library_root(lib: spec.Library, where: str, fetch_with: str) -> str:
     return root
   if lib.package:
     raise FunctionGroupsError(f"{root}: no such directory ({lib.name}: fetch it first: python "
-                     f"tools/fetch_bench_sources.py {fetch_with} --output {where})")
+                     f"lmscale similarity-sources {fetch_with} --output {where})")
   raise FunctionGroupsError(f"{root}: no such directory ({lib.where()}: key 'root': unpack its "
                    "sources there, e.g. with apt-get source, or fix root or --from)")
 
@@ -385,7 +385,7 @@ def write(path: str, header: dict, groups: list[dict]) -> None:
 def load(path: str) -> tuple[dict, list[dict]]:
   if not os.path.isfile(path):
     raise FunctionGroupsError(f"--bench {path}: no such file (build one with "
-                     "tools/build_similarity_bench.py)")
+                     "lmscale similarity-build)")
   with open(path, encoding="utf-8") as f:
     lines = f.read().splitlines()
   try:

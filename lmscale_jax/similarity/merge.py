@@ -1,5 +1,5 @@
 """Several benchmark files (:mod:`lmscale_jax.similarity.function_groups`'s format) as one: one library
-per build, merged (``tools/build_similarity_bench.py --merge A.jsonl B.jsonl --output C``).
+per build, merged (``lmscale similarity-build --merge A.jsonl B.jsonl --output C``).
 
 * A group is its source file + function name, the source file named with its library's
   directory (``zlib-1.2.13/adler32.c``), so two libraries' ``util.c:init`` are two groups.

@@ -9,7 +9,7 @@ file at a time. Three named sets, disjoint by library:
 * ``train`` (``specs/train.toml``): contrastive fine-tuning pairs (the same source function
   compiled two ways); why these libraries, and not others, is said in the file.
 
-Fetched by tools/fetch_bench_sources.py, built by tools/build_similarity_bench.py --set.
+Fetched by lmscale similarity-sources, built by lmscale similarity-build --set.
 """
 
 from __future__ import annotations

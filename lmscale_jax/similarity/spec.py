@@ -1,5 +1,5 @@
 """A library set as a small TOML file: which C libraries a similarity benchmark is built from,
-and how each builds one ``.c`` file at a time (``tools/build_similarity_bench.py --spec FILE``).
+and how each builds one ``.c`` file at a time (``lmscale similarity-build --spec FILE``).
 The pinned sets ``eval`` and ``train`` are such files, shipped in ``specs/``.
 
 One ``[[library]]`` table per library; paths are relative to its ``root``, which is relative to

@@ -208,11 +208,11 @@ class DatasetMeta:
   def load(cls, path: str) -> "DatasetMeta":
     if os.path.exists(path) and not os.path.isdir(path):
       raise DatasetError(f"data.path {path!r} is a file; expected a dataset directory (the one "
-                         "holding metadata.json and the shards, made by tools/prepare_binary.py "
-                         "or tools/prepare_text.py)")
+                         "holding metadata.json and the shards, made by lmscale prepare binary "
+                         "or lmscale prepare text)")
     if not os.path.isdir(path):
       raise DatasetError(f"dataset directory {path!r} does not exist (prepare one with "
-                         "tools/prepare_binary.py or tools/prepare_text.py)")
+                         "lmscale prepare binary or lmscale prepare text)")
     mpath = os.path.join(path, METADATA)
     if not os.path.exists(mpath):
       raise DatasetError(f"{mpath}: missing; {path!r} is not a complete lmscale_jax dataset "
@@ -228,8 +228,8 @@ class DatasetMeta:
       raise DatasetError(f"{mpath}: a JSON {type(raw).__name__}, expected an object")
     if raw.get("format") not in (FORMAT, FORMAT_1):
       raise DatasetError(f"{mpath}: format {raw.get('format')!r}, expected {FORMAT!r} (or "
-                         f"{FORMAT_1!r}); re-prepare it with tools/prepare_binary.py or "
-                         "tools/prepare_text.py")
+                         f"{FORMAT_1!r}); re-prepare it with lmscale prepare binary or "
+                         "lmscale prepare text")
     for key in ("name", "seq_len", "vocab_size", "special_ids", "splits", "dtype"):
       if key not in raw:
         raise DatasetError(f"{mpath}: missing key {key!r}")

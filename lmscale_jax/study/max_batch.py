@@ -1,5 +1,5 @@
 """The largest per-device batch whose training step fits a device-memory budget, per memory
-lever (tools/max_batch.py): peak memory from the compiler, nothing run.
+lever (lmscale max-batch): peak memory from the compiler, nothing run.
 
 The jitted training step is lowered with abstract (shape-only) state and batch and compiled;
 ``compiled.memory_analysis()`` gives the peak (``flops.peak_bytes``). The step's memory is
@@ -43,7 +43,7 @@ class MaxBatchError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class MaxBatchOptions:
-  """tools/max_batch.py's flags, as its parser leaves them (its destinations' names)."""
+  """lmscale max-batch's flags, as its parser leaves them (its destinations' names)."""
   config: str | None
   sets: list            # KEY=VALUE overrides
   name: str | None

@@ -1,6 +1,6 @@
-"""The tables and plots of tools/report.py: tools/sweep.py's results (one JSON row per sweep
+"""The tables and plots of lmscale report: lmscale sweep's results (one JSON row per sweep
 point; only the latest row of each point counts) as markdown tables and small PNGs (600×400),
-and the storage model's rows (tools/storage_model.py --json) as staged vs shared storage.
+and the storage model's rows (lmscale storage-model --json) as staged vs shared storage.
 
 matplotlib is imported only when a plot is drawn (Agg: files, no display).
 """
@@ -264,7 +264,7 @@ MODE_KEYS = ("mode", "storage", "reads", "source", "scheme")
 
 
 def read_storage(path: str) -> list[dict]:
-  """Rows with "nodes" from a storage-model file: tools/storage_model.py --json (one JSON
+  """Rows with "nodes" from a storage-model file: lmscale storage-model --json (one JSON
   document whose "rows" are per node count), or JSON lines of such documents or of rows."""
   if not os.path.isfile(path):
     raise ReportError(f"--storage {path}: no such file")
@@ -319,7 +319,7 @@ def storage_series(rows: list[dict]) -> dict:
 
 def plot_storage(paths: list[str], out_dir: str) -> tuple[str, str]:
   if not paths:
-    return ("storage.png: skipped (no storage-model rows: give tools/storage_model.py --json "
+    return ("storage.png: skipped (no storage-model rows: give lmscale storage-model --json "
             f"output with --storage, or write {STORAGE_GLOB})", "")
   found = storage_series([r for p in paths for r in read_storage(p)])
   if not found:
@@ -349,13 +349,13 @@ def plot_storage(paths: list[str], out_dir: str) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------- the report
 def sweep_rows(paths: list[str]) -> list[dict]:
-  """The latest row of each point over ``paths``; a file that is not tools/sweep.py's results
+  """The latest row of each point over ``paths``; a file that is not lmscale sweep's results
   (no 'key'/'status') is refused, naming where storage-model rows go instead."""
   rows = []
   for path in paths:
     for r in read_jsonl(path):
       if "key" not in r or "status" not in r:
-        raise ReportError(f"{path}: rows without 'key'/'status': not a tools/sweep.py results "
+        raise ReportError(f"{path}: rows without 'key'/'status': not a lmscale sweep results "
                           "file (storage-model rows go in --storage)")
       rows.append(r)
   return latest(rows)

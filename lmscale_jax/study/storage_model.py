@@ -21,7 +21,7 @@ Grain worker process is a loader of its own.
   the opens take ``opens/M`` seconds at start-up; the reads also cross each node's network
   link (``per-node bytes demand / link``), which on converged Ethernet carries the gradients;
 * staging: every node copies the dataset once, sequentially, all nodes at once:
-  ``dataset / min(stage speed, link, B/N)`` seconds (stage speed: ``tools/stage.py``
+  ``dataset / min(stage speed, link, B/N)`` seconds (stage speed: ``lmscale stage``
   measured, its verified copy), then reads only its local disk; it pays for itself after
   ``staging time / (shared step − local step)`` steps when shared storage slows the steps.
 
@@ -163,19 +163,19 @@ def compare(nodes, gpus_per_node: int, demand: Demand, storage: Storage, *, link
 
 
 def load_measurement(path: str) -> dict:
-  """The last ``loader-io`` row of a results file written by ``tools/storage_model.py``."""
+  """The last ``loader-io`` row of a results file written by ``lmscale storage-model``."""
   try:
     with open(path) as f:
       rows = [json.loads(line) for line in f if line.strip()]
   except OSError as e:
     raise StorageModelError(f"--io-file {path}: cannot read it ({e.strerror}); run "
-                            "tools/storage_model.py --measure DATASET first") from None
+                            "lmscale storage-model --measure DATASET first") from None
   except ValueError:
     raise StorageModelError(f"--io-file {path}: not JSON lines") from None
   rows = [r for r in rows if r.get("bench") == "loader-io"]
   if not rows:
     raise StorageModelError(f"--io-file {path}: no loader-io row (expected the output of "
-                            "tools/storage_model.py --measure)")
+                            "lmscale storage-model --measure)")
   return rows[-1]
 
 

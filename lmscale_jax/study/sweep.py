@@ -1,4 +1,4 @@
-"""Running tools/sweep.py's grid: each point's launch command (launch/local.sh, or
+"""Running lmscale sweep's grid: each point's launch command (launch/local.sh, or
 ``sbatch --wait launch/slurm.sbatch``), the compiled peak memory of each distinct training step
 (compiled in a fresh process per device count, nothing run), one bounded run per point in its
 own run directory, and its row in the resumable results file.
@@ -33,7 +33,7 @@ MARKER = "sweep_point.json"  # written in every run directory this module makes 
 
 @dataclasses.dataclass(frozen=True)
 class SweepOptions:
-  """tools/sweep.py's flags, as its parser leaves them (one value each where it takes one;
+  """lmscale sweep's flags, as its parser leaves them (one value each where it takes one;
   configs relative to :data:`ROOT`, the dataset absolute, ``sets`` as (key, value) pairs)."""
   data: str
   output: str
@@ -189,7 +189,7 @@ def probe_devices(o: SweepOptions, plan: Plan, n: int, specs: dict, scratch: str
 def run_point(o: SweepOptions, plan: Plan, pt: Point, workdir: str) -> dict:
   if os.path.exists(workdir):  # an interrupted attempt: start afresh, not from its checkpoint
     if not os.path.exists(os.path.join(workdir, MARKER)):
-      raise SweepError(f"{workdir} exists but was not made by tools/sweep.py: remove it or "
+      raise SweepError(f"{workdir} exists but was not made by lmscale sweep: remove it or "
                        "give another --runs")
     shutil.rmtree(workdir)
   os.makedirs(workdir)

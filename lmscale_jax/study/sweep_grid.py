@@ -1,4 +1,4 @@
-"""The grid of tools/sweep.py: its points, each point's config overrides and identity, what a
+"""The grid of lmscale sweep: its points, each point's config overrides and identity, what a
 finished run measured (from its metrics.jsonl), why a failed one failed, and the results file.
 
 No JAX here: the sweep process only plans, launches and reads; compilation happens in the
@@ -201,10 +201,10 @@ def read_rows(path: str) -> list[dict]:
       try:
         rows.append(json.loads(line))
       except ValueError:
-        raise SweepError(f"{path}:{n}: not a JSON line (a tools/sweep.py results file "
+        raise SweepError(f"{path}:{n}: not a JSON line (a lmscale sweep results file "
                          "expected)") from None
       if not isinstance(rows[-1], dict) or "key" not in rows[-1]:
-        raise SweepError(f"{path}:{n}: a row without 'key': not a tools/sweep.py results file")
+        raise SweepError(f"{path}:{n}: a row without 'key': not a lmscale sweep results file")
   return rows
 
 

@@ -194,7 +194,7 @@ def choose_resume_step(workdir: str) -> ResumeChoice:
                     for step, problems in failed)
     raise CheckpointCorrupt(
         f"no checkpoint in {checkpoints_dir(workdir)} verifies, nothing was trained: {why}. "
-        f"Restore the files from a copy (tools/inspect_checkpoint.py {workdir} --verify "
+        f"Restore the files from a copy (lmscale inspect {workdir} --verify "
         "checks them), or move the checkpoints directory away to start afresh")
   return ResumeChoice(workdir, None, [])
 

@@ -156,7 +156,7 @@ def _commit_problems(step_dir: str) -> list[str]:
 def verify(step_dir: str, process: int | None = None, count: int | None = None) -> list[str]:
   """Problems of the checkpoint in ``step_dir`` (empty: it verifies). ``process``/``count``:
   only that process's part (what each process of a job checks on resume), plus the presence
-  of every other part's manifest; None: every part (tools/inspect_checkpoint.py).
+  of every other part's manifest; None: every part (lmscale inspect).
 
   A checkpoint saved before manifests existed (its step metadata lacks :data:`METADATA_KEY`
   and it has no manifest) verifies with nothing to check; see :func:`expects_manifest`."""

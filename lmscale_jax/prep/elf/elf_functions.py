@@ -1,5 +1,5 @@
-"""Named functions of one ELF file as pretoken text: the input of tools/fill_mask.py and
-tools/embed.py (which need each function's name; preparation, elf_corpus.iter_functions,
+"""Named functions of one ELF file as pretoken text: the input of lmscale fill-mask and
+lmscale embed (which need each function's name; preparation, elf_corpus.iter_functions,
 keeps only the text and a digest).
 
 The same symbols (elf_corpus.function_symbols: sized STT_FUNC, first name per address,
