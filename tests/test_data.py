@@ -396,7 +396,7 @@ def test_process_shards_is_the_read_plan(sharded_dir):
 
 def test_by_shard_needs_a_shard_per_process(dataset_dir):
   cfg = config(dataset_dir, shard_by_process=True)  # 2 shards per split
-  # The message is data.process_shards', shared with tools/stage.py --only-needed.
+  # The message is data.process_shards', shared with lmscale stage --only-needed.
   with pytest.raises(dataset.DatasetError,
                      match=r"split 'validation' has 2 shards for 4 processes: a by-shard split "
                            r"\(data.shard_by_process=True\)"):

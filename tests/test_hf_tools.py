@@ -1,13 +1,12 @@
-"""Using a trained model: tools/export_hf.py, import_hf.py (+ init_from), evaluate.py,
-fill_mask.py and embed.py on a real prepared dataset and a real (short) training run."""
+"""Using a trained model: lmscale export-hf, import-hf (+ init_from), evaluate, fill-mask and
+embed on a real prepared dataset and a real (short) training run."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import shutil
-import sys
 
 import jax
 import numpy as np
@@ -20,20 +19,15 @@ from lmscale_jax.store import dataset
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import trainer as train
 from tests.hf_helpers import hf_side
-from tests.helpers import ROOT, small_train_config
+from tests.helpers import CLI_MODULES, small_train_config
 
 ELF = "/usr/lib/x86_64-linux-gnu/libz.so.1"
 INPUTS = [ELF, "/usr/lib/x86_64-linux-gnu/libbz2.so.1.0"]
 
 
 def tool(name: str):
-  """tools/<name>.py as a module (run in-process: the tools import their _cli beside them)."""
-  if os.path.join(ROOT, "tools") not in sys.path:
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """The lmscale subcommand's module that tools/<name>.py is kept for (run in-process)."""
+  return importlib.import_module(f"lmscale_jax.cli.{CLI_MODULES.get(name, name)}")
 
 
 def run_tool(name, argv, capsys):

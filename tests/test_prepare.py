@@ -19,6 +19,7 @@ from lmscale_jax.prep import prepare, shard_writer, tokenize_pack
 from lmscale_jax.prep.elf import elf_corpus
 from lmscale_jax.prep.elf.pretokenize import Pretokenizer, normalize_number
 from lmscale_jax.store import dataset, records
+from tests.helpers import lmscale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 128
@@ -293,8 +294,8 @@ def test_a_bad_compression_is_one_line(tmp_path):
 
 
 def _cli(tool, *args, **kw):
-  return subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *map(str, args)],
-                        capture_output=True, text=True, timeout=300, **kw)
+  return subprocess.run([*lmscale(tool), *map(str, args)], capture_output=True, text=True,
+                        timeout=300, **kw)
 
 
 @pytest.mark.parametrize("wait_for", ["corpus-00001.json", "shards/train-00001.json"])
@@ -307,8 +308,8 @@ def test_kill_and_rerun_completes_identically(built, tmp_path, wait_for):
   # (with 3, a loaded 2-core CI runner's kill after the second landed in finalize)
   ref = tmp_path / "ref"
   assert _cli("prepare_binary.py", *[ref if a == out else a for a in args]).returncode == 0
-  proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "prepare_binary.py"),
-                           *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  proc = subprocess.Popen([*lmscale("prepare_binary"), *map(str, args)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 120
   while not (out / prepare.WORK / wait_for).exists():
     assert proc.poll() is None, proc.stderr.read()

@@ -16,6 +16,7 @@ import pytest
 from lmscale_jax.prep import cluster_extract, cluster_stages, packing, prepare
 from lmscale_jax.store import dataset
 from tests.test_bad_input_prepare import cli, one_line
+from tests.helpers import lmscale
 from tests.test_prepare import opts, small_elves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,7 +139,7 @@ def test_a_rerun_redoes_only_the_units_without_a_marker(tmp_path, single_node):
   """Slice 0 extracted by an earlier array task, and a stage run too early: the first says
   which input is missing in one line; the chain's rerun keeps slice 0 and ends identical."""
   out = tmp_path / "rerun"
-  tool = [sys.executable, os.path.join(ROOT, "tools", "prepare_cluster.py")]
+  tool = lmscale("prepare_cluster")
   env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
   run = lambda *a: subprocess.run([*tool, *map(str, a)], env=env, capture_output=True,  # noqa: E731
                                   text=True, timeout=300)

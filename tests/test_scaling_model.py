@@ -1,6 +1,6 @@
-"""The cluster model (lmscale_jax/study/cluster_model.py, tools/scaling_model.py), its calibration
+"""The cluster model (lmscale_jax/study/cluster_model.py, lmscale scaling-model), its calibration
 from a real 2-process all-reduce (benchmarks/bench_allreduce.py), and the storage model's
-measurement of the real loader (lmscale_jax/study/storage_model.py, tools/storage_model.py).
+measurement of the real loader (lmscale_jax/study/storage_model.py, lmscale storage-model).
 
 No timings are asserted (speed lives in benchmarks/): the formulas against the issue's worked
 example and against each other, the fit against points it must reproduce, the tools' outputs
@@ -18,15 +18,15 @@ import pytest
 
 from lmscale_jax.study import cluster_model as cm
 from lmscale_jax.study import storage_model as sm
-from tests.helpers import ROOT, make_config, make_synthetic_dataset
+from tests.helpers import ROOT, lmscale, make_config, make_synthetic_dataset
 
-TOOL = os.path.join(ROOT, "tools", "scaling_model.py")
-STORAGE_TOOL = os.path.join(ROOT, "tools", "storage_model.py")
+TOOL = lmscale("scaling_model")
+STORAGE_TOOL = lmscale("storage_model")
 BERT_BASE = 102_949_632  # the H200 anchor's BERT-base (../shared/bench/h200-anchor-*.jsonl)
 
 
 def tool(*args, script=TOOL, timeout=120):
-  return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True,
+  return subprocess.run([*script, *args], cwd=ROOT, capture_output=True,
                         text=True, timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 

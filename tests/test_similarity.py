@@ -1,6 +1,6 @@
 """The binary-code similarity benchmark end to end: real C sources (tests/data/similarity, four
 files of small routines written for this test) compiled by the machine's gcc at -O0 and -O3,
-functions extracted as preparation extracts them, then tools/eval_similarity.py on a real
+functions extracted as preparation extracts them, then lmscale eval-similarity on a real
 Hugging Face directory (random weights, a tokenizer trained on the functions) and TF-IDF.
 """
 
@@ -11,20 +11,20 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from lmscale_jax.similarity import function_groups
-from tests.helpers import ROOT, make_config
+from tests.helpers import ROOT, lmscale, make_config
 
 SOURCES = os.path.join(ROOT, "tests", "data", "similarity")
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 
 def tool(name, *args, timeout=120):
+  """The lmscale subcommand ``name`` (its old tools/ name) as a user runs it."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *map(str, args)],
+  return subprocess.run([*lmscale(name), *map(str, args)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                         stdin=subprocess.DEVNULL)
 

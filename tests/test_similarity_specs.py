@@ -1,6 +1,6 @@
 """Spec files, merges and progress of the similarity benchmark's builder, as a user runs them:
 tiny C libraries written here, compiled by the machine's gcc (real objects, real functions),
-tools/build_similarity_bench.py and tools/fetch_bench_sources.py as subprocesses.
+lmscale similarity-build and lmscale similarity-sources as subprocesses.
 
 The libraries guard what the spec must do with ``#error``: a file that is only ever
 ``#include``d fails when compiled on its own, an excluded file fails anywhere, a source fails

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections import namedtuple
 
@@ -17,7 +16,7 @@ import pytest
 from lmscale_jax.input import dataset_checks as data_checks
 from lmscale_jax.input import staging
 from lmscale_jax.store import dataset, file_io
-from tests.helpers import make_config, make_synthetic_dataset
+from tests.helpers import lmscale, make_config, make_synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,7 +99,7 @@ def test_partial_copy_after_a_crash_is_recovered(src, tmp_path):
   os.unlink(os.path.join(dest, dataset.METADATA))
   file_io.atomic_write_json(os.path.join(dest, staging.STAGE_FILE),
                        {"status": "copying", "source": src, "host": "h"})
-  with pytest.raises(staging.StagingError, match="did not finish .*rerun tools/stage.py"):
+  with pytest.raises(staging.StagingError, match="did not finish .*rerun lmscale stage"):
     data_checks.check_dataset_dir(dest)
   out = stage(src, dest)
   assert out["copied"] == 2  # the truncated shard and the missing one
@@ -148,7 +147,7 @@ def by_shard_config(path):
 
 
 def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
-  """tools/stage.py --only-needed --plan by_shard copies exactly the shard files that by-shard
+  """lmscale stage --only-needed --plan by_shard copies exactly the shard files that by-shard
   loaders (data.shard_by_process) of the listed processes read; training accepts the copy
   for those processes, refuses it for the others, and the loaders run from it."""
   from lmscale_jax.input import loader as data_lib
@@ -162,9 +161,8 @@ def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
   read = sorted(os.path.basename(p) for loader in loaders for p in loader.records.paths)
   assert len(read) == len(set(read)) < len(shard_files(src))
   dest = tmp_path / "node"
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "stage.py"), src, str(dest),
-                      "--only-needed", "--plan", "by_shard", "--num-processes",
-                      str(num_processes),
+  r = subprocess.run([*lmscale("stage"), src, str(dest), "--only-needed", "--plan", "by_shard",
+                      "--num-processes", str(num_processes),
                       "--process-ids", ",".join(map(str, ids)), "--no-progress"],
                      capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
@@ -257,8 +255,7 @@ def test_read_only_destination(src, tmp_path):
 
 def test_cli(src, tmp_path):
   dest = tmp_path / "cli"
-  cmd = [sys.executable, os.path.join(ROOT, "tools", "stage.py"), src, str(dest), "--workers",
-         "2"]
+  cmd = [*lmscale("stage"), src, str(dest), "--workers", "2"]
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
   summary = json.loads(r.stdout)
@@ -268,9 +265,8 @@ def test_cli(src, tmp_path):
   r = subprocess.run(cmd + ["--no-progress"], capture_output=True, text=True, timeout=120)
   assert r.returncode == 0 and json.loads(r.stdout)["copied"] == 0
   assert "nothing to copy" in r.stderr
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "stage.py"),
-                      str(tmp_path / "nope"), str(dest)], capture_output=True, text=True,
-                     timeout=120)
+  r = subprocess.run([*lmscale("stage"), str(tmp_path / "nope"), str(dest)],
+                     capture_output=True, text=True, timeout=120)
   assert r.returncode == 1 and r.stderr.startswith("error: staging source")
 
 
@@ -303,7 +299,7 @@ def test_source_replaced_while_staging_is_named_and_never_committed(src, tmp_pat
 
     monkeypatch.setattr(staging, "_copy_all", copy_then_replace)
   with pytest.raises(staging.StagingError, match=r"changed while it was being staged.*"
-                     r"rerun tools/stage.py to stage the new version") as e:
+                     r"rerun lmscale stage to stage the new version") as e:
     staging.stage(source, dest, progress=False, log=log, workers=2)
   assert "corrupt" not in str(e.value)
   assert not os.path.exists(os.path.join(dest, dataset.METADATA))
@@ -325,10 +321,9 @@ def big_src(tmp_path_factory):
 
 
 def stager(src, dest, log, *extra) -> subprocess.Popen:
-  """tools/stage.py in its own session, stderr into ``log`` (polled while it runs)."""
-  return subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "stage.py"), src,
-                           str(dest), "--no-progress", "--workers", "1", *extra],
-                          stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+  """lmscale stage in its own session, stderr into ``log`` (polled while it runs)."""
+  return subprocess.Popen([*lmscale("stage"), src, str(dest), "--no-progress", "--workers", "1",
+                           *extra], stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                           start_new_session=True)
 
 

@@ -204,7 +204,7 @@ def test_missing_dataset_and_bad_results_are_one_line(setup, tmp_path):
   bad.write_text('{"nodes": 4}\n')
   r = tool(REPORT, bad, "--output", tmp_path / "p")
   assert r.returncode == 1 and r.stderr.count("\n") == 1
-  assert "not a tools/sweep.py results file" in r.stderr
+  assert "not a lmscale sweep results file" in r.stderr
 
 
 def test_report_regenerates_the_committed_plots_and_the_storage_models(tmp_path):

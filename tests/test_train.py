@@ -136,7 +136,7 @@ def test_missing_dataset_is_one_line(tmp_path):
   assert r.returncode == 1 and "Traceback" not in r.stderr
   assert r.stderr.strip().splitlines()[-1] == (
       f"error: dataset directory '{tmp_path / 'nope'}' does not exist (prepare one with "
-      "tools/prepare_binary.py or tools/prepare_text.py)")
+      "lmscale prepare binary or lmscale prepare text)")
 
 
 def test_dry_run_reports_size(data, tmp_path):
