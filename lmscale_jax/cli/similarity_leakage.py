@@ -31,7 +31,8 @@ def parser():
                  help="the evaluation benchmark")
   p.add_argument("--json", type=args.output_file, default=None, metavar="OUT",
                  help="also write the report here")
-  p.add_argument("--check", action="store_true", help="exit 1 (one error line) if anything is shared")
+  p.add_argument("--check", action="store_true",
+                 help="exit 1 (one error line) if anything is shared")
   return p
 
 
