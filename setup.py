@@ -1,5 +1,5 @@
-"""The compiled parts of lmscale_jax: prep/_pretokens.c (x86-64 function bytes → pretoken text)
-and prep/_token_ids.c (pretoken text → instruction counts, token ids, packed sequences).
+"""The compiled parts of lmscale_jax: prep/elf/_pretokens.c (x86-64 function bytes → pretoken
+text) and prep/_token_ids.c (pretoken text → instruction counts, token ids, packed sequences).
 
 Everything else is in pyproject.toml. The extensions are optional: where they cannot build (no C
 compiler, no Python headers) the install still succeeds and preparation runs their pure-Python

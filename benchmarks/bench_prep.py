@@ -11,7 +11,7 @@ of the compiled backend: no pretokens, no Python per instruction), iced-x86's de
 (the floor of the python backend's decode stage) and the python backend with a warm memo (the
 floor of its Python loop: every instruction a hit), (2) our extraction (symbols + decoding +
 normalised pretokens) with each backend of ``--backends`` (pretokenize.code_pretokenizer's:
-compiled = prep/_pretokens.c over capstone, python = iced-x86), (3) the whole ``prepare_binary``
+compiled = prep/elf/_pretokens.c over capstone, python = iced-x86), (3) the whole ``prepare_binary``
 pipeline for each backend and worker count, with its ``stage_seconds``. Every system runs once
 per round, ``--repeat`` rounds, and its fastest run counts (a shared machine only ever slows a
 run down; rounds make the systems compared sample the same stretches of it). Rates are

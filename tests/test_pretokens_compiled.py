@@ -1,4 +1,4 @@
-"""The compiled pretokenizer (prep/_pretokens.c) writes the reference text byte for byte.
+"""The compiled pretokenizer (prep/elf/_pretokens.c) writes the reference text byte for byte.
 
 The reference is capstone's ``disasm_lite`` through ``pretokenize.Pretokenizer`` (what
 preparation wrote before it decoded with iced-x86); the compiled backend decodes with the same

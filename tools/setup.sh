@@ -32,10 +32,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.lmscale-installed
 # Reinstall when the package's build inputs changed since: its metadata and dependencies, and
-# the compiled extensions (an editable install builds lmscale_jax/prep/*.c into the source tree
+# the compiled extensions (an editable install builds lmscale_jax/prep/**/*.c into the source tree
 # once; an edited .c is not rebuilt on import).
 stale=""
-for f in pyproject.toml setup.py lmscale_jax/prep/*.c; do
+for f in pyproject.toml setup.py lmscale_jax/prep/*.c lmscale_jax/prep/elf/*.c; do
   [ "$f" -nt "$stamp" ] && stale=1
 done
 # pip's and the build backend's output (setuptools' editable-install notices, the index's

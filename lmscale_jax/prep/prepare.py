@@ -245,7 +245,7 @@ def open_output(o: PrepareOptions, params: dict) -> bool:
 
 
 def pretokenizer_params(o: PrepareOptions) -> dict:
-  """The compiled backend (prep/_pretokens.c) writes capstone's text, which differs from the
+  """The compiled backend (prep/elf/_pretokens.c) writes capstone's text, which differs from the
   python backend's on ~0.005% of instructions: a run never resumes with the other one. Its
   absence means the python backend (every run before the compiled one existed). Called in the
   parent, before any task: a bad $LMSCALE_PRETOKENIZER is one line here, not in a worker."""

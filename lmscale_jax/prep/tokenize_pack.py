@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 
-from lmscale_jax.prep import corpus_extract, packing
+from lmscale_jax.prep import corpus_extract
+from lmscale_jax.prep import packing as packing_lib  # "packing" is the mode here (greedy|none)
 from lmscale_jax.prep.packing import pack_documents
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
@@ -82,7 +83,7 @@ class _InstructionIds(dict):
 def ensure_worker(init: tuple) -> None:
   """This process set up for ``init`` (``init_worker``'s arguments), once: the preparation's
   one process pool serves every pass, so pass 3's workers are set up by its first task."""
-  if _worker.get("init") != init or _worker["compiled"] is not packing.token_ids_module():
+  if _worker.get("init") != init or _worker["compiled"] is not packing_lib.token_ids_module():
     init_worker(*init)
 
 
@@ -92,7 +93,7 @@ def init_worker(path: str, kind: str, seq_len: int, packing: str,
   from tokenizers import Tokenizer
 
   tok = Tokenizer.from_file(path)
-  compiled = packing.token_ids_module()
+  compiled = packing_lib.token_ids_module()
   if kind == "binary":
     memo = PretokenIds(tok, compiled)
     encode = lambda texts: [memo.encode(t) for t in texts]  # noqa: E731
