@@ -178,7 +178,7 @@ def test_a_set_not_fetched_yet_is_one_line_naming_the_fetch(tmp_path):
   r = tool("build_similarity_bench.py", "--set", "train", "--from", tmp_path, "--output",
            tmp_path / "t.jsonl", "--compilers", "gcc")
   assert r.returncode == 1 and r.stderr.count("\n") == 1
-  assert "fetch_bench_sources.py --set train" in r.stderr
+  assert "lmscale similarity-sources --set train" in r.stderr
   r = tool("build_similarity_bench.py", "--sources", tmp_path, "--output", tmp_path / "t.jsonl",
            "--disjoint-from", tmp_path / "none.jsonl")
   assert r.returncode == 1 and "--disjoint-from" in r.stderr and "no such file" in r.stderr

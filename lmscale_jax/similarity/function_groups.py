@@ -255,7 +255,7 @@ def library_root(lib: spec.Library, where: str, fetch_with: str) -> str:
   if os.path.isdir(root):
     return root
   if lib.package:
-    raise FunctionGroupsError(f"{root}: no such directory ({lib.name}: fetch it first: python "
+    raise FunctionGroupsError(f"{root}: no such directory ({lib.name}: fetch it first: "
                      f"lmscale similarity-sources {fetch_with} --output {where})")
   raise FunctionGroupsError(f"{root}: no such directory ({lib.where()}: key 'root': unpack its "
                    "sources there, e.g. with apt-get source, or fix root or --from)")
