@@ -46,8 +46,14 @@ def get_config() -> ml_collections.ConfigDict:
               "seed"):
     c.train[key] = base.train[key]
   c.train.log_every = 10
-  c.train.grad_accum_steps = 1   # fixed: the loss needs the whole batch at once
-  c.train.nonfinite = "error"    # fixed: a non-finite loss stops the run before any save
+  # The levers of the one train step (train/steps.py), pretraining's defaults: FSDP, gradient
+  # accumulation (GradCache: the negatives still span the global batch), the gradient
+  # reduction's dtype and shape, the encoder's recomputation, dropout's generator, what a
+  # non-finite step does, fault injection (tests).
+  for key in ("fsdp", "grad_accum_steps", "grad_allreduce_dtype", "grad_allreduce", "remat",
+              "dropout_rng", "nonfinite", "max_consecutive_nonfinite",
+              "inject_nonfinite_steps"):
+    c.train[key] = base.train[key]
 
   c.checkpoint = base.checkpoint
   c.checkpoint.every = 500
@@ -58,7 +64,8 @@ def get_config() -> ml_collections.ConfigDict:
 
 # ----------------------------------------------------------------------------- config
 _INTS = (("train.batch_size", 2), ("train.steps", 1), ("train.warmup_steps", 0),
-         ("train.log_every", 1), ("train.seed", 0), ("checkpoint.every", 1),
+         ("train.log_every", 1), ("train.seed", 0), ("train.grad_accum_steps", 1),
+         ("train.max_consecutive_nonfinite", 1), ("checkpoint.every", 1),
          ("checkpoint.keep", 1), ("finetune.proj_dim", 1), ("finetune.freeze_layers", 0),
          ("init.step", -1), ("data.max_groups", 0))
 _FLOATS = (("finetune.temperature", 0.0, 100.0, True, False),
@@ -82,10 +89,14 @@ def check_config(config) -> None:
       (config.finetune.pool, modes.POOLS, "finetune.pool"),
       (config.finetune.dtype, modes.DTYPES, "finetune.dtype"),
       (config.train.schedule, modes.SCHEDULES, "train.schedule"),
-      (config.train.grad_accum_steps, (1,), "train.grad_accum_steps"),
-      (config.train.nonfinite, ("error",), "train.nonfinite"),
+      (config.train.nonfinite, modes.NONFINITE_MODES, "train.nonfinite"),
+      (config.train.grad_allreduce_dtype, modes.DTYPES, "train.grad_allreduce_dtype"),
+      (config.train.grad_allreduce, modes.GRAD_ALLREDUCE, "train.grad_allreduce"),
+      (config.train.dropout_rng, modes.DROPOUT_RNGS, "train.dropout_rng"),
+      (config.train.remat, modes.REMAT, "train.remat"),
       (config.checkpoint.on_full, modes.ON_FULL, "checkpoint.on_full")):
     config_checks.one_of(value, options, key)
+  config_checks.parse_steps(config.train.inject_nonfinite_steps, "train.inject_nonfinite_steps")
   if not config.data.pairs:
     raise ConfigError("data.pairs is empty: give the pairs file (--pairs FILE)")
   if not config.init.path:

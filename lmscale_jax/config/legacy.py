@@ -19,6 +19,14 @@ VALUES = {
     "train.grad_allreduce": "auto",
     "train.grad_accum_steps": 1,        # one microbatch per step
     "train.grad_allreduce_dtype": "float32",
+    # Fine-tuning's levers (its config had none of these before the one train step): a
+    # replicated state, the encoder without recomputation, jax's default dropout generator,
+    # no fault injection; its train.nonfinite was always "error", so the skip limit is moot.
+    "train.fsdp": False,
+    "train.remat": "none",
+    "train.dropout_rng": "threefry",
+    "train.max_consecutive_nonfinite": 20,
+    "train.inject_nonfinite_steps": "",
 }
 
 

@@ -21,9 +21,11 @@ workdir is a usable model by itself: ``trained_model.load(workdir=...)``). A kil
 rerun, resumes from its newest checkpoint that verifies, and its losses after it are the
 uninterrupted run's, bit for bit (batches and dropout keyed by (seed, step)).
 
-Data-parallel on the pretraining mesh (:mod:`lmscale_jax.train.sharding`): pair rows split over the
-``data`` axis, parameters replicated; the similarity matrix spans the global batch (XLA
-gathers the embeddings). Several processes start like ``python -m lmscale_jax.main``
+The step is pretraining's (:mod:`lmscale_jax.train.steps`) with the contrastive task
+(:func:`lmscale_jax.train.tasks.contrastive_task`), so it has every lever of ``train.*``: FSDP,
+gradient accumulation, the gradient reduction's dtype and shape, remat, ``train.nonfinite``.
+Pair rows split over the ``data`` axis of the pretraining mesh; the similarity matrix spans the
+global batch (the embeddings gathered, also over microbatches). Several processes start like ``python -m lmscale_jax.main``
 (``distributed.initialize(config)``; lmscale finetune).
 """
 
@@ -33,15 +35,12 @@ import copy
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec
 
 from lmscale_jax.cluster import preemption
 from lmscale_jax.config import checks as config_checks
@@ -53,11 +52,13 @@ from lmscale_jax.inference import trained_model
 from lmscale_jax.model import contrastive
 from lmscale_jax.store import dataset, file_io
 from lmscale_jax.train import checkpoint as ckpt_lib
-from lmscale_jax.train import finetune_state, optim, sharding
+from lmscale_jax.model import bert as model_lib
+from lmscale_jax.train import finetune_state
+from lmscale_jax.train import steps as steps_lib
+from lmscale_jax.train import tasks
 from lmscale_jax.train import metrics as metrics_lib
 from lmscale_jax.train import workdir as workdir_lib
 from lmscale_jax.train.finetune_state import trainable_labels  # noqa: F401 (tests use it here)
-from lmscale_jax.train.steps import TrainState, step_rng
 
 TOKENIZER = dataset.TOKENIZER  # the workdir's copy of the model's tokenizer
 get_config, check_config = finetune_config.get_config, finetune_config.check_config
@@ -83,6 +84,7 @@ def finetune_cfg(config, cfg) -> ml_collections.ConfigDict:
   """The encoder's resolved config as fine-tuning runs it (compute dtype, dropout)."""
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   cfg.dtype, cfg.dropout = config.finetune.dtype, float(config.finetune.dropout)
+  cfg.remat = str(config.train.remat)  # what the backward pass recomputes (pretraining's lever)
   if config.finetune.freeze_layers > cfg.layers:
     raise ConfigError(f"finetune.freeze_layers={config.finetune.freeze_layers}, but the model "
                       f"({config.init.path}) has {cfg.layers} layers")
@@ -96,66 +98,20 @@ def resumed_model(workdir: str) -> trained_model.TrainedModel:
 
 
 # ----------------------------------------------------------------------------- steps
-@dataclasses.dataclass
-class Steps:
-  mesh: Any
-  model: contrastive.ContrastiveEncoder
-  optimizer: Any
-  schedule: Any
-  state_sharding: Any
-  batch_sharding: Any
-  abstract_state: Any     # the Orbax restore target
-  init: Any               # (bert params, rng) -> TrainState, placed
-  train_step: Any         # (state, ids [B,2,S]) -> (state, metrics); state donated
-
-
-def make_train_step(model, optimizer, schedule, labels, *, seed: int, temperature: float,
-                    pad_id: int, dropout_rng: str = "threefry"):
-  def train_step(state: TrainState, ids):
-    b, _, s = ids.shape
-    rng = step_rng(seed, state.step, dropout_rng)
-    frozen = labels(state.params)
-
-    def loss_fn(params):
-      # Frozen leaves get no gradient computed at all (the optimizer also zeroes theirs).
-      params = jax.tree.map(lambda p, lab: jax.lax.stop_gradient(p) if lab == "frozen" else p,
-                            params, frozen)
-      z = model.apply({"params": params}, ids.reshape(2 * b, s), deterministic=False,
-                      rngs={"dropout": rng}).reshape(b, 2, -1)
-      return contrastive.info_nce(z[:, 0], z[:, 1], temperature)
-
-    (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.tree.norm(grads)
-    metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": grad_norm,
-               "learning_rate": schedule(state.step), "tokens": (ids != pad_id).sum(),
-               "nonfinite": jnp.logical_not(jnp.isfinite(loss) & jnp.isfinite(grad_norm))}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-  return train_step
-
-
-def build_steps(config, cfg, mesh=None) -> Steps:
-  """The model, optimizer, shardings and jitted init/step of a fine-tuning run."""
+def build_steps(config, cfg, mesh=None, *, manual: bool | None = None) -> steps_lib.Steps:
+  """The model, optimizer, shardings and jitted init/step of a fine-tuning run: the one train
+  step (:func:`steps_lib.build_task_steps`) of the contrastive task, with every lever of
+  ``config.train``. ``init``: (encoder params, rng) -> TrainState; ``train_step``: (state,
+  ids [B,2,S]) -> (state, metrics)."""
   t, f = config.train, config.finetune
-  mesh = mesh if mesh is not None else sharding.data_mesh()
-  replicated = NamedSharding(mesh, PartitionSpec())
   model = contrastive.ContrastiveEncoder(cfg, int(f.proj_dim), str(f.pool))
-  schedule = optim.learning_rate_schedule(t)
   optimizer, labels = finetune_state.optimizer(config)
   init_state = finetune_state.init_fn(config, cfg, optimizer)
-  abstract = finetune_state.abstract_state(config, cfg, mesh)
-  state_sharding = jax.tree.map(lambda a: a.sharding, abstract)
-  step_fn = make_train_step(model, optimizer, schedule, labels, seed=int(t.seed),
-                            temperature=float(f.temperature), pad_id=int(cfg.pad_id))
-  batch_sharding = sharding.batch_sharding(mesh)
-  return Steps(
-      mesh=mesh, model=model, optimizer=optimizer, schedule=schedule,
-      state_sharding=state_sharding, batch_sharding=batch_sharding, abstract_state=abstract,
-      init=jax.jit(init_state, out_shardings=state_sharding),
-      train_step=jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
-                         out_shardings=(state_sharding, replicated), donate_argnums=0))
+  bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
+  task = tasks.contrastive_task(model, labels, float(f.temperature), int(cfg.pad_id))
+  return steps_lib.build_task_steps(config, task, model, optimizer, init_state,
+                                    (bert, jax.random.key(0)), compute_dtype=str(cfg.dtype),
+                                    mesh=mesh, manual=manual)
 
 
 def place(tree, shardings):
@@ -165,8 +121,7 @@ def place(tree, shardings):
 
 
 # ----------------------------------------------------------------------------- logging
-class NonFiniteLoss(UserError, FloatingPointError):
-  """A non-finite loss or gradient: nothing after the last good checkpoint is saved."""
+NonFiniteLoss = metrics_lib.NonFiniteLoss  # every run's (train.nonfinite)
 
 
 class Log:
@@ -215,30 +170,38 @@ class Log:
     self.opened = time.perf_counter()
 
   def _check(self, first: int, flags) -> None:
-    bad = [first + i for i, flag in enumerate(flags) if flag]
-    if bad:
-      latest = ckpt_lib.complete_steps(self.workdir)
-      last_good = ckpt_lib.step_dir(self.workdir, latest[0]) if latest else "none"
-      raise NonFiniteLoss(f"non-finite loss or gradient at step {bad[0]}; last good checkpoint:"
-                          f" {last_good} (nothing later was saved). Lower train.learning_rate "
-                          "or raise finetune.temperature")
+    if any(flags):
+      metrics_lib.raise_on_nonfinite(self.config.train, first, flags, self._last_good(),
+                                     "Lower train.learning_rate or raise "
+                                     "finetune.temperature (train.nonfinite=skip skips such "
+                                     "steps instead)")
+
+  def _last_good(self) -> str:
+    latest = ckpt_lib.complete_steps(self.workdir)
+    return ckpt_lib.step_dir(self.workdir, latest[0]) if latest else "none"
 
   def _log(self, step: int, window: list, untimed: int) -> None:
     host = jax.device_get(window)
     now = time.perf_counter()
     seconds, self.opened, self.carried = self.carried + now - self.opened, now, 0.0
+    t = self.config.train
     self._check(step - len(host) + 1, [m["nonfinite"] for m in host])
+    run = int(host[-1].get("consecutive_nonfinite", 0))  # present in skip mode only
+    metrics_lib.raise_on_consecutive_skips(t, step, run, self._last_good())
+    good = [m for m in host if not m["nonfinite"]] or host
     timed = host[untimed:]
-    batch = self.config.train.batch_size
-    row = {"loss": float(np.mean([m["loss"] for m in host])),
-           "accuracy": float(np.mean([m["accuracy"] for m in host])),
+    batch = t.batch_size
+    row = {"loss": float(np.mean([m["loss"] for m in good])),
+           "accuracy": float(np.mean([m["accuracy"] for m in good])),
            "learning_rate": float(host[-1]["learning_rate"]),
-           "grad_norm": float(host[-1]["grad_norm"]),
+           "grad_norm": float(good[-1]["grad_norm"]),
            "samples_per_sec": len(timed) * batch / seconds if timed else None,
            "tokens_per_sec": sum(float(m["tokens"]) for m in timed) / seconds if timed else None,
            "step_time": seconds / len(timed) if timed else None, **self.extra()}
     if untimed and self.first_step_seconds is not None:
       row["first_step_seconds"] = self.first_step_seconds
+    if t.nonfinite == "skip":
+      row["nonfinite_skipped"] = int(sum(m["nonfinite"] for m in host))
     self.writer.write(step, row)
     self.last = {**row, "step": step}
     if jax.process_index() == 0:
@@ -306,7 +269,8 @@ def _finetune(config, workdir: str, pairs, allow_config_change: bool, say) -> di
   t, is_writer = config.train, jax.process_index() == 0
   say = say if is_writer else (lambda line: None)
   config_checks.check_batch(t.batch_size, processes=jax.process_count(),
-                            devices_per_process=jax.local_device_count())
+                            devices_per_process=jax.local_device_count(),
+                            accum_steps=t.grad_accum_steps)
   workdir_lib.check_entries(workdir)
   resume = ckpt_lib.choose_resume_step(workdir)
   if resume.step is not None:  # refused before anything is written (config.json's changes)

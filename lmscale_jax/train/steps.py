@@ -1,5 +1,7 @@
-"""The jitted functions of a run: the data-parallel MLM train step (with its two gradient paths),
-the eval step, and :func:`build_steps`, which places them and the train state on the mesh.
+"""The jitted functions of a run: the one data-parallel train step of every task (MLM
+pretraining, contrastive fine-tuning: :mod:`lmscale_jax.train.tasks`) with its two gradient
+paths and every lever, the MLM eval step, and :func:`build_task_steps`, which places them and
+the train state on the mesh (:func:`build_steps`: pretraining's).
 
 The train step is one XLA program per step: forward, backward, gradient reduction, optimizer
 update; everything per-step runs inside it (nothing in Python between steps but dispatch).
@@ -21,7 +23,7 @@ from lmscale_jax.config import checks as config_checks
 from lmscale_jax.config import modes
 from lmscale_jax.config.modes import GRAD_ALLREDUCE
 from lmscale_jax.model import bert as model_lib
-from lmscale_jax.train import optim, sharding
+from lmscale_jax.train import optim, sharding, tasks
 from lmscale_jax.train.sharding import AXIS
 
 
@@ -33,14 +35,7 @@ class TrainState:
 
 
 REDUCE_DTYPES = {name: jnp.dtype(name) for name in modes.DTYPES}
-
-
-def mlm_loss(logits, labels, weights):
-  """Weighted mean cross-entropy over predicted positions, plus (correct, weight) sums."""
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-  wsum = jnp.maximum(weights.sum(), 1.0)
-  correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
-  return (ce * weights).sum() / wsum, (ce * weights).sum(), correct, weights.sum()
+mlm_loss = tasks.mlm_loss  # pretraining's loss (lmscale_jax.train.tasks)
 
 
 def resolve_grad_allreduce(mode: str) -> str:
@@ -69,19 +64,19 @@ def step_rng(seed: int, step, dropout_rng: str = "threefry"):
   return jax.random.fold_in(jax.random.key(seed, impl=impl), step)
 
 
-def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
-                    accum_steps: int = 1, mesh: Mesh | None = None, param_specs=None,
-                    reduce_dtype: str = "float32", compute_dtype: str = "float32",
-                    dropout_rng: str = "threefry", manual: bool | None = None,
-                    flat_reduce: bool = False,
+def make_train_step(task, optimizer, schedule, seed: int, *, accum_steps: int = 1,
+                    mesh: Mesh | None = None, param_specs=None, reduce_dtype: str = "float32",
+                    compute_dtype: str = "float32", dropout_rng: str = "threefry",
+                    manual: bool | None = None, flat_reduce: bool = False,
                     inject_nonfinite_steps: tuple[int, ...] = ()):
-  """The training step ``(state, batch) -> (state, metrics)`` (to be jitted).
+  """The training step ``(state, batch) -> (state, metrics)`` (to be jitted) of ``task`` (a
+  :class:`~lmscale_jax.train.tasks.SumTask` or ``BatchTask``: its loss, metric sums, batch).
 
   Two ways to get the gradients of the global batch:
 
   * **plain** (``accum_steps == 1``, float32 reduction, replicated parameters): the
     global-view step: XLA partitions it over the batch-sharded mesh and inserts the gradient
-    all-reduce itself.
+    all-reduce itself (and, for a BatchTask, gathers the per-row outputs).
   * **manual** (anything else): :func:`make_grads_fn`, a ``shard_map`` over the ``data`` axis
     in which each device gathers FSDP-sharded parameters, runs its microbatches with
     ``lax.scan``, and reduces its float32-accumulated gradients once with ``psum`` (replicated
@@ -100,25 +95,16 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
   if manual:
     if mesh is None:
       raise ValueError("the manual gradient path needs the device mesh")
-    grads_fn = make_grads_fn(model, mesh, param_specs, accum_steps=accum_steps,
+    grads_fn = make_grads_fn(task, mesh, param_specs, accum_steps=accum_steps,
                              reduce_dtype=reduce_dtype, compute_dtype=compute_dtype,
                              flat_reduce=flat_reduce)
 
   def train_step(state: TrainState, batch):
     rng = step_rng(seed, state.step, dropout_rng)
     if grads_fn is None:
-      def loss_fn(params):
-        logits = model.apply({"params": params}, batch["input_ids"], batch["mlm_positions"],
-                             deterministic=False, rngs={"dropout": rng})
-        loss, _, correct, wsum = mlm_loss(logits, batch["mlm_labels"], batch["mlm_weights"])
-        return loss, (correct, wsum)
-
-      (loss, (correct, wsum)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-      tokens = (batch["input_ids"] != pad_id).sum()
+      loss, grads, task_metrics = _plain_grads(task, state.params, batch, rng)
     else:
-      grads, sums = grads_fn(state.params, batch, rng)
-      loss = sums["ce"] / jnp.maximum(sums["weight"], 1.0)
-      correct, wsum, tokens = sums["correct"], sums["weight"], sums["tokens"]
+      grads, loss, task_metrics = grads_fn(state.params, batch, rng)
     if inject_nonfinite_steps:
       hit = jnp.isin(state.step + 1, jnp.asarray(inject_nonfinite_steps, jnp.int32))
       poison = jnp.where(hit, jnp.nan, 1.0).astype(jnp.float32)
@@ -126,22 +112,36 @@ def make_train_step(model, optimizer, schedule, seed: int, pad_id: int, *,
       grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {
-        "loss": loss,
-        "mlm_accuracy": correct / jnp.maximum(wsum, 1.0),
-        "grad_norm": optax.tree.norm(grads),
-        "learning_rate": schedule(state.step),
-        "tokens": tokens,
-    }
+    metrics = {"loss": loss, **task_metrics, "grad_norm": optax.tree.norm(grads),
+               "learning_rate": schedule(state.step)}
     finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
     metrics["nonfinite"] = jnp.logical_not(finite).astype(jnp.int32)
     if (guard := optim.finite_guard(opt_state)) is not None:  # skip mode
       metrics["consecutive_nonfinite"] = guard.notfinite_count
-    if "corrupt" in batch:  # data.on_corrupt="skip": rows the loader replaced
+    if isinstance(batch, dict) and "corrupt" in batch:  # data.on_corrupt="skip": rows replaced
       metrics["corrupt_records"] = batch["corrupt"].sum()
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step
+
+
+def _plain_grads(task, params, batch, rng):
+  """(loss, grads, task metrics) in the global view."""
+  if isinstance(task, tasks.SumTask):
+    weight = task.weight(batch)
+
+    def loss_fn(p):
+      loss_sum, sums = task.loss_sum(p, batch, rng)
+      return loss_sum / jnp.maximum(weight, 1.0), sums
+
+    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return loss, grads, task.metrics({**sums, "weight": weight})
+
+  def batch_loss(p):
+    return task.loss(task.embed(p, batch, rng))
+
+  (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(params)
+  return loss, grads, {**metrics, **task.sums(batch)}
 
 
 def needs_manual_grads(accum_steps: int, reduce_dtype: str, param_specs,
@@ -182,34 +182,40 @@ def _psum_concatenated(grads, param_specs, reduce):
   return jax.tree.unflatten(treedef, out)
 
 
-def make_grads_fn(model, mesh: Mesh, param_specs, *, accum_steps: int, reduce_dtype: str,
-                  compute_dtype: str, flat_reduce: bool = False):
-  """``(params, batch, rng) -> (grads, sums)`` over the global batch, as a ``shard_map``.
+def _microbatches(tree, k: int):
+  """Rows ``a*k + i`` of every leaf → microbatch ``i`` (leading axis ``k``): every microbatch
+  takes the same rows from every device, so the split needs no communication."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
+                      tree)
 
-  Per device: all-gather the FSDP-sharded leaves (matrices cast to the compute dtype first:
-  the model casts them to it anyway, so this is exact and halves the bytes gathered in
-  bfloat16); split the local rows into ``accum_steps`` microbatches (row ``a*k + i`` goes to
-  microbatch ``i``, so every microbatch takes the same rows from every device and the split
-  needs no communication); ``lax.scan`` over them accumulating float32 gradients of
-  ``ce_sum(microbatch) / W`` with ``W`` the global batch's prediction count, whose sum is
-  exactly the gradient of the global mean loss; then one reduction per leaf in
-  ``reduce_dtype`` (``flat_reduce``: one for all replicated leaves together). Peak activation
-  memory is one microbatch's.
+
+def _unmicrobatch(tree):
+  """The inverse of :func:`_microbatches`."""
+  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def make_grads_fn(task, mesh: Mesh, param_specs, *, accum_steps: int, reduce_dtype: str,
+                  compute_dtype: str, flat_reduce: bool = False):
+  """``(params, batch, rng) -> (grads, loss, task metrics)`` over the global batch, as a
+  ``shard_map``.
+
+  Per device: all-gather the FSDP-sharded leaves (matrices cast to the compute dtype first,
+  those ``task.compute_cast`` allows: the model casts them to it anyway, so this is exact and
+  halves the bytes gathered in bfloat16); split the local rows into ``accum_steps``
+  microbatches (:func:`_microbatches`); accumulate float32 gradients (:func:`_sum_task_grads`
+  or :func:`_batch_task_grads`); then one reduction per leaf in ``reduce_dtype``
+  (``flat_reduce``: one for all replicated leaves together).
 
   Dropout: the key is ``fold_in(step key, device index)`` and, with accumulation,
   ``fold_in(·, microbatch)``: masks differ from the plain step's (statistically the same);
   with ``dropout == 0`` the losses equal the plain step's to float32 rounding.
   """
-  if param_specs is None:
-    param_specs = jax.tree.map(lambda _: PartitionSpec(),
-                               jax.eval_shape(lambda: model_lib.init_params(
-                                   model.cfg, jax.random.key(0))))
   cdtype, rdtype = model_lib.DTYPES[compute_dtype], REDUCE_DTYPES[reduce_dtype]
   k = int(accum_steps)
   is_spec = lambda x: isinstance(x, PartitionSpec)
 
-  def gather(p, spec):
-    if p.ndim > 1:
+  def gather(p, spec, cast):
+    if cast:
       p = p.astype(cdtype)
     d = _sharded_dim(spec)
     if d is None:  # replicated: its gradient must stay this device's own until reduce()
@@ -225,53 +231,116 @@ def make_grads_fn(model, mesh: Mesh, param_specs, *, accum_steps: int, reduce_dt
       g = jax.lax.psum_scatter(g, AXIS, scatter_dimension=d, tiled=True)
     return g.astype(jnp.float32)
 
-  def local(params, batch, rng):
-    full = jax.tree.map(gather, params, param_specs, is_leaf=is_spec)
-    rng = jax.random.fold_in(rng, jax.lax.axis_index(AXIS))
-    total_w = jnp.maximum(jax.lax.psum(batch["mlm_weights"].sum(), AXIS), 1.0)
+  grads_of = _sum_task_grads if isinstance(task, tasks.SumTask) else _batch_task_grads
 
-    def micro_loss(p, mb, key):
-      logits = model.apply({"params": p}, mb["input_ids"], mb["mlm_positions"],
-                           deterministic=False, rngs={"dropout": key})
-      _, ce_sum, correct, _ = mlm_loss(logits, mb["mlm_labels"], mb["mlm_weights"])
-      return ce_sum / total_w, (ce_sum, correct)
+  def grads_fn(params, batch, rng):
+    specs = param_specs
+    if specs is None:  # replicated
+      specs = jax.tree.map(lambda _: PartitionSpec(), params)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    if k == 1:
-      (_, (ce, correct)), grads = grad_fn(full, batch, rng)
-    else:
-      micro = jax.tree.map(
-          lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+    def local(params, batch, rng):
+      casts = (task.compute_cast(params) if task.compute_cast is not None
+               else jax.tree.map(lambda p: p.ndim > 1, params))
+      full = jax.tree.map(gather, params, specs, casts, is_leaf=is_spec)
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(AXIS))
+      grads, loss, metrics = grads_of(task, full, batch, rng, k)
+      if flat_reduce:
+        grads = _psum_concatenated(grads, specs, reduce)
+      else:
+        grads = jax.tree.map(reduce, grads, specs, is_leaf=is_spec)
+      return grads, loss, metrics
 
-      def body(carry, xs):
-        i, mb = xs
-        (_, (ce_i, correct_i)), g = grad_fn(full, mb, jax.random.fold_in(rng, i))
-        acc, ce_acc, correct_acc = carry
-        acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-        return (acc, ce_acc + ce_i, correct_acc + correct_i), None
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(specs, PartitionSpec(AXIS), PartitionSpec()),
+                         out_specs=(specs, PartitionSpec(), PartitionSpec()))(params, batch, rng)
 
-      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), full)
-      zero = jnp.zeros((), jnp.float32)
-      init = _to_varying((zeros, zero, zero))  # the carry varies like the gradients
-      (grads, ce, correct), _ = jax.lax.scan(body, init, (jnp.arange(k), micro))
-    if flat_reduce:
-      grads = _psum_concatenated(grads, param_specs, reduce)
-    else:
-      grads = jax.tree.map(reduce, grads, param_specs, is_leaf=is_spec)
-    sums = {"ce": ce, "correct": correct, "weight": batch["mlm_weights"].sum(),
-            "tokens": (batch["input_ids"] != model.cfg.pad_id).sum()}
-    return grads, jax.lax.psum(sums, AXIS)
+  return grads_fn
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, PartitionSpec(AXIS),
-                                                   PartitionSpec()),
-                       out_specs=(param_specs, PartitionSpec()))
+
+def _accumulate(grad_fn, full, micro, rng, k: int):
+  """``lax.scan`` of ``grad_fn(params, microbatch, key) -> (grads, sums)`` over the ``k``
+  microbatches: float32 gradient and sum totals (peak activation memory: one microbatch's)."""
+
+  def body(carry, xs):
+    i, mb = xs
+    g, sums = grad_fn(full, mb, jax.random.fold_in(rng, i))
+    acc, sums_acc = carry
+    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g),
+            jax.tree.map(jnp.add, sums_acc, sums)), None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), full)
+  zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(lambda: grad_fn(full, _first(micro), rng)[1]))
+  init = _to_varying((zeros, zero_sums))  # the carry varies like the gradients
+  (grads, sums), _ = jax.lax.scan(body, init, (jnp.arange(k), micro))
+  return grads, sums
+
+
+def _first(micro):
+  return jax.tree.map(lambda x: x[0], micro)
+
+
+def _sum_task_grads(task, full, batch, rng, k: int):
+  """A SumTask: the gradients of ``loss_sum(microbatch) / W``, ``W`` the global batch's
+  weight, whose sum over microbatches and devices is exactly the gradient of the global mean
+  loss. → (this device's gradients, the global loss, the task's metrics)."""
+  total_w = jax.lax.psum(task.weight(batch), AXIS)
+
+  def grad_fn(p, mb, key):
+    def micro_loss(q):
+      loss_sum, sums = task.loss_sum(q, mb, key)
+      return loss_sum / jnp.maximum(total_w, 1.0), {**sums, "loss_sum": loss_sum}
+    g, sums = jax.grad(micro_loss, has_aux=True)(p)
+    return g, sums
+
+  if k == 1:
+    grads, sums = grad_fn(full, batch, rng)
+  else:
+    grads, sums = _accumulate(grad_fn, full, _microbatches(batch, k), rng, k)
+  sums = jax.lax.psum({**sums, "weight": task.weight(batch)}, AXIS)
+  return grads, sums["loss_sum"] / jnp.maximum(sums["weight"], 1.0), task.metrics(sums)
+
+
+def _batch_task_grads(task, full, batch, rng, k: int):
+  """A BatchTask (GradCache): this device's per-row outputs (``k == 1``: with the backward
+  pass's residuals; else by a scan without gradients), all-gathered into the global batch's;
+  the loss and its gradient with respect to them, computed alike on every device; then the
+  gradient of this device's rows pulled back through the encoder (``k > 1``: per microbatch,
+  its forward recomputed with the same dropout key). The gradients summed over devices are
+  exactly the global loss's; with accumulation the negatives still span the global batch, at
+  the cost of one more forward pass."""
+  if k == 1:
+    out, pull = jax.vjp(lambda p: task.embed(p, batch, rng), full)
+  else:
+    micro = _microbatches(batch, k)
+    _, outs = jax.lax.scan(lambda c, xs: (c, task.embed(full, xs[1],
+                                                         jax.random.fold_in(rng, xs[0]))),
+                           None, (jnp.arange(k), micro))
+    out = _unmicrobatch(outs)
+  everyone = jax.lax.all_gather(out, AXIS, axis=0, tiled=True)
+  (loss, metrics), d_everyone = jax.value_and_grad(task.loss, has_aux=True)(everyone)
+  rows = jax.tree.leaves(out)[0].shape[0]
+  start = jax.lax.axis_index(AXIS) * rows
+  d_out = jax.tree.map(lambda d: jax.lax.dynamic_slice_in_dim(d, start, rows), d_everyone)
+  if k == 1:
+    (grads,) = pull(d_out)
+  else:
+    def grad_fn(p, mb_and_d, key):
+      mb, d = mb_and_d
+      _, pull_i = jax.vjp(lambda q: task.embed(q, mb, key), p)
+      return pull_i(d)[0], {}
+    grads, _ = _accumulate(grad_fn, full, (micro, _microbatches(d_out, k)), rng, k)
+  same = lambda x: jax.lax.pmax(x, AXIS)  # equal on every device: marked invariant
+  sums = jax.lax.psum(task.sums(batch), AXIS)
+  return grads, same(loss), {**jax.tree.map(same, metrics), **sums}
 
 
 def make_eval_step(model):
   def eval_step(params, batch):
     logits = model.apply({"params": params}, batch["input_ids"], batch["mlm_positions"],
                          deterministic=True)
-    _, ce_sum, correct, wsum = mlm_loss(logits, batch["mlm_labels"], batch["mlm_weights"])
+    _, ce_sum, correct, wsum = tasks.mlm_loss(logits, batch["mlm_labels"],
+                                              batch["mlm_weights"])
     return {"ce_sum": ce_sum, "correct": correct, "weight": wsum}
 
   return eval_step
@@ -287,9 +356,9 @@ class Steps:
   state_sharding: Any      # pytree of NamedSharding, like TrainState
   batch_sharding: Any
   abstract_state: Any      # ShapeDtypeStructs carrying state_sharding (Orbax restore target)
-  init: Any                # rng -> TrainState (jitted, placed per state_sharding)
+  init: Any                # (*init args) -> TrainState (jitted, placed per state_sharding)
   train_step: Any          # (state, batch) -> (state, metrics); state donated
-  eval_step: Any           # (params, batch) -> sums
+  eval_step: Any           # (params, batch) -> sums; None for a task without one
   manual: bool             # gradients through make_grads_fn (see make_train_step)
   grad_allreduce: str = "per_tensor"  # train.grad_allreduce as resolved for this run
 
@@ -297,17 +366,13 @@ class Steps:
 def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.ConfigDict,
                 predictions: int, mesh: Mesh | None = None, *,
                 manual: bool | None = None) -> Steps:
-  """Model, optimizer, shardings and the jitted init/train/eval functions for ``config``.
+  """Pretraining's model, optimizer, shardings and jitted init/train/eval functions
+  (:func:`build_task_steps` of the MLM task).
 
   ``manual`` forces (True) or forbids (False) the shard_map gradient path; None picks it
   from the config (:func:`needs_manual_grads`)."""
   t = config.train
-  if mesh is None:
-    mesh = sharding.data_mesh()
-  replicated = NamedSharding(mesh, PartitionSpec())
-  batch_sharding = sharding.batch_sharding(mesh)
   model = model_lib.BertForMLM(model_cfg)
-  schedule = optim.learning_rate_schedule(t)
   optimizer = optim.make_optimizer(t)
 
   def init_state(rng):
@@ -315,7 +380,26 @@ def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.Con
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params))
 
-  abstract = jax.eval_shape(init_state, jax.random.key(t.seed))
+  return build_task_steps(config, tasks.mlm_task(model, model_cfg.pad_id), model, optimizer,
+                          init_state, (jax.random.key(t.seed),),
+                          compute_dtype=model_cfg.dtype, mesh=mesh, manual=manual,
+                          eval_step=make_eval_step(model))
+
+
+def build_task_steps(config: ml_collections.ConfigDict, task, model, optimizer, init_state,
+                     init_args: tuple, *, compute_dtype: str, mesh: Mesh | None = None,
+                     manual: bool | None = None, eval_step=None) -> Steps:
+  """Any task's :class:`Steps`: the state placed per ``train.fsdp``
+  (:func:`sharding.state_specs`), the step of :func:`make_train_step` with every lever of
+  ``config.train``. ``init_state(*init_args)``: the step-0 state (``init_args``: examples of
+  its arguments, for its shapes); ``eval_step``: ``(params, batch) -> sums``, if any."""
+  t = config.train
+  if mesh is None:
+    mesh = sharding.data_mesh()
+  replicated = NamedSharding(mesh, PartitionSpec())
+  batch_sharding = sharding.batch_sharding(mesh)
+  schedule = optim.learning_rate_schedule(t)
+  abstract = jax.eval_shape(init_state, *init_args)
   specs = sharding.state_specs(abstract, mesh.shape[AXIS], bool(t.fsdp))
   state_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -326,21 +410,20 @@ def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.Con
     manual = needs_manual_grads(t.grad_accum_steps, t.grad_allreduce_dtype, specs.params,
                                 flat_reduce)
   step_fn = make_train_step(
-      model, optimizer, schedule, t.seed, model_cfg.pad_id, accum_steps=int(t.grad_accum_steps),
-      mesh=mesh, param_specs=specs.params, reduce_dtype=t.grad_allreduce_dtype,
-      compute_dtype=model_cfg.dtype, dropout_rng=t.dropout_rng, manual=manual,
+      task, optimizer, schedule, t.seed, accum_steps=int(t.grad_accum_steps), mesh=mesh,
+      param_specs=specs.params, reduce_dtype=t.grad_allreduce_dtype,
+      compute_dtype=compute_dtype, dropout_rng=t.dropout_rng, manual=manual,
       flat_reduce=flat_reduce,
       inject_nonfinite_steps=config_checks.parse_steps(t.inject_nonfinite_steps,
                                                        "train.inject_nonfinite_steps"))
   train_step = jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
                        out_shardings=(state_sharding, replicated), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(model), in_shardings=(state_sharding.params,
-                                                            batch_sharding),
-                      out_shardings=replicated)
+  if eval_step is not None:
+    eval_step = jax.jit(eval_step, in_shardings=(state_sharding.params, batch_sharding),
+                        out_shardings=replicated)
   init = jax.jit(init_state, out_shardings=state_sharding)
   return Steps(mesh=mesh, model=model, optimizer=optimizer, schedule=schedule,
                state_sharding=state_sharding, batch_sharding=batch_sharding,
                abstract_state=abstract, init=init, train_step=train_step,
                eval_step=eval_step, manual=manual,
                grad_allreduce="flat" if flat_reduce else "per_tensor")
-

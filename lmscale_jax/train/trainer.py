@@ -21,7 +21,6 @@ from absl import logging
 
 from lmscale_jax.cluster import preemption
 from lmscale_jax.config import checks as config_checks
-from lmscale_jax.errors import UserError
 from lmscale_jax.input import autotune, loader, masking, prefetch
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import flops as flops_lib
@@ -34,9 +33,7 @@ from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import workdir as workdir_lib
 
 
-class NonFiniteLoss(UserError, FloatingPointError):
-  """A non-finite loss or gradient (``train.nonfinite``): names the step and the last good
-  checkpoint."""
+NonFiniteLoss = metrics_lib.NonFiniteLoss  # every run's (train.nonfinite)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -229,12 +226,10 @@ class TrainLog:
       self._raise_on_bad_steps(window.first_step, window_flags)
 
   def _raise_on_bad_steps(self, first_step: int, nonfinite_flags) -> None:
-    bad = [first_step + i for i, flag in enumerate(nonfinite_flags) if flag]
-    if bad and self.train_config.nonfinite == "error":
-      raise NonFiniteLoss(
-          f"non-finite loss or gradient at step {bad[0]}; last good checkpoint: "
-          f"{self._last_good()} (nothing later was saved). train.nonfinite=skip skips such "
-          "steps instead")
+    if any(nonfinite_flags):
+      metrics_lib.raise_on_nonfinite(self.train_config, first_step, nonfinite_flags,
+                                     self._last_good(),
+                                     "train.nonfinite=skip skips such steps instead")
 
   def _last_good(self) -> str:
     latest = self.checkpointer.latest_step()
@@ -247,11 +242,8 @@ class TrainLog:
     self._raise_on_bad_steps(window.first_step, [m["nonfinite"] for m in host])
     run = int(host[-1].get("consecutive_nonfinite", 0))  # present in skip mode only
     if run >= train_config.max_consecutive_nonfinite:
-      raise NonFiniteLoss(
-          f"{run} consecutive steps with a non-finite loss or gradient (steps "
-          f"{window.last_step - run + 1}-{window.last_step}, all skipped; "
-          f"train.max_consecutive_nonfinite={train_config.max_consecutive_nonfinite}); last good "
-          f"checkpoint: {self._last_good()}")
+      metrics_lib.raise_on_consecutive_skips(train_config, window.last_step, run,
+                                             self._last_good())
     good = [m for m in host if not m["nonfinite"]] or host
     row = {
         "loss": float(np.mean([m["loss"] for m in good])),
