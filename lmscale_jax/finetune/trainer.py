@@ -48,7 +48,7 @@ from lmscale_jax.config import defaults as config_defaults
 from lmscale_jax.config import finetune as finetune_config
 from lmscale_jax.errors import ConfigError, UserError
 from lmscale_jax.finetune import pairs as finetune_pairs
-from lmscale_jax.inference import trained_model
+from lmscale_jax.inference import model_files, trained_model
 from lmscale_jax.model import contrastive
 from lmscale_jax.store import dataset, file_io
 from lmscale_jax.train import checkpoint as ckpt_lib
@@ -241,9 +241,9 @@ def check_inputs(config, workdir: str) -> finetune_pairs.Pairs:
 def check_workdir(workdir: str) -> None:
   """A workdir that holds a run already holds a fine-tuning run: a pretraining run's would
   otherwise be "resumed" (its data state has no pairs file, its step may be past --steps)."""
-  if not os.path.exists(os.path.join(workdir, trained_model.RUN_CONFIG)):
+  if not os.path.exists(os.path.join(workdir, model_files.RUN_CONFIG)):
     return
-  run_config, _ = trained_model.read_run(workdir)  # a damaged config.json: its one line
+  run_config, _ = model_files.read_run(workdir)  # a damaged config.json: its one line
   if not trained_model.is_finetuned(run_config):
     raise UserError(f"--workdir {workdir} holds a pretraining run (its config.json has no "
                     "'finetune' section), not a fine-tuning run to resume: give a new "

@@ -4,16 +4,15 @@ three things done with it: MLM logits at given positions, the last hidden layer,
 fine-tuned model: lmscale_jax/finetune/trainer.py) its embeddings, pooled, projected and normalised.
 
 A workdir needs no dataset: the model's shape is in the run's ``config.json`` (its ``model``
-block holds the resolved vocab_size/seq_len), the parameters come from
-``checkpoint.restore_params``; only the tokenizer is read from the run's ``data.path``
-(or ``--tokenizer``). Inference runs in float32, as transformers does. A fine-tuning workdir
-(its config.json has a ``finetune`` section) keeps its tokenizer in the workdir and its
-projection head beside the encoder (``head``); an exported one has ``projection.*`` files.
+block holds the resolved vocab_size/seq_len); the parameters, and only they, come from its
+checkpoint (:func:`abstract_params` is the restore target: no optimizer is built, no Adam
+moment read; benchmarks/bench_model_load.py measures what that saves). Only the tokenizer is
+read from the run's ``data.path`` (or ``--tokenizer``). Inference runs in float32, as
+transformers does. A fine-tuning workdir (its config.json has a ``finetune`` section) keeps its
+tokenizer in the workdir and its projection head beside the encoder (``head``); an exported one
+has ``projection.*`` files.
 
-The run's files are checked as they are read (:func:`read_run`, :func:`metrics_rows`,
-:func:`restore_params`), and a model against the dataset it is to read before any weights are
-restored (:func:`check_dataset`): each problem is one :class:`UserError` line naming the file
-and what was expected, the one rule every tool gets from here.
+Every file is read, and checked, by :mod:`lmscale_jax.inference.model_files`.
 """
 
 from __future__ import annotations
@@ -27,18 +26,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import logging
 
-from lmscale_jax.config import defaults as config_defaults
-from lmscale_jax.config import legacy
 from lmscale_jax.errors import UserError
+from lmscale_jax.inference import model_files
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import contrastive, hf_convert
-from lmscale_jax.store import dataset, file_io
+from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
-from lmscale_jax.train import checkpoint as ckpt_lib
-from lmscale_jax.train import finetune_state
-from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import workdir as workdir_lib
 
 
@@ -58,171 +52,6 @@ class TrainedModel:
 
 
 # --------------------------------------------------------------------------- loading
-# The run's files the tools read, each checked as it is read: a damaged one (a truncated
-# config.json, a metrics.jsonl that is a directory, a checkpoints file) is one line naming the
-# file and what was expected there, never a traceback from deep in a reader.
-RUN_CONFIG, METRICS = "config.json", "metrics.jsonl"
-# config.json's "model": the resolved shape keys (train.workdir.SHAPE_KEYS) that readers use.
-_SHAPE_INTS = ("vocab_size", "seq_len", "layers", "hidden", "heads", "ffn")
-
-
-def regular_file(path: str, what: str) -> str:
-  """``path``, once it is known to be a regular file (a FIFO would block its reader)."""
-  if kind := file_io.not_regular(path):
-    raise UserError(f"{path} is {kind}: expected {what}")
-  return path
-
-
-def read_json(path: str, what: str):
-  """A JSON file a run wrote, parsed; unreadable or invalid JSON is one line."""
-  try:
-    with open(regular_file(path, what)) as f:
-      return json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-    raise UserError(f"{path}: not valid JSON ({e}; cut short?): expected {what}") from None
-  except OSError as e:
-    raise UserError(f"{path}: cannot read it ({e.strerror or e}): expected {what}") from None
-
-
-def _json_kind(value) -> str:
-  return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-          type(None): "null"}.get(type(value), "a number")
-
-
-def _check_run_config(path: str, saved) -> None:
-  """``config.json`` as training writes it (workdir.save_config): {"config": {…, "model",
-  "data", "train"}, "model": {the resolved shape keys}}."""
-  what = ("a training run's config ({\"config\": …, \"model\": …}, as lmscale_jax.main "
-          "writes it)")
-  if not isinstance(saved, dict):
-    raise UserError(f"{path}: {_json_kind(saved)}, expected {what}")
-  if not {"config", "model"} <= set(saved):
-    hint = " (a Hugging Face model directory: give it as --hf DIR)" if "model_type" in saved \
-        else ""
-    raise UserError(f"{path} is not a training run's config (no 'config' and 'model' "
-                    f"entries){hint}")
-  sections = {"config": saved["config"], "model": saved["model"]}
-  if isinstance(saved["config"], dict):
-    sections.update({f"config.{k}": saved["config"].get(k) for k in ("model", "data", "train")})
-  for key, value in sections.items():
-    if not isinstance(value, dict):
-      raise UserError(f"{path}: {key!r} is {_json_kind(value)}, expected an object")
-  for key in _SHAPE_INTS:
-    value = saved["model"].get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-      raise UserError(f"{path}: model.{key} is {value!r}, expected a positive integer (the "
-                      "run's resolved model shape)")
-
-
-def run_file(workdir: str) -> dict:
-  """``workdir/config.json`` as training wrote it, checked (:func:`_check_run_config`)."""
-  path = os.path.join(workdir, RUN_CONFIG)
-  if not os.path.isdir(workdir):
-    raise UserError(f"--workdir {workdir}: no such directory")
-  if not os.path.exists(path):
-    raise UserError(f"{workdir} has no config.json: not a training workdir (give the "
-                    "--workdir a run of python -m lmscale_jax.main wrote)")
-  saved = read_json(path, "a training run's config (JSON)")
-  _check_run_config(path, saved)
-  return saved
-
-
-def read_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict]:
-  """``workdir/config.json`` → (the run's config, the whole record: its ``"model"`` holds the
-  resolved shape keys, its ``"dataset"`` what the run is bound to), checked."""
-  saved = run_file(workdir)
-  return ml_collections.ConfigDict(legacy.complete(saved["config"])), saved
-
-
-def check_dataset(shape, meta: dataset.DatasetMeta, source: str, *, same_seq_len: bool = True,
-                  record: dict | None = None) -> None:
-  """A model (``shape``: config.json's "model", or a resolved config) and a dataset it is to
-  read, before any weights are restored: the same vocabulary (token ids of another tokenizer
-  mean other tokens), for evaluation the same sequence length (the position table), and for a
-  run (``record``: its config.json) the tokenizer it was trained with, by digest
-  (``workdir.check_tokenizer``: one of the same size tokenizes differently)."""
-  keys = ("vocab_size", "seq_len") if same_seq_len else ("vocab_size",)
-  for key in keys:
-    have, want = int(getattr(meta, key)), int(shape[key])
-    if have != want:
-      raise UserError(
-          f"{meta.path}: {key} {have}, the model's ({source}) {want}: not a dataset this model "
-          "can read; give the dataset it was trained on, or one prepared with its tokenizer "
-          f"(tools/prepare_*.py --tokenizer)" + (f" and --seq-len {shape['seq_len']}"
-                                                 if key == "seq_len" else ""))
-  if record is not None:
-    path = os.path.join(meta.path, dataset.TOKENIZER)
-    workdir_lib.check_tokenizer(record, toklib.digest(regular_file(path, "a tokenizer.json "
-                                                                   "file")),
-                                f"dataset {meta.path}", source)
-
-
-def restore_params(workdir: str, step: int | None, abstract_state) -> tuple[int, object]:
-  """``checkpoint.restore_params`` once ``workdir/checkpoints`` is known to be a directory.
-  Orbax's warnings that the read-only manager it was asked for is read-only are left out: a
-  tool's stderr is its own lines (one, when it fails)."""
-  root = os.path.join(workdir, "checkpoints")
-  if os.path.exists(root) and not os.path.isdir(root):
-    raise UserError(f"{root} is {file_io.not_regular(root) or 'a file'}: expected the directory "
-                    "of the run's checkpoints (restore it, or give the --workdir of a run)")
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)
-  try:
-    return ckpt_lib.restore_params(workdir, step, abstract_state)
-  finally:
-    logging.set_verbosity(verbosity)
-
-
-_METRIC_KEYS = ("loss", "mlm_accuracy", "accuracy", "learning_rate", "eval_loss",
-                "eval_mlm_accuracy")
-
-
-def _metrics_row(path: str, n: int, line: bytes) -> dict:
-  """Line ``n`` of metrics.jsonl: an object with an integer step and numbers (null: not
-  finite, as training writes them) for the metrics the tools show."""
-  try:
-    row = json.loads(line)
-  except (ValueError, UnicodeDecodeError):
-    row = None
-  if not _good_row(row):
-    raise UserError(f"{path}: line {n} is {line[:60].decode(errors='replace')!r}: expected one "
-                    "JSON object per line, with an integer 'step' and numbers (null: "
-                    "non-finite); repair or remove that line")
-  return row
-
-
-def _good_row(row) -> bool:
-  if not isinstance(row, dict) or type(row.get("step")) is not int:  # bool is no step
-    return False
-  return all(row.get(k) is None or type(row[k]) in (int, float) for k in _METRIC_KEYS)
-
-
-def metrics_rows(workdir: str) -> list[dict]:
-  """``workdir/metrics.jsonl``'s rows, checked (:func:`_metrics_row`); none if there is no
-  file. A last line without its newline that is not JSON is a write cut by a kill: left out,
-  as training leaves it out when it resumes (train.metrics); a bad line anywhere else is one
-  error."""
-  path = os.path.join(workdir, METRICS)
-  if not os.path.lexists(path):
-    return []
-  try:
-    with open(regular_file(path, "the run's metrics (JSON lines)"), "rb") as f:
-      lines = f.read().split(b"\n")
-  except OSError as e:
-    raise UserError(f"{path}: cannot read it ({e.strerror or e})") from None
-  if not _is_json(lines[-1]):
-    lines[-1] = b""  # cut by a kill (b"" already after a final newline)
-  return [_metrics_row(path, n, line) for n, line in enumerate(lines, 1) if line.strip()]
-
-
-def _is_json(line: bytes) -> bool:
-  try:
-    json.loads(line)
-    return True
-  except (ValueError, UnicodeDecodeError):
-    return False
-
-
 def resolve(model_config, shape: dict, special_ids: dict, *, dtype: str | None = "float32",
             where: str = "") -> ml_collections.ConfigDict:
   """``config.model`` + the saved shape keys → the config ``BertForMLM`` takes."""
@@ -248,7 +77,7 @@ def run_tokenizer(run_config, tokenizer_path: str = "", record: dict | None = No
   if not os.path.exists(path):
     raise UserError(f"{path}: no such file (the tokenizer of the run's data.path); give "
                     "--tokenizer PATH/tokenizer.json of the dataset it trained on")
-  regular_file(path, "a tokenizer.json file")
+  model_files.regular_file(path, "a tokenizer.json file")
   if record is not None:
     workdir_lib.check_tokenizer(record, toklib.digest(path), path, workdir)
   return toklib.with_hf_roles(toklib.load(path))
@@ -261,9 +90,19 @@ def _check_vocab(tok, cfg, where: str) -> None:
                     f"{cfg.vocab_size}: not the tokenizer this model was trained with")
 
 
-def abstract_state(run_config, cfg):
-  """The run's TrainState shapes (Orbax's restore target), as training builds them."""
-  return steps_lib.build_steps(run_config, cfg, 1).abstract_state
+def abstract_params(run_config, cfg):
+  """The parameters' shapes as the run's checkpoint holds them (the restore target of
+  ``checkpoint.restore_params``), on this process's first device: the model's init under
+  ``jax.eval_shape`` (nothing allocated, no optimizer built); for a fine-tuned run
+  ``{"bert", "projection"}`` as ``train.finetune_state`` builds its state. Pretraining's
+  parameters do not depend on ``predictions`` (``model.bert.init_params``)."""
+  bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
+  if is_finetuned(run_config):
+    projection = jax.eval_shape(lambda: contrastive.init_projection(
+        cfg, int(run_config.finetune.proj_dim), jax.random.key(0)))
+    bert = {"bert": bert, "projection": projection}
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), bert)
 
 
 def is_finetuned(run_config) -> bool:
@@ -273,7 +112,7 @@ def is_finetuned(run_config) -> bool:
 def workdir_shape(workdir: str, tokenizer_path: str, dtype: str | None):
   """(run config, resolved model config, tokenizer, config.json's record) of a run, checked
   against each other."""
-  run_config, record = read_run(workdir)
+  run_config, record = model_files.read_run(workdir)
   if is_finetuned(run_config):  # its own copy (lmscale_jax/finetune/trainer.py)
     tokenizer_path = tokenizer_path or os.path.join(workdir, dataset.TOKENIZER)
   tok = run_tokenizer(run_config, tokenizer_path, record, workdir)
@@ -290,56 +129,25 @@ def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = ""
   restore (:func:`check_dataset`)."""
   run_config, cfg, tok, record = workdir_shape(workdir, tokenizer_path, dtype)
   if data is not None:
-    check_dataset(cfg, data, workdir, same_seq_len=False, record=record)
-  head = None
+    model_files.check_dataset(cfg, data, workdir, same_seq_len=False, record=record)
+  step, params = model_files.restore_params(workdir, step, abstract_params(run_config, cfg))
+  params, head = jax.device_get(params), None
   if is_finetuned(run_config):
-    step, params = restore_params(
-        workdir, step, finetune_state.abstract_state(run_config, cfg))
-    params = jax.device_get(params)
     params, head = params["bert"], {"pool": run_config.finetune.pool,
                                     "projection": params["projection"]}
-  else:
-    step, params = restore_params(workdir, step, abstract_state(run_config, cfg))
-  return TrainedModel(cfg=cfg, params=jax.device_get(params), tokenizer=tok, source=workdir,
-                      step=step, run_config=run_config, head=head)
-
-
-def check_hf_files(hf_dir: str) -> None:
-  """The files of an HF directory that are read, where present, are regular files (a FIFO
-  would block its reader), and its config.json a JSON object; what is in them is
-  hf_convert's and contrastive's to check."""
-  for name in (hf_convert.CONFIG, hf_convert.WEIGHTS, dataset.TOKENIZER,
-               contrastive.HEAD_WEIGHTS, contrastive.HEAD_CONFIG):
-    path = os.path.join(hf_dir, name)
-    if kind := file_io.not_regular(path):
-      raise UserError(f"{path} is {kind}: expected the model directory's {name} file")
-  path = os.path.join(hf_dir, hf_convert.CONFIG)
-  if os.path.exists(path) and not isinstance(config := read_json(path, "a JSON object"), dict):
-    raise UserError(f"{path}: {_json_kind(config)}, expected a Hugging Face model's config "
-                    "(a JSON object)")
-
-
-def hf_model_config(hf_dir: str) -> ml_collections.ConfigDict:
-  """A ``config.model`` for an HF directory: its shape keys over the shared defaults."""
-  check_hf_files(hf_dir)
-  model_config = config_defaults.get_base_config().model
-  hf = hf_convert.read_config(hf_dir)
-  for key, value in hf_convert.model_keys(hf_dir).items():
-    model_config[key] = value
-  model_config.dropout = float(hf.get("hidden_dropout_prob", model_config.dropout))
-  model_config.attention_dropout = float(hf.get("attention_probs_dropout_prob", 0.0))
-  model_config.initializer_range = float(hf.get("initializer_range", 0.02))
-  return model_config
+  return TrainedModel(cfg=cfg, params=params, tokenizer=tok, source=workdir, step=step,
+                      run_config=run_config, head=head)
 
 
 def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
   """(resolved model config, tokenizer) of an HF directory, checked against each other."""
-  model_config = hf_model_config(hf_dir)
+  model_config = model_files.hf_model_config(hf_dir)
   path = tokenizer_path or os.path.join(hf_dir, dataset.TOKENIZER)
   if not os.path.exists(path):
     raise UserError(f"{hf_dir} has no {dataset.TOKENIZER} (export with lmscale export-hf, "
                     "or save the tokenizer with save_pretrained)")
-  tok = toklib.with_hf_roles(toklib.load(regular_file(path, "a tokenizer.json file")))
+  tok = toklib.with_hf_roles(toklib.load(model_files.regular_file(path,
+                                                                  "a tokenizer.json file")))
   cfg = resolve(model_config, model_config, toklib.validate(tok, path), where=hf_dir)
   _check_vocab(tok, cfg, hf_dir)
   return cfg, tok
@@ -348,7 +156,7 @@ def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
 def from_hf(hf_dir: str, data: dataset.DatasetMeta | None = None) -> TrainedModel:
   cfg, tok = _hf_shape(hf_dir)
   if data is not None:
-    check_dataset(cfg, data, hf_dir, same_seq_len=False)
+    model_files.check_dataset(cfg, data, hf_dir, same_seq_len=False)
   return TrainedModel(cfg=cfg, params=hf_convert.load_params(hf_dir, cfg), tokenizer=tok,
                       source=hf_dir, head=contrastive.load_head(hf_dir, cfg.hidden))
 
@@ -356,12 +164,7 @@ def from_hf(hf_dir: str, data: dataset.DatasetMeta | None = None) -> TrainedMode
 def architecture(path: str, tokenizer_path: str = "") -> TrainedModel:
   """A run's or an HF directory's model config and tokenizer, no weights (``params`` empty):
   what a model of the same architecture starting from fresh weights needs."""
-  config = regular_file(os.path.join(path, hf_convert.CONFIG), "a run's or a model's config")
-  try:
-    with open(config) as f:
-      is_hf = "model_type" in json.load(f)
-  except (OSError, ValueError, TypeError):  # the readers below say what is wrong
-    is_hf = False
+  is_hf = model_files.is_hf_dir(path)
   if is_hf:
     cfg, tok = _hf_shape(path, tokenizer_path)
   else:

@@ -366,12 +366,17 @@ class Checkpointer:
                       "none" if latest is None else step_dir(self.workdir, latest))
 
 
-def restore_params(workdir: str, step: int | None, abstract_state) -> tuple[int, object]:
-  """``(step, params)`` of the checkpoint at ``step`` (None: the latest complete one), with no
-  data iterator: what the tools that use a trained model need (export, evaluate, fill-mask,
-  embed). ``abstract_state``: ``steps.build_steps(...).abstract_state``. Only reads (a
+def restore_params(workdir: str, step: int | None, abstract_params) -> tuple[int, object]:
+  """``(step, params)`` of the checkpoint at ``step`` (None: the latest complete one): only the
+  ``params`` of its ``state`` item (Orbax's partial restore), neither the optimizer state nor
+  the data iterator: what the tools that run a trained model need (export, evaluate,
+  fill-mask, embed). ``abstract_params``: the parameters' shapes (ShapeDtypeStructs, with the
+  sharding to restore them to), e.g. ``jax.eval_shape`` of the model's init; the Adam moments,
+  twice the parameters' bytes, are never read (benchmarks/bench_model_load.py). Only reads (a
   read-only manager: nothing cleaned, nothing created). A workdir without checkpoints, or a
-  step it does not hold, is one line naming what there is."""
+  step it does not hold, is one line naming what there is; so is a checkpoint that does not
+  verify against its manifests (which checksum every file of the step, optimizer's too: the
+  OCDBT files hold both)."""
   root = checkpoints_dir(workdir)
   latest = latest_complete_step(workdir) if os.path.isdir(root) else None
   if latest is None:
@@ -381,18 +386,27 @@ def restore_params(workdir: str, step: int | None, abstract_state) -> tuple[int,
                                  options=ocp.CheckpointManagerOptions(
                                      create=False, read_only=True, step_name_format=STEP_NAMES))
   try:
-    have = sorted(manager.all_steps())
-    step = latest if step is None else int(step)
-    if step not in have:
-      raise UserError(f"{workdir}: no checkpoint at step {step}; it has steps "
-                      f"{', '.join(map(str, have))} (omit --step for the latest, {latest})")
-    problems = manifest_lib.verify(step_dir(workdir, step))  # every process's part
-    if problems:
-      raise CheckpointCorrupt(f"{step_dir(workdir, step)} does not verify: {problems[0]}"
-                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1
-                                 else "") + "; give another --step")
-    out = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))
+    step = _verified_step(workdir, manager, latest, step)
+    target = {"params": abstract_params}
+    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True)))
   finally:
     manager.close()
-  return step, out["state"].params
+  return step, out["state"]["params"]
+
+
+def _verified_step(workdir: str, manager, latest: int, step: int | None) -> int:
+  """``step`` (None: ``latest``) once ``manager`` holds it and it verifies against its
+  manifests; otherwise one line naming what there is."""
+  have = sorted(manager.all_steps())
+  step = latest if step is None else int(step)
+  if step not in have:
+    raise UserError(f"{workdir}: no checkpoint at step {step}; it has steps "
+                    f"{', '.join(map(str, have))} (omit --step for the latest, {latest})")
+  problems = manifest_lib.verify(step_dir(workdir, step))  # every process's part
+  if problems:
+    raise CheckpointCorrupt(f"{step_dir(workdir, step)} does not verify: {problems[0]}"
+                            + (f" (and {len(problems) - 1} more)" if len(problems) > 1
+                               else "") + "; give another --step")
+  return step

@@ -120,21 +120,72 @@ class ConfigCheck:
   restored: bool = False
 
 
-def _read_record(path: str) -> tuple[dict | None, str | None]:
-  """``(config.json's record, None)`` or ``(None, what is wrong with it)``."""
+# config.json's "model": the resolved shape keys every reader of a run relies on.
+_SHAPE_INTS = ("vocab_size", "seq_len", "layers", "hidden", "heads", "ffn")
+_RECORD = ("a training run's config ({\"config\": …, \"model\": …}, as lmscale_jax.main "
+           "writes it)")
+
+
+def load_record(path: str) -> dict:
+  """``config.json`` at ``path`` as :func:`save_config` writes it, checked: the one reader of
+  it (the resume rules here; the tools through ``lmscale_jax.inference.model_files``). A
+  missing, unreadable or damaged file is a :class:`RunRecordError`: one line naming it and
+  what was expected there (a FIFO would block the reader: refused unopened)."""
+  if not os.path.lexists(path):
+    raise RunRecordError(f"{path}: no such file: expected {_RECORD}", "missing")
+  if kind := file_io.not_regular(path):
+    raise RunRecordError(f"{path} is {kind}: expected {_RECORD}", kind)
   try:
     with open(path) as f:
       record = json.load(f)
-  except FileNotFoundError:
-    return None, "missing"
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+    raise RunRecordError(f"{path}: not valid JSON ({e}; cut short?): expected {_RECORD}",
+                         f"not readable JSON ({e})") from None
   except OSError as e:
-    return None, f"unreadable ({e.strerror})"
-  except ValueError as e:
-    return None, f"not readable JSON ({e})"
-  if not (isinstance(record, dict) and isinstance(record.get("config"), dict)
-          and isinstance(record.get("model"), dict)):
-    return None, "not a run's config (expected 'config' and 'model' entries)"
-  return record, None
+    raise RunRecordError(f"{path}: cannot read it ({e.strerror or e}): expected {_RECORD}",
+                         f"unreadable ({e.strerror or e})") from None
+  _check_record(path, record)
+  return record
+
+
+def json_kind(value) -> str:
+  """What a JSON value is, in words ("an array"), for the lines naming a wrong one."""
+  return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+          type(None): "null"}.get(type(value), "a number")
+
+
+def _check_record(path: str, record) -> None:
+  """{"config": {…, "model", "data", "train"}, "model": {the resolved shape keys}}."""
+  def bad(line: str, why: str):
+    return RunRecordError(line, f"not a run's config ({why})")
+
+  if not isinstance(record, dict):
+    raise bad(f"{path}: {json_kind(record)}, expected {_RECORD}", json_kind(record))
+  if not {"config", "model"} <= set(record):
+    hint = " (a Hugging Face model directory: give it as --hf DIR)" if "model_type" in record \
+        else ""
+    raise bad(f"{path} is not a training run's config (no 'config' and 'model' entries){hint}",
+              "expected 'config' and 'model' entries")
+  sections = {"config": record["config"], "model": record["model"]}
+  if isinstance(record["config"], dict):
+    sections.update({f"config.{k}": record["config"].get(k) for k in ("model", "data", "train")})
+  for key, value in sections.items():
+    if not isinstance(value, dict):
+      raise bad(f"{path}: {key!r} is {json_kind(value)}, expected an object",
+                f"{key!r} is {json_kind(value)}")
+  for key in _SHAPE_INTS:
+    value = record["model"].get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise bad(f"{path}: model.{key} is {value!r}, expected a positive integer (the run's "
+                "resolved model shape)", f"model.{key} is {value!r}")
+
+
+def _read_record(path: str) -> tuple[dict | None, str | None]:
+  """``(config.json's record, None)`` or ``(None, what is wrong with it)``."""
+  try:
+    return load_record(path), None
+  except RunRecordError as e:
+    return None, e.problem
 
 
 def read_record(workdir: str, resume_step: int | None) -> tuple[dict | None, bool]:
@@ -288,6 +339,16 @@ def _kind_of(path: str) -> str:
 
 class WorkdirError(UserError, ValueError):
   """``--workdir`` cannot be used: it is a file, below one, or not writable."""
+
+
+class RunRecordError(WorkdirError):
+  """``config.json`` is missing or not a run's record (:func:`load_record`): ``str()`` is the
+  one line naming it; ``problem`` the phrase the resume rules' own lines use ("missing",
+  "not readable JSON (…)")."""
+
+  def __init__(self, line: str, problem: str):
+    super().__init__(line)
+    self.problem = problem
 
 
 class WorkdirBusy(UserError, RuntimeError):
