@@ -1,5 +1,5 @@
 """The options of a data preparation (``lmscale prepare binary``, ``lmscale prepare text``) and
-their ranges: what ``tools/_cli.py`` parses and :func:`check_options` checks, for the CLI and
+their ranges: what ``cli/args.py`` parses and :func:`check_options` checks, for the CLI and
 for library callers alike."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class PrepareOptions:
 
 
 # ----------------------------------------------------------------------------- checks
-# Ranges of the numeric options (tools/_cli.py checks them where they are parsed, with the same
+# Ranges of the numeric options (cli/args.py checks them where they are parsed, with the same
 # bounds): a value outside them is a typo or a misunderstanding, never a useful setting.
 SEQ_LEN = (8, 1 << 16)
 SIZE_MB = (0.01, 1 << 20)      # shard and chunk sizes: 10 kB .. 1 TB

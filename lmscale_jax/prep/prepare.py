@@ -32,7 +32,7 @@ import sys
 import time
 
 from lmscale_jax import errors
-from lmscale_jax.errors import PrepareError  # noqa: F401  (tools/_cli.py catches it from here)
+from lmscale_jax.errors import PrepareError  # noqa: F401  (cli/args.py catches it from here)
 from lmscale_jax.prep import corpus_extract, corpus_layout, shard_writer, worker_pool
 from lmscale_jax.prep.options import PrepareOptions, check_options
 from lmscale_jax.store import dataset, dir_lock, file_io

@@ -221,7 +221,7 @@ def run_point(o: SweepOptions, plan: Plan, pt: Point, workdir: str) -> dict:
     except subprocess.TimeoutExpired:
       timed_out = True
       rc = stop(proc)
-    except BaseException:  # Ctrl-C, or SIGTERM (tools/_cli.guarded): the run stops first
+    except BaseException:  # Ctrl-C, or SIGTERM (cli/args.guarded): the run stops first
       stop(proc)
       raise
   wall = time.monotonic() - t0
