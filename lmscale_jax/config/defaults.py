@@ -1,7 +1,7 @@
 """Defaults shared by every config: each ``configs/<name>.py`` starts from
 :func:`get_base_config` (or :func:`bert_config`) and overrides what differs.
 
-Here, in the package, rather than beside the configs: ml_collections' ``config_flags`` loads
+Here, in the package, rather than beside the configs: the config loader (``config.loader``) loads
 config files by path, so ``configs/`` is not importable, while ``lmscale_jax`` always is.
 """
 
