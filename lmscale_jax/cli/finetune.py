@@ -7,16 +7,16 @@
       [--dropout 0.1] [--seed 0] [--checkpoint-every 500] [--log-every 10] [--max-groups 0]
       [--allow-config-change] [--config FILE] [--config.SECTION.KEY=VALUE …]
 
-PAIRS is a file in the similarity benchmark's format (tools/build_similarity_bench.py): each
+PAIRS is a file in the similarity benchmark's format (lmscale similarity-build): each
 step takes --batch-size distinct source functions and two of their compiled variants. Start
 from a pretraining run's checkpoint, an HF directory, or (--init-random, the baseline) fresh
 weights of a run's or HF directory's architecture. The hyper-parameters are
 lmscale_jax/config/finetune.py's config (or --config FILE's get_config() of that shape); the
 flags above set its common keys, --config.K=V any key (e.g. --config.finetune.dtype=bfloat16
-on GPUs), typed by the key's default (lmscale_jax.config.loader). OUT is a workdir like pretraining's:
-rerun the same command to resume a stopped run; the result is a model for lmscale embed,
-lmscale eval-similarity --workdir OUT and lmscale export-hf --workdir OUT. Several processes
-start as lmscale train does, through the same start-up and exit codes
+on GPUs), typed by the key's default (lmscale_jax.config.loader). OUT is a workdir like
+pretraining's: rerun the same command to resume a stopped run; the result is a model for
+lmscale embed, lmscale eval-similarity --workdir OUT and lmscale export-hf --workdir OUT.
+Several processes start as lmscale train does, through the same start-up and exit codes
 (lmscale_jax.train.startup: LMSCALE_* variables or Slurm; the config's distributed section).
 See docs/finetune.md.
 """
@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
                       epilog="--config.SECTION.KEY=VALUE sets any key of "
                       "lmscale_jax/config/finetune.py (after the flags above)")
   p.add_argument("--pairs", required=True, type=cli_args.input_file, metavar="PAIRS.jsonl",
-                 help="a similarity-benchmark-format file (tools/build_similarity_bench.py)")
+                 help="a similarity-benchmark-format file (lmscale similarity-build)")
   p.add_argument("--workdir", required=True, metavar="OUT", help="the run's directory")
   start = p.add_mutually_exclusive_group(required=True)
   start.add_argument("--init-workdir", metavar="RUN", help="a pretraining run's --workdir")
@@ -109,7 +109,7 @@ def build_config(a, rest: list[str]):
 def run(config, workdir: str, allow_change: bool) -> int:
   """The run through the one start-up (lmscale_jax.train.startup): the inputs checked before
   anything is created, then the runtime, the workdir lock and preflight; its exit code."""
-  from lmscale_jax.finetune import trainer as finetune
+  from lmscale_jax.finetune import contrastive_run as finetune
 
   return startup.run(config, workdir, lambda pairs: _finetune(config, workdir, allow_change,
                                                                 pairs),
@@ -117,7 +117,7 @@ def run(config, workdir: str, allow_change: bool) -> int:
 
 
 def _finetune(config, workdir: str, allow_change: bool, pairs) -> None:
-  from lmscale_jax.finetune import trainer as finetune
+  from lmscale_jax.finetune import contrastive_run as finetune
 
   import jax
 
