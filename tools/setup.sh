@@ -38,20 +38,10 @@ stale=""
 for f in pyproject.toml setup.py lmscale_jax/prep/*.c lmscale_jax/prep/elf/*.c; do
   [ "$f" -nt "$stamp" ] && stale=1
 done
-# pip's and the build backend's output (setuptools' editable-install notices, the index's
-# warnings) goes to a log shown only if the install fails: a newcomer's first run prints
-# nothing it did not ask for.
-quiet_pip() {
-  local log=.venv/pip-install.log
-  if ! .venv/bin/python -m pip install -q "$@" >"$log" 2>&1; then
-    cat "$log" >&2
-    echo "error: pip install $* failed (its output above, kept in $log)" >&2
-    exit 1
-  fi
-}
+source tools/_quiet_pip.sh
 if [ ! -f "$stamp" ] || [ -n "$stale" ]; then
   echo "setup: installing lmscale_jax and its dependencies into .venv (a few minutes, once)" >&2
-  quiet_pip --upgrade pip
-  quiet_pip -e '.[test]'
+  quiet_pip .venv/bin/python .venv/pip-install.log --upgrade pip
+  quiet_pip .venv/bin/python .venv/pip-install.log -e '.[test]'
   touch "$stamp"
 fi

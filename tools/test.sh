@@ -6,12 +6,15 @@ usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exi
 case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
+source tools/_quiet_pip.sh
 # The Hugging Face tests (tests/test_hf_*.py) run transformers in a virtual environment of its
 # own, .venv-hf (torch + transformers, no jax), made once and reused: torch==2.13.0 is the CPU
 # wheel (~1.2 GB installed, ~45 s; a plain `torch` would pull the ~6 GB CUDA build).
 if [ ! -f .venv-hf/.lmscale-installed ]; then
   "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')" -m venv .venv-hf
-  .venv-hf/bin/python -m pip install -q torch==2.13.0 'transformers>=5,<6' safetensors
+  echo "test: installing torch (CPU) and transformers into .venv-hf (about a minute, once)" >&2
+  quiet_pip .venv-hf/bin/python .venv-hf/pip-install.log torch==2.13.0 'transformers>=5,<6' \
+    safetensors
   touch .venv-hf/.lmscale-installed
 fi
 export LMSCALE_HF_PYTHON="$PWD/.venv-hf/bin/python"
