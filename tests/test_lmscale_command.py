@@ -78,3 +78,28 @@ def test_train_takes_mains_arguments_in_both_spellings(tmp_path):
     assert r.returncode == 1, r.stderr[-2000:]
     assert r.stderr.splitlines() == [
         "error: unknown config key 'config.train.stpes'; did you mean 'config.train.steps'?"]
+
+
+def test_config_values_are_typed_by_the_keys_default():
+  """One loader for every command line (lmscale_jax/config/loader.py)."""
+  from lmscale_jax.config import loader
+  from lmscale_jax.errors import ConfigError
+
+  config = loader.load_file(os.path.join(ROOT, "configs", "tiny.py"))
+  loader.apply_overrides(config, loader.split_overrides([
+      "--config.data.autotune=1", "--config.train.steps=7", "--config.train.learning_rate=3e-4",
+      "--config.train.schedule", "cosine", "--config.init_from=hf_dir"])[0])
+  assert (config.data.autotune, config.train.steps, config.train.learning_rate,
+          config.train.schedule, config.init_from) == (True, 7, 3e-4, "cosine", "hf_dir")
+  assert loader.parse_value((1, 2), "3,4", "k") == (3, 4)
+  for item, message in (
+      (("train.steps", "1e3"), "--config.train.steps=1e3: expected an integer (no decimal"),
+      (("data.autotune", "yes"), "--config.data.autotune=yes: expected true or false"),
+      (("train.learning_rate", "fast"), "--config.train.learning_rate=fast: expected a number"),
+      (("train.stepz", "3"), "unknown config key 'config.train.stepz'; did you mean "
+                             "'config.train.steps'?"),
+      (("checkpoint.async", "0"), "--config.checkpoint.async was renamed "
+                                  "--config.checkpoint.async_save")):
+    with pytest.raises(ConfigError) as e:
+      loader.apply_overrides(config, [item])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
