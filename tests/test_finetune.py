@@ -1,4 +1,4 @@
-"""Contrastive fine-tuning end to end (tools/finetune_similarity.py, lmscale_jax/finetune/trainer.py):
+"""Contrastive fine-tuning end to end (tools/finetune_similarity.py, finetune/contrastive_run.py):
 the similarity benchmark built from tests/data/similarity with the machine's gcc (-O0, -O3) as
 the pairs, a real pretraining run (2 steps of a 2 × 64 BERT on those sources compiled at -O2,
 prepared as tools/prepare_binary.py prepares) to start from; then the fine-tuned workdir used
@@ -176,7 +176,7 @@ def test_freeze_layers_labels_the_embeddings_and_the_lowest_layers_frozen(pretra
   """Which leaves train, for every k."""
   import jax
 
-  from lmscale_jax.finetune import trainer as finetune
+  from lmscale_jax.finetune import contrastive_run as finetune
 
   model = trained_model.architecture(str(pretrained[1]))
   config = finetune.get_config()

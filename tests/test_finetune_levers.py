@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from lmscale_jax.finetune import trainer as finetune
+from lmscale_jax.finetune import contrastive_run as finetune
 from lmscale_jax.train import checkpoint as ckpt_lib
 from tests.helpers import ROOT
 from tests.test_finetune import bench, pretrained, rows, series  # noqa: F401 (fixtures)
@@ -36,7 +36,7 @@ BF16_LOSS_RTOL = 1e-4
 _LEVERS = r"""
 import json, sys
 import jax, numpy as np
-from lmscale_jax.finetune import pairs as finetune_pairs, trainer as finetune
+from lmscale_jax.finetune import pairs as finetune_pairs, contrastive_run as finetune
 from lmscale_jax.train import sharding
 
 pairs_path, start, workdir = sys.argv[1:4]

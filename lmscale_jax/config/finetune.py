@@ -1,4 +1,4 @@
-"""The configuration of contrastive fine-tuning (lmscale_jax/finetune/trainer.py): an ml_collections
+"""The configuration of contrastive fine-tuning (finetune/contrastive_run.py): an ml_collections
 config like ``configs/*.py``, so ``--config.section.key=value`` overrides it
 (lmscale finetune), with the same ``train``, ``checkpoint`` and ``distributed``
 sections as pretraining (its optimizer, checkpointing and multi-process start-up read them).

@@ -1,7 +1,7 @@
 """A trained model, for the tools that use one (export, evaluate, fill-mask, embed): from a
 training workdir's checkpoint or from a Hugging Face directory, with its tokenizer, and the
 three things done with it: MLM logits at given positions, the last hidden layer, and (a
-fine-tuned model: lmscale_jax/finetune/trainer.py) its embeddings, pooled, projected and normalised.
+fine-tuned model: finetune/contrastive_run.py) its embeddings, pooled, projected and normalised.
 
 A workdir needs no dataset: the model's shape is in the run's ``config.json`` (its ``model``
 block holds the resolved vocab_size/seq_len); the parameters, and only they, come from its
@@ -113,7 +113,7 @@ def workdir_shape(workdir: str, tokenizer_path: str, dtype: str | None):
   """(run config, resolved model config, tokenizer, config.json's record) of a run, checked
   against each other."""
   run_config, record = model_files.read_run(workdir)
-  if is_finetuned(run_config):  # its own copy (lmscale_jax/finetune/trainer.py)
+  if is_finetuned(run_config):  # its own copy (lmscale_jax/finetune/contrastive_run.py)
     tokenizer_path = tokenizer_path or os.path.join(workdir, dataset.TOKENIZER)
   tok = run_tokenizer(run_config, tokenizer_path, record, workdir)
   cfg = resolve(run_config.model, record["model"], toklib.validate(tok, "tokenizer"),

@@ -1,8 +1,9 @@
 """What a contrastive fine-tuning run's checkpoint holds: a ``TrainState`` whose parameters are
 ``{"bert": encoder, "projection": head}`` and whose optimizer trains every leaf but the frozen
-ones. :mod:`lmscale_jax.finetune.trainer` trains it; :mod:`lmscale_jax.inference.trained_model`
-restores it. Here, below both, so that the model loader does not import the fine-tuning loop
-(which itself loads its start model through the loader)."""
+ones. :mod:`lmscale_jax.finetune.contrastive_run` trains it;
+:mod:`lmscale_jax.inference.trained_model` restores it. Here, below both, so that the model
+loader does not import the fine-tuning loop (which itself loads its start model through the
+loader)."""
 
 from __future__ import annotations
 

@@ -99,152 +99,35 @@ def describe(setup: Setup) -> str:
 
 
 # ----------------------------------------------------------------------------- logging
-@dataclasses.dataclass
-class Window:
-  """The steps of one logging interval: their device metrics and host-side timings. Its time
-  runs from the completion of the previous window's last step (or from a resume after a
-  pause) to the completion of its own last step, minus pauses; ``untimed`` leading steps (the
-  run's first, which compiles) are outside it."""
-  last_step: int
-  metrics: list     # one dict of device scalars per step
-  input_wait: float
-  opened: float     # perf_counter() when its clock (re)started
-  carried: float = 0.0  # seconds timed before a pause
-  untimed: int = 0
-  seconds: float = 0.0  # set when its last step has completed
-
-  @property
-  def first_step(self) -> int:
-    return self.last_step - len(self.metrics) + 1
-
-  @property
-  def timed(self) -> list:
-    return self.metrics[self.untimed:]
+Window = metrics_lib.Window
 
 
-class TrainLog:
-  """Turns windows of steps into metrics rows (metrics.jsonl, TensorBoard, console), one
-  window late, and enforces ``train.nonfinite`` on them."""
+class TrainLog(metrics_lib.StepLog):
+  """Pretraining's rows: MLM loss and accuracy, throughput and MFU, input wait, the unigram
+  baseline in a run's first row, corrupt records; evaluation rows between them."""
 
   def __init__(self, setup: Setup, workdir: str, start: int, checkpointer, train_iter):
     config, self.setup = setup.config, setup
-    self.train_config, self.start, self.workdir = config.train, start, workdir
-    self.checkpointer, self.train_iter = checkpointer, train_iter
-    self.is_writer = jax.process_index() == 0
+    self.checkpointer = checkpointer
+    super().__init__(config.train, workdir, start, reset_wait=train_iter.reset_wait)
     peak = flops_lib.device_peak_flops(jax.devices()[0].device_kind,
                                        config.metrics.peak_tflops, dtype=setup.model_cfg.dtype)
     self.peak_total = peak * jax.device_count() if peak else None
-    self.writer = metrics_lib.MetricsWriter(workdir, enabled=self.is_writer,
-                                            total_steps=config.train.steps, resume_step=start)
     self.baseline = records.unigram_entropy(setup.meta,
                                             on_corrupt=str(config.data.on_corrupt))
-    self.last: dict = {"unigram_baseline": self.baseline}
-    self.current: list = []
-    self.pending: Window | None = None  # closed, its metrics fetched after the next dispatch
+    self.last = {"unigram_baseline": self.baseline}
     if self.is_writer:
       logging.info(describe(setup))
       logging.info("devices: %d × %s; unigram baseline loss %.4f nats; MFU peak %s",
                    jax.device_count(), jax.devices()[0].device_kind, self.baseline,
                    f"{peak / 1e12:.0f} TFLOP/s per device" if peak else
                    "unknown for this device (mfu = null; set metrics.peak_tflops)")
-    # The clock of the window being filled: when it (re)started, seconds timed before a pause.
-    self.opened, self.carried, self.untimed = time.perf_counter(), 0.0, 0
-    self.first_step_seconds: float | None = None
-    self.paused_at = self.opened
-    train_iter.reset_wait()
 
-  # Why completion, not dispatch: JAX dispatches asynchronously, so after any synchronisation
-  # (start, evaluation, a save) the host queues a whole window in milliseconds; windows stamped
-  # at dispatch logged 16-30x the true rate after each evaluation (tools/demo.sh,
-  # tests/test_throughput_windows.py). A window's metrics are fetched one step late, which
-  # blocks until its last step has completed: that moment is the stamp, at no extra sync.
-  def after_step(self, step: int, metrics: dict) -> None:
-    self.current.append(metrics)
-    if step == self.start + 1:
-      self._time_first_step(metrics)
-    if self.pending is not None:  # its metrics are ready by now
-      self._log(self.pending)
-      self.pending = None
-    if step % self.train_config.log_every == 0 or step == self.train_config.steps:
-      self.pending = self._close(step)
-
-  def _time_first_step(self, metrics: dict) -> None:
-    """The run's first step compiles the program: timed on its own (``first_step_seconds``
-    in the first row), outside the first window."""
-    jax.block_until_ready(metrics)
-    now = time.perf_counter()
-    self.first_step_seconds = now - self.opened
-    self.opened, self.carried, self.untimed = now, 0.0, 1
-    self.train_iter.reset_wait()
-
-  def _close(self, step: int) -> Window:
-    window = Window(step, self.current, self.train_iter.reset_wait(), self.opened, self.carried,
-                    self.untimed)
-    self.current, self.carried, self.untimed = [], 0.0, 0
-    return window
-
-  def _stamp(self, window: Window) -> None:
-    """Called once ``window``'s last step has completed; the next window's clock starts."""
-    now = time.perf_counter()
-    window.seconds = window.carried + (now - window.opened)
-    self.opened = now
-
-  def pause(self) -> None:
-    """Before a synchronising interruption (evaluation, a checkpoint save): the steps
-    dispatched so far are timed up to their completion, and the clock stops."""
-    if self.pending is not None:
-      self._log(self.pending)  # blocks until its last step completes
-      self.pending = None
-    if self.current:
-      jax.block_until_ready(self.current[-1])
-      self.carried += time.perf_counter() - self.opened
-    self.paused_at = time.perf_counter()
-
-  def resume(self) -> None:
-    self.opened = time.perf_counter()
-
-  def eval_row(self, step: int, row: dict) -> None:
-    self._write(step, row)
-
-  def finish(self, step: int) -> None:
-    """Logs what is left: the pending window and a partial one (a preempted run)."""
-    if self.pending is not None:
-      self._log(self.pending)
-      self.pending = None
-    if self.current:
-      jax.block_until_ready(self.current[-1])
-      self._log(self._close(step))
-
-  def check_before_save(self, step: int) -> None:
-    """Error mode: never checkpoint past a non-finite step, even one not logged yet."""
-    if self.train_config.nonfinite != "error":
-      return
-    unlogged = [w for w in (self.pending, Window(step, self.current, 0.0, 0.0))
-                if w is not None and w.metrics]
-    flags = jax.device_get([[m["nonfinite"] for m in w.metrics] for w in unlogged])
-    for window, window_flags in zip(unlogged, flags):
-      self._raise_on_bad_steps(window.first_step, window_flags)
-
-  def _raise_on_bad_steps(self, first_step: int, nonfinite_flags) -> None:
-    if any(nonfinite_flags):
-      metrics_lib.raise_on_nonfinite(self.train_config, first_step, nonfinite_flags,
-                                     self._last_good(),
-                                     "train.nonfinite=skip skips such steps instead")
-
-  def _last_good(self) -> str:
+  def last_good(self) -> str:
     latest = self.checkpointer.latest_step()
     return ckpt_lib.step_dir(self.workdir, latest) if latest is not None else "none"
 
-  def _log(self, window: Window) -> None:
-    host = jax.device_get(window.metrics)
-    self._stamp(window)
-    train_config = self.train_config
-    self._raise_on_bad_steps(window.first_step, [m["nonfinite"] for m in host])
-    run = int(host[-1].get("consecutive_nonfinite", 0))  # present in skip mode only
-    if run >= train_config.max_consecutive_nonfinite:
-      metrics_lib.raise_on_consecutive_skips(train_config, window.last_step, run,
-                                             self._last_good())
-    good = [m for m in host if not m["nonfinite"]] or host
+  def make_row(self, window: Window, host: list, good: list) -> dict:
     row = {
         "loss": float(np.mean([m["loss"] for m in good])),
         "mlm_accuracy": float(np.mean([m["mlm_accuracy"] for m in good])),
@@ -254,25 +137,17 @@ class TrainLog:
     timed = host[window.untimed:]
     row.update(metrics_lib.throughput(
         steps=len(timed), seconds=window.seconds, wait_seconds=window.input_wait,
-        global_batch=train_config.batch_size, tokens=float(sum(m["tokens"] for m in timed)),
+        global_batch=self.train_config.batch_size,
+        tokens=float(sum(m["tokens"] for m in timed)),
         flops_per_step=self.setup.flops_per_step, peak_flops_total=self.peak_total))
-    if window.untimed and self.first_step_seconds is not None:
-      row["first_step_seconds"] = self.first_step_seconds
-    if train_config.nonfinite == "skip":
-      row["nonfinite_skipped"] = int(sum(m["nonfinite"] for m in host))
     if "corrupt_records" in host[0]:
       row["corrupt_records"] = int(sum(m["corrupt_records"] for m in host))
     if window.first_step == self.start + 1 and self.is_writer:  # first window of this run
       row["unigram_baseline"] = self.baseline
-    self._write(window.last_step, row)
+    return row
 
-  def _write(self, step: int, row: dict) -> None:
-    self.writer.write(step, row)
-    self.writer.console(step, row)
-    self.last.update(row)
-
-  def close(self, quiet: bool = False) -> None:
-    self.writer.close(quiet)  # quiet: on the way out of a failed run (MetricsWriter.close)
+  def eval_row(self, step: int, row: dict) -> None:
+    self.write(step, row)
 
 
 def evaluate(steps: steps_lib.Steps, params, eval_batches) -> dict:

@@ -1,6 +1,6 @@
-"""Contrastive fine-tuning for binary code similarity (jTrans' recipe: pretrain, then fine-tune):
-the encoder, a pooling and a projection head (:mod:`lmscale_jax.model.contrastive`) trained with
-symmetric InfoNCE over in-batch negatives on pairs of one function compiled two ways
+"""A contrastive fine-tuning run for binary code similarity (jTrans' recipe: pretrain, then
+fine-tune): the encoder, a pooling and a projection head (:mod:`lmscale_jax.model.contrastive`)
+trained with symmetric InfoNCE over in-batch negatives on pairs of one function compiled two ways
 (:mod:`lmscale_jax.finetune.pairs`).
 
   finetune(config, workdir)   # config: get_config() with data.pairs and init.* set
@@ -25,8 +25,8 @@ The step is pretraining's (:mod:`lmscale_jax.train.steps`) with the contrastive 
 (:func:`lmscale_jax.train.tasks.contrastive_task`), so it has every lever of ``train.*``: FSDP,
 gradient accumulation, the gradient reduction's dtype and shape, remat, ``train.nonfinite``.
 Pair rows split over the ``data`` axis of the pretraining mesh; the similarity matrix spans the
-global batch (the embeddings gathered, also over microbatches). Several processes start like ``python -m lmscale_jax.main``
-(``distributed.initialize(config)``; lmscale finetune).
+global batch (the embeddings gathered, also over microbatches). Several processes start like
+``python -m lmscale_jax.main`` (``distributed.initialize(config)``; lmscale finetune).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import time
 from typing import Callable
 
 import jax
@@ -124,101 +123,45 @@ def place(tree, shardings):
 NonFiniteLoss = metrics_lib.NonFiniteLoss  # every run's (train.nonfinite)
 
 
-class Log:
-  """Rows of ``log_every`` steps (metrics.jsonl, TensorBoard, one console line), fetched one
-  step late so that dispatch never waits on the device. A window's time runs from the
-  completion of the previous one's last step to its own, minus checkpoint saves; the run's
-  first step (compilation) is timed apart (``first_step_seconds``)."""
+class ContrastiveLog(metrics_lib.StepLog):
+  """Fine-tuning's rows (:class:`metrics_lib.StepLog`): InfoNCE loss, in-batch accuracy,
+  pairs and tokens per second, the batches' ``truncated_frac``; its console line through
+  ``say``."""
 
-  def __init__(self, config, workdir: str, start: int, say: Callable[[str], None],
-               extra: Callable[[], dict] = dict):
-    self.config, self.start, self.say, self.workdir = config, start, say, workdir
-    self.extra = extra  # more columns of each row (the batches' truncated_frac)
-    self.writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0,
-                                            total_steps=config.train.steps, resume_step=start)
-    self.current: list = []
-    self.pending = None  # a closed window, logged after the next dispatch: (last step,
-    #                      its steps' device metrics, how many of them are untimed)
-    self.opened, self.carried, self.untimed = time.perf_counter(), 0.0, 0
-    self.first_step_seconds = None
-    self.last: dict = {}
+  advice = ("Lower train.learning_rate or raise finetune.temperature (train.nonfinite=skip "
+            "skips such steps instead)")
 
-  def after_step(self, step: int, metrics: dict) -> None:
-    self.current.append(metrics)
-    if step == self.start + 1:
-      jax.block_until_ready(metrics)
-      now = time.perf_counter()
-      self.first_step_seconds, self.opened, self.untimed = now - self.opened, now, 1
-    if self.pending is not None:
-      self._log(*self.pending)
-      self.pending = None
-    if step % self.config.train.log_every == 0 or step == self.config.train.steps:
-      self.pending = (step, self.current, self.untimed)
-      self.current, self.untimed = [], 0
+  def __init__(self, config, workdir: str, start: int, checkpointer, batches,
+               say: Callable[[str], None]):
+    super().__init__(config.train, workdir, start)
+    self.checkpointer, self.batches, self.say = checkpointer, batches, say
 
-  def pause(self, step: int) -> None:
-    """Before a save: log what is pending, check that every step not logged yet is finite
-    (none is ever saved past a bad one), stop the clock."""
-    if self.pending is not None:
-      self._log(*self.pending)
-      self.pending = None
-    flags = jax.device_get([m["nonfinite"] for m in self.current])
-    self._check(step - len(flags) + 1, flags)
-    self.carried += time.perf_counter() - self.opened
+  def last_good(self) -> str:
+    latest = self.checkpointer.latest_step()
+    return ckpt_lib.step_dir(self.workdir, latest) if latest is not None else "none"
 
-  def resume(self) -> None:
-    self.opened = time.perf_counter()
+  def make_row(self, window, host: list, good: list) -> dict:
+    timed = host[window.untimed:]
+    rates = metrics_lib.throughput(
+        steps=len(timed), seconds=window.seconds, wait_seconds=0.0,
+        global_batch=self.train_config.batch_size,
+        tokens=float(sum(m["tokens"] for m in timed)), flops_per_step=0.0,
+        peak_flops_total=None)
+    return {"loss": float(np.mean([m["loss"] for m in good])),
+            "accuracy": float(np.mean([m["accuracy"] for m in good])),
+            "learning_rate": float(host[-1]["learning_rate"]),
+            "grad_norm": float(good[-1]["grad_norm"]),
+            **{k: rates[k] for k in ("samples_per_sec", "tokens_per_sec", "step_time")},
+            "truncated_frac": self.batches.truncated_fraction}
 
-  def _check(self, first: int, flags) -> None:
-    if any(flags):
-      metrics_lib.raise_on_nonfinite(self.config.train, first, flags, self._last_good(),
-                                     "Lower train.learning_rate or raise "
-                                     "finetune.temperature (train.nonfinite=skip skips such "
-                                     "steps instead)")
+  def write(self, step: int, row: dict) -> None:
+    super().write(step, row)
+    self.last["step"] = step
 
-  def _last_good(self) -> str:
-    latest = ckpt_lib.complete_steps(self.workdir)
-    return ckpt_lib.step_dir(self.workdir, latest[0]) if latest else "none"
-
-  def _log(self, step: int, window: list, untimed: int) -> None:
-    host = jax.device_get(window)
-    now = time.perf_counter()
-    seconds, self.opened, self.carried = self.carried + now - self.opened, now, 0.0
-    t = self.config.train
-    self._check(step - len(host) + 1, [m["nonfinite"] for m in host])
-    run = int(host[-1].get("consecutive_nonfinite", 0))  # present in skip mode only
-    metrics_lib.raise_on_consecutive_skips(t, step, run, self._last_good())
-    good = [m for m in host if not m["nonfinite"]] or host
-    timed = host[untimed:]
-    batch = t.batch_size
-    row = {"loss": float(np.mean([m["loss"] for m in good])),
-           "accuracy": float(np.mean([m["accuracy"] for m in good])),
-           "learning_rate": float(host[-1]["learning_rate"]),
-           "grad_norm": float(good[-1]["grad_norm"]),
-           "samples_per_sec": len(timed) * batch / seconds if timed else None,
-           "tokens_per_sec": sum(float(m["tokens"]) for m in timed) / seconds if timed else None,
-           "step_time": seconds / len(timed) if timed else None, **self.extra()}
-    if untimed and self.first_step_seconds is not None:
-      row["first_step_seconds"] = self.first_step_seconds
-    if t.nonfinite == "skip":
-      row["nonfinite_skipped"] = int(sum(m["nonfinite"] for m in host))
-    self.writer.write(step, row)
-    self.last = {**row, "step": step}
-    if jax.process_index() == 0:
-      rate = f" | pairs/s {row['samples_per_sec']:.1f}" if row["samples_per_sec"] else ""
-      self.say(f"step {step}/{self.config.train.steps} | loss {row['loss']:.4f} | accuracy "
-               f"{row['accuracy']:.3f} | lr {row['learning_rate']:.2e}{rate}")
-
-  def finish(self, step: int) -> None:
-    if self.pending is not None:
-      self._log(*self.pending)
-      self.pending = None
-    if self.current:
-      self._log(step, self.current, self.untimed)
-      self.current = []
-
-  def close(self, quiet: bool = False) -> None:
-    self.writer.close(quiet)  # quiet: on the way out of a failed run (MetricsWriter.close)
+  def console(self, step: int, row: dict) -> None:
+    rate = f" | pairs/s {row['samples_per_sec']:.1f}" if row["samples_per_sec"] else ""
+    self.say(f"step {step}/{self.train_config.steps} | loss {row['loss']:.4f} | accuracy "
+             f"{row['accuracy']:.3f} | lr {row['learning_rate']:.2e}{rate}")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -332,8 +275,7 @@ def _loop(config, workdir, steps, checkpointer, batches, state, start: int, say)
   t, is_writer = config.train, jax.process_index() == 0
   if is_writer:
     workdir_lib.write_run_state(workdir, "running", start, t.steps)
-  log = Log(config, workdir, start, say,
-            extra=lambda: {"truncated_frac": batches.truncated_fraction})
+  log = ContrastiveLog(config, workdir, start, checkpointer, batches, say)
   preempted, step = False, start
   try:
     with preemption.ctrl_c_at_step_boundaries():
@@ -345,7 +287,8 @@ def _loop(config, workdir, steps, checkpointer, batches, state, start: int, say)
         log.after_step(step, metrics)
         preempted = checkpointer.reached_preemption(step) and step < t.steps
         if step % config.checkpoint.every == 0 or step == t.steps or preempted:
-          log.pause(step)
+          log.pause()
+          log.check_before_save(step)
           checkpointer.save(step, state, batches)
           log.resume()
         else:
