@@ -1,12 +1,14 @@
 """A trained model is loaded with its parameters only (inference.trained_model.from_workdir →
 train.checkpoint.restore_params): the same parameters, bit for bit, as the full TrainState
-restore training does, with no optimizer built and no optimizer array read. Runs: a fresh
+restore training does, with no optimizer built and no optimizer array read; lmscale evaluate
+scores a checkpoint with the eval step alone (train.steps.build_eval_step). Runs: a fresh
 pretraining run of the real trainer, and tests/data/pre_layout's pretraining and fine-tuned
 runs (written by an earlier version of the code). Real Orbax checkpoints throughout.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -17,8 +19,11 @@ import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
 
+from lmscale_jax.cli import evaluate as evaluate_cli
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import trained_model
+from lmscale_jax.inference import model_files, trained_model
+from lmscale_jax.input import loader
+from lmscale_jax.store import dataset
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import checkpoint_manifest, finetune_state, optim
 from lmscale_jax.train import steps as steps_lib
@@ -83,16 +88,52 @@ def test_the_params_only_load_equals_the_full_restore_bitwise(runs, name):
                        jax.device_get(full_state(workdir, tokenizer).params))
 
 
-def test_loading_builds_no_optimizer(runs, monkeypatch):
+def refuse_optimizers(monkeypatch) -> None:
+  """Every way to build an optimizer (or a TrainState around one) raises."""
   def refuse(*args, **kwargs):
     raise AssertionError("a model load built an optimizer")
 
   for module, name in ((optax, "adamw"), (optax, "adam"), (optax, "multi_transform"),
                        (optim, "make_optimizer"), (steps_lib, "build_steps"),
+                       (steps_lib, "build_task_steps"),
                        (finetune_state, "optimizer"), (finetune_state, "abstract_state")):
     monkeypatch.setattr(module, name, refuse)
+
+
+def test_loading_builds_no_optimizer(runs, monkeypatch):
+  refuse_optimizers(monkeypatch)
   for workdir, tokenizer in runs.values():
     assert jax.tree.leaves(loaded_params(workdir, tokenizer))
+
+
+def train_steps_evaluation(workdir: str, data: str) -> dict:
+  """What lmscale evaluate computed before it had an eval-only path: the run's eval batches
+  through build_steps' eval step, on the TrainState restore target's parameters."""
+  config, _ = model_files.read_run(workdir)
+  config.data.path = data
+  meta = dataset.DatasetMeta.load(data)
+  setup = train.build_setup(config, meta)
+  steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
+  _, params = model_files.restore_params(workdir, None, steps.abstract_state.params)
+  return train.evaluate(steps, params, loader.make_dataset(config, meta, "validation",
+                                                           train=False))
+
+
+def test_evaluate_builds_no_optimizer_and_scores_as_before(runs, monkeypatch, capsys):
+  """lmscale evaluate (in-process) with every optimizer constructor refusing: the loss and
+  accuracy of the train steps' evaluation, and the run's own eval_loss at its last step."""
+  workdir, _ = runs["pretrained"]
+  data = os.path.join(os.path.dirname(workdir), "ds")
+  before = train_steps_evaluation(workdir, data)
+  rows = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
+  own = [r for r in rows if "eval_loss" in r][-1]
+  refuse_optimizers(monkeypatch)
+  assert evaluate_cli.main(["--workdir", workdir, "--data", data, "--batches", "2"]) == 0
+  got = json.loads(capsys.readouterr().out)
+  assert (got["step"], got["batches"]) == (own["step"], 2)
+  assert (got["loss"], got["accuracy"]) == (before["eval_loss"], before["eval_mlm_accuracy"])
+  assert got["loss"] == pytest.approx(own["eval_loss"], abs=1e-6)
+  assert got["accuracy"] == pytest.approx(own["eval_mlm_accuracy"], abs=1e-6)
 
 
 def drop_optimizer_arrays(step_dir: str) -> None:

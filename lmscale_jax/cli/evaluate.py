@@ -65,10 +65,11 @@ def evaluate(a) -> dict:
   whole = a.batches is None
   config.train.eval_batches = -(-records // b) if whole else a.batches
   setup = train.build_setup(config, meta)
-  steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
-  step, params = model_files.restore_params(a.workdir, a.step, steps.abstract_state.params)
+  # The eval step alone: no optimizer built, no Adam moment read (the parameters only).
+  scorer = steps_lib.build_eval_step(setup.model_cfg, fsdp=bool(config.train.fsdp))
+  step, params = model_files.restore_params(a.workdir, a.step, scorer.abstract_params)
   batches = loader.make_dataset(config, meta, a.split, train=False)
-  out = train.evaluate(steps, params, WholeSplit(batches, records, b) if whole else batches)
+  out = train.evaluate(scorer, params, WholeSplit(batches, records, b) if whole else batches)
   return {"workdir": a.workdir, "step": step, "data": a.data, "split": a.split,
           "batches": int(config.train.eval_batches), "batch_size": b,
           "records": records if whole else int(config.train.eval_batches) * b,

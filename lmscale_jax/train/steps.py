@@ -1,7 +1,8 @@
 """The jitted functions of a run: the one data-parallel train step of every task (MLM
 pretraining, contrastive fine-tuning: :mod:`lmscale_jax.train.tasks`) with its two gradient
 paths and every lever, the MLM eval step, and :func:`build_task_steps`, which places them and
-the train state on the mesh (:func:`build_steps`: pretraining's).
+the train state on the mesh (:func:`build_steps`: pretraining's; :func:`build_eval_step`: the
+eval step alone, for scoring a checkpoint).
 
 The train step is one XLA program per step: forward, backward, gradient reduction, optimizer
 update; everything per-step runs inside it (nothing in Python between steps but dispatch).
@@ -344,6 +345,38 @@ def make_eval_step(model):
     return {"ce_sum": ce_sum, "correct": correct, "weight": wsum}
 
   return eval_step
+
+
+@dataclasses.dataclass
+class EvalStep:
+  """The MLM eval step alone, placed (``lmscale evaluate``): no optimizer, no TrainState."""
+  mesh: Mesh
+  model: Any
+  batch_sharding: Any
+  abstract_params: Any     # ShapeDtypeStructs carrying the params' shardings (restore target)
+  eval_step: Any           # (params, batch) -> sums, jitted
+
+
+def build_eval_step(model_cfg: ml_collections.ConfigDict, mesh: Mesh | None = None, *,
+                    fsdp: bool = False) -> EvalStep:
+  """:func:`build_steps`' eval step without what training needs besides: the parameters
+  placed as training places them (replicated, or per ``fsdp``: :func:`sharding.state_specs`),
+  the batch split over the ``data`` axis. Scoring a checkpoint builds no optimizer and reads
+  no Adam moment (``model_files.restore_params`` of ``abstract_params``)."""
+  if mesh is None:
+    mesh = sharding.data_mesh()
+  model = model_lib.BertForMLM(model_cfg)
+  abstract = jax.eval_shape(lambda: model_lib.init_params(model_cfg, jax.random.key(0)))
+  specs = sharding.state_specs(abstract, mesh.shape[AXIS], fsdp)
+  params_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
+  abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                          abstract, params_sharding)
+  batch_sharding = sharding.batch_sharding(mesh)
+  eval_step = jax.jit(make_eval_step(model), in_shardings=(params_sharding, batch_sharding),
+                      out_shardings=NamedSharding(mesh, PartitionSpec()))
+  return EvalStep(mesh=mesh, model=model, batch_sharding=batch_sharding,
+                  abstract_params=abstract, eval_step=eval_step)
 
 
 @dataclasses.dataclass
