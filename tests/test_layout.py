@@ -44,10 +44,12 @@ ALLOWED = {
     "study": {"errors", "config", "store", "input", "model", "train", "child_process"},
     "gpu": {"config", "store", "input", "model", "train"},
     "main": {"errors", "config", "cluster", "input", "train"},
+    # The ``lmscale`` command: the top floor (nothing imports it). A subcommand's module is
+    # imported by its name when it runs (cli/lmscale.py's table): ``run-state``'s
+    # ``lmscale_jax.cluster.run_state`` is no edge, and the batch node needs no cli/ for it.
+    "cli": {"errors", "progress", "config", "store", "prep.elf", "prep", "input", "model",
+            "train", "inference", "similarity", "finetune", "evals", "study", "gpu", "main"},
 }
-# The ``lmscale`` command: the top floor, above every library layer (nothing imports it); it may
-# import any of them, so it is the one entry not held to "exactly the edges that exist".
-ALLOWED["cli"] = set(ALLOWED)
 
 def modules() -> dict[str, str]:
   """``{"lmscale_jax.train.steps": path}`` for every module of the package."""
@@ -108,8 +110,7 @@ def test_imports_between_subpackages_go_only_the_allowed_directions():
 
 def test_every_allowed_import_is_one_that_exists():
   found = edges()
-  unused = sorted(f"{g} -> {dep}" for g, deps in ALLOWED.items() if g != "cli"
-                  for dep in deps - found[g])
+  unused = sorted(f"{g} -> {dep}" for g, deps in ALLOWED.items() for dep in deps - found[g])
   assert not unused, "ALLOWED lists imports no module makes (remove them):\n" + "\n".join(unused)
 
 
