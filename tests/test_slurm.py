@@ -239,6 +239,26 @@ def test_a_stale_preempted_state_is_not_requeued(tmp_path, data, cache):
           "stale") in out, out
 
 
+@pytest.mark.parametrize("argv", [[], ["bogus", "w"], ["step"], ["requeue", "w"],
+                                  ["requeue", "w", "--since-step", "x"]])
+def test_a_bad_run_state_command_line_is_exit_1_and_one_line(argv, capsys):
+  """Every entry point's code for a bad command line (not argparse's 2 and usage block); to
+  the batch script's requeue call, 1 is "no requeue" as well."""
+  with pytest.raises(SystemExit) as e:
+    run_state.main(argv)
+  err = capsys.readouterr().err
+  assert e.value.code == 1 and err.count("\n") == 1 and err.startswith("error: "), err
+
+
+def test_the_batch_scripts_run_state_call_with_a_bad_argument_is_one_line(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "lmscale_jax.cluster.run_state", "requeue",
+                      str(tmp_path), "--since-step", "x"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=60, stdin=subprocess.DEVNULL)
+  assert (r.returncode, r.stdout) == (1, "")
+  assert r.stderr.splitlines() == ["error: argument --since-step: invalid int value: 'x' (see "
+                                   "python -m lmscale_jax.cluster.run_state requeue --help)"]
+
+
 # ----------------------------------------------------------------------------- port clash
 def free(port: int) -> bool:
   with socket.socket() as s:

@@ -13,6 +13,7 @@ Imports nothing heavy: the batch script runs it on the batch node before and aft
   python -m lmscale_jax.cluster.run_state step WORKDIR   # the step reached so far (-1: none)
   python -m lmscale_jax.cluster.run_state requeue WORKDIR --since-step N [--max-requeues 20]
       # exit 0: requeue; 1: do not; the reason on stdout either way
+  # a bad command line: exit 1 and one "error:" line, as every entry point (docs/design.md)
 """
 
 from __future__ import annotations
@@ -78,9 +79,18 @@ def requeue_decision(state: dict | None, *, since_step: int, job_id: str, restar
                 f"{max_requeues}")
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse with the exit code of every entry point: a bad command line is exit 1 and one
+  ``error:`` line, not argparse's 2 and usage block (``cli.args.Parser``'s rule, kept here:
+  cluster/ imports no cli/, and the batch node imports nothing heavy). Its subparsers too."""
+
+  def error(self, message):
+    self.exit(1, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m lmscale_jax.cluster.run_state",
-                                   description=__doc__.splitlines()[0])
+  parser = _Parser(prog="python -m lmscale_jax.cluster.run_state",
+                   description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("step", help="the step reached so far (-1: none)").add_argument("workdir")
   ask = sub.add_parser("requeue", help="exit 0 when this allocation should requeue the job")
