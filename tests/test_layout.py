@@ -38,7 +38,7 @@ ALLOWED = {
     "train": {"errors", "config", "store", "cluster", "input", "model"},
     "inference": {"errors", "config", "store", "model", "train"},
     "similarity": {"errors", "store", "progress", "prep.elf"},
-    "finetune": {"errors", "config", "store", "cluster", "model", "train", "inference",
+    "finetune": {"errors", "config", "store", "model", "train", "inference",
                  "similarity"},
     "evals": {"errors", "progress", "prep.elf", "similarity"},
     "study": {"errors", "config", "store", "input", "model", "train", "child_process"},

@@ -13,7 +13,8 @@ layers (their gradients are stopped and their updates zeroed: ``optax.multi_tran
 MLM head, outside the loss, is always frozen and kept, so the encoder still exports as a
 ``BertForMaskedLM``.
 
-The run is a workdir like pretraining's (lmscale_jax/train/workdir.py, checkpoint.py): its lock,
+The run is the one loop of every run (lmscale_jax/train/run_loop.py) in a workdir like
+pretraining's (lmscale_jax/train/workdir.py, checkpoint.py): its lock,
 ``config.json`` (this config, ``model`` the encoder's resolved keys, a resume under changed
 keys refused by the same rules), ``metrics.jsonl``, ``run_state.json``, ``checkpoints/<step>``
 (train state + the batch sampler's position) and ``tokenizer.json`` (the model's own, so the
@@ -41,7 +42,6 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from lmscale_jax.cluster import preemption
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.config import defaults as config_defaults
 from lmscale_jax.config import finetune as finetune_config
@@ -56,6 +56,7 @@ from lmscale_jax.train import finetune_state
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import tasks
 from lmscale_jax.train import metrics as metrics_lib
+from lmscale_jax.train import run_loop
 from lmscale_jax.train import workdir as workdir_lib
 from lmscale_jax.train.finetune_state import trainable_labels  # noqa: F401 (tests use it here)
 
@@ -209,103 +210,76 @@ def finetune(config, workdir: str, *, allow_config_change: bool = False, pairs=N
 
 
 def _finetune(config, workdir: str, pairs, allow_config_change: bool, say) -> dict:
-  t, is_writer = config.train, jax.process_index() == 0
-  say = say if is_writer else (lambda line: None)
+  t = config.train
+  say = say if jax.process_index() == 0 else (lambda line: None)
   config_checks.check_batch(t.batch_size, processes=jax.process_count(),
                             devices_per_process=jax.local_device_count(),
                             accum_steps=t.grad_accum_steps)
-  workdir_lib.check_entries(workdir)
-  resume = ckpt_lib.choose_resume_step(workdir)
-  if resume.step is not None:  # refused before anything is written (config.json's changes)
-    if resume.step > t.steps:
-      raise ckpt_lib.IncompatibleCheckpoint(
-          f"{ckpt_lib.step_dir(workdir, resume.step)}: the workdir is already at step "
-          f"{resume.step}, past train.steps={t.steps}: nothing to train; give a larger --steps "
-          "to continue it, or another --workdir")
-    finetune_pairs.check_resume(pairs, ckpt_lib.step_dir(workdir, resume.step),
+  return run_loop.run(ContrastiveFinetune(config, workdir, pairs, say), config, workdir,
+                      allow_config_change=allow_config_change)
+
+
+class ContrastiveFinetune(run_loop.RunTask):
+  """Contrastive fine-tuning in the one loop (:mod:`lmscale_jax.train.run_loop`): batches of
+  pairs (:class:`finetune_pairs.PairBatches`, its position saved), step 0 from a start model
+  (:func:`load_start`), no evaluation, :class:`ContrastiveLog`'s rows, its words through
+  ``say``; Ctrl-C leaves as the KeyboardInterrupt itself."""
+
+  def __init__(self, config, workdir: str, pairs, say: Callable[[str], None]):
+    self.config, self.workdir, self.pairs, self.say = config, workdir, pairs, say
+    self.start_model = self.model = None
+
+  def past_end_advice(self, step: int) -> str:
+    return "; give a larger --steps to continue it, or another --workdir"
+
+  def check_resume(self, step: int) -> None:  # refused before anything is written
+    finetune_pairs.check_resume(self.pairs, ckpt_lib.step_dir(self.workdir, step),
                                 jax.process_index(), jax.process_count())
-  start_model = load_start(config) if resume.step is None else None
-  model = start_model or resumed_model(workdir)
-  model = dataclasses.replace(model, cfg=finetune_cfg(config, model.cfg))
-  config.model = {k: model.cfg[k] for k in MODEL_KEYS}
-  check = workdir_lib.check_config_change(workdir, config, model.cfg,
-                                          resume_step=resume.step,
-                                          allow_change=allow_config_change)
-  resume.set_aside()
-  record = workdir_lib.save_config(workdir, config, model.cfg, check, is_writer)
-  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
-                                       use_async=bool(config.checkpoint.async_save),
-                                       on_full=str(config.checkpoint.on_full),
-                                       run_record=record)
-  if is_writer and start_model is not None:
-    file_io.atomic_write_bytes(os.path.join(workdir, TOKENIZER), model.tokenizer.to_str().encode())
-  steps = build_steps(config, model.cfg)
-  batches = finetune_pairs.PairBatches(pairs, model, seed=t.seed, batch_size=t.batch_size,
-                                       process_index=jax.process_index(),
-                                       process_count=jax.process_count())
-  start = checkpointer.latest_step()
-  try:
-    if start is not None:
-      state = checkpointer.restore(start, steps.abstract_state, batches)
-      if batches.next_step != start + 1:  # the sampler's position is saved with the state
-        raise ckpt_lib.CheckpointCorrupt(
-            f"{ckpt_lib.step_dir(workdir, start)}: its batch position is step "
-            f"{batches.next_step}, its state step {start}; move the checkpoint aside")
-      say(f"resumed from {ckpt_lib.step_dir(workdir, start)}")
-    else:
-      start = 0
-      bert = place(start_model.params, steps.state_sharding.params["bert"])
-      state = steps.init(bert, jax.random.fold_in(jax.random.key(t.seed), 1))
-      subset = " (a seeded subset: data.max_groups)" if config.data.max_groups else ""
-      say(f"fine-tuning {start_model.source}: {len(pairs)} groups{subset} from {pairs.path} "
-          f"({pairs.dropped} with one variant left out), {model.cfg.layers} layers × "
-          f"{model.cfg.hidden}, head {model.cfg.hidden}→{config.finetune.proj_dim} "
-          f"({config.finetune.pool} pooling), {jax.device_count()} device(s)")
-    return _loop(config, workdir, steps, checkpointer, batches, state, start, say)
-  except KeyboardInterrupt:
-    checkpointer.close()  # a save in flight finishes: the rerun resumes from it
-    raise
-  except BaseException:  # any other way out: the save in flight finishes too (train.trainer)
-    checkpointer.end(None if jax.process_count() == 1
-                     else float(config.distributed.heartbeat_timeout))
-    raise
 
+  def model_cfg(self, resume_step: int | None):
+    config = self.config
+    self.start_model = load_start(config) if resume_step is None else None
+    model = self.start_model or resumed_model(self.workdir)
+    self.model = dataclasses.replace(model, cfg=finetune_cfg(config, model.cfg))
+    config.model = {k: self.model.cfg[k] for k in MODEL_KEYS}
+    return self.model.cfg
 
-def _loop(config, workdir, steps, checkpointer, batches, state, start: int, say) -> dict:
-  t, is_writer = config.train, jax.process_index() == 0
-  if is_writer:
-    workdir_lib.write_run_state(workdir, "running", start, t.steps)
-  log = ContrastiveLog(config, workdir, start, checkpointer, batches, say)
-  preempted, step = False, start
-  try:
-    with preemption.ctrl_c_at_step_boundaries():
-      for step in range(start + 1, t.steps + 1):
-        if preemption.ctrl_c_requested():
-          raise KeyboardInterrupt
-        ids = jax.make_array_from_process_local_data(steps.batch_sharding, next(batches))
-        state, metrics = steps.train_step(state, ids)
-        log.after_step(step, metrics)
-        preempted = checkpointer.reached_preemption(step) and step < t.steps
-        if step % config.checkpoint.every == 0 or step == t.steps or preempted:
-          log.pause()
-          log.check_before_save(step)
-          checkpointer.save(step, state, batches)
-          log.resume()
-        else:
-          checkpointer.poll()
-        if preempted:
-          checkpointer.wait()  # synchronous: the process may be killed soon after it exits
-          break
-    log.finish(step)
-    if preempted:
-      say(f"preempted: stopped after step {step} of {t.steps}; checkpoint "
-          f"{ckpt_lib.step_dir(workdir, step)} saved. Rerun the same command to continue")
-  except BaseException:
-    log.close(quiet=True)  # the run's own error is the report
-    raise
-  log.close()
-  checkpointer.close()
-  if is_writer:
-    workdir_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,
-                                t.steps)
-  return log.last
+  def open(self, checkpointer) -> None:
+    config, model, t = self.config, self.model, self.config.train
+    if jax.process_index() == 0 and self.start_model is not None:
+      file_io.atomic_write_bytes(os.path.join(self.workdir, TOKENIZER),
+                                 model.tokenizer.to_str().encode())
+    self.steps = build_steps(config, model.cfg)
+    self.batches = finetune_pairs.PairBatches(self.pairs, model, seed=t.seed,
+                                              batch_size=t.batch_size,
+                                              process_index=jax.process_index(),
+                                              process_count=jax.process_count())
+
+  def resumed(self, step: int) -> None:
+    if self.batches.next_step != step + 1:  # the sampler's position is saved with the state
+      raise ckpt_lib.CheckpointCorrupt(
+          f"{ckpt_lib.step_dir(self.workdir, step)}: its batch position is step "
+          f"{self.batches.next_step}, its state step {step}; move the checkpoint aside")
+    self.say(f"resumed from {ckpt_lib.step_dir(self.workdir, step)}")
+
+  def init_state(self):
+    config, model, pairs = self.config, self.model, self.pairs
+    bert = place(self.start_model.params, self.steps.state_sharding.params["bert"])
+    state = self.steps.init(bert, jax.random.fold_in(jax.random.key(config.train.seed), 1))
+    subset = " (a seeded subset: data.max_groups)" if config.data.max_groups else ""
+    self.say(f"fine-tuning {self.start_model.source}: {len(pairs)} groups{subset} from "
+             f"{pairs.path} ({pairs.dropped} with one variant left out), {model.cfg.layers} "
+             f"layers × {model.cfg.hidden}, head {model.cfg.hidden}→"
+             f"{config.finetune.proj_dim} ({config.finetune.pool} pooling), "
+             f"{jax.device_count()} device(s)")
+    return state
+
+  def make_log(self, start: int, checkpointer) -> ContrastiveLog:
+    return ContrastiveLog(self.config, self.workdir, start, checkpointer, self.batches, self.say)
+
+  def next_batch(self):
+    return jax.make_array_from_process_local_data(self.steps.batch_sharding, next(self.batches))
+
+  def report_preempted(self, step: int, total: int, checkpoint: str) -> None:
+    self.say(f"preempted: stopped after step {step} of {total}; checkpoint {checkpoint} saved. "
+             "Rerun the same command to continue")

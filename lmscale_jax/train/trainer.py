@@ -1,4 +1,5 @@
-"""Training: the setup built from the config, and the loop (train, log, evaluate, checkpoint).
+"""Pretraining: the setup built from the config, its rows (:class:`TrainLog`), its evaluation,
+and the task (:class:`Pretraining`) the one loop (:mod:`lmscale_jax.train.run_loop`) runs.
 
 The hot loop is: pull the prefetched batch (already on device) → dispatch the jitted step (state
 donated) → every ``log_every`` steps close a window whose device metrics are fetched when the
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from typing import Callable
 
 import jax
@@ -19,7 +19,6 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from lmscale_jax.cluster import preemption
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.input import autotune, loader, masking, prefetch
 from lmscale_jax.model import bert as model_lib
@@ -29,6 +28,7 @@ from lmscale_jax.store import dataset, records
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import metrics as metrics_lib
 from lmscale_jax.train import preflight
+from lmscale_jax.train import run_loop
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import workdir as workdir_lib
 
@@ -146,9 +146,6 @@ class TrainLog(metrics_lib.StepLog):
       row["unigram_baseline"] = self.baseline
     return row
 
-  def eval_row(self, step: int, row: dict) -> None:
-    self.write(step, row)
-
 
 def evaluate(steps: steps_lib.Steps, params, eval_batches) -> dict:
   """MLM loss and accuracy over the fixed validation batches (``iter`` afresh each time)."""
@@ -164,7 +161,7 @@ def evaluate(steps: steps_lib.Steps, params, eval_batches) -> dict:
           "eval_mlm_accuracy": float(sums["correct"]) / weight}
 
 
-# ----------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------- the run
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        meta: dataset.DatasetMeta | None = None, *,
                        allow_config_change: bool = False) -> dict:
@@ -181,14 +178,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   finally:
     if took:
       workdir_lib.unlock_workdir(workdir)
-
-
-def _check_not_past_end(workdir: str, start: int | None, steps: int) -> None:
-  if start is not None and start > steps:
-    raise ckpt_lib.IncompatibleCheckpoint(
-        f"{ckpt_lib.step_dir(workdir, start)}: the workdir is already at step {start}, past "
-        f"train.steps={steps}: nothing to train. To continue it, set a larger train.steps "
-        f"(e.g. --config.train.steps={2 * start}); for a new run, give another --workdir")
 
 
 def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> None:
@@ -208,128 +197,81 @@ def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> Non
 def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   config = copy.deepcopy(config)  # data.workers may be capped or set by the autotune below
   setup = build_setup(config, meta)
-  train_config, meta = config.train, setup.meta
   is_writer = jax.process_index() == 0
   loader.cap_workers(config, is_writer=is_writer)
-  process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
   if is_writer and jax.device_count() > 1:
     logging.info("gradient all-reduce: %s (train.grad_allreduce=%s)", steps.grad_allreduce,
                  config.train.grad_allreduce)
   preflight.check_memory(config, setup.memory_at)
-  # The refusals first, from what is on disk: a refused run leaves the workdir as it was.
-  # The checkpoint to resume is the newest that verifies (the same in every process).
-  workdir_lib.check_entries(workdir)
-  resume = ckpt_lib.choose_resume_step(workdir)
-  start = resume.step
-  _check_not_past_end(workdir, start, int(train_config.steps))
-  # Compared before the autotune (which may take minutes); data.workers is a neutral key.
-  data = workdir_lib.dataset_identity(meta)
-  check = workdir_lib.check_config_change(workdir, config, setup.model_cfg,
-                                          resume_step=start, allow_change=allow_config_change,
-                                          data=data)
-  resume.set_aside()  # <step>.corrupt: before the manager, which would list and rotate them
-  for change in check.changes:
-    if is_writer:
-      logging.warning("config change from step %d on (recorded in config.json): %s: %r -> %r",
-                      change["step"], change["key"], change["from"], change["to"])
-  if config.data.autotune:  # before config.json, which then records the choice
-    config.data.workers = autotune.choose_for_run(config, meta, workdir, steps,
-                                                  is_writer=is_writer)
-  record = workdir_lib.save_config(workdir, config, setup.model_cfg, check, is_writer, data)
-  checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
-                                       use_async=bool(config.checkpoint.async_save),
-                                       on_full=str(config.checkpoint.on_full),
-                                       run_record=record)
-  start = checkpointer.latest_step()
-  _warn_if_eval_wraps(config, meta, process)
-
-  train_iter = prefetch.DevicePrefetcher(steps.batch_sharding, reopen=lambda k: iter(
-      loader.make_dataset(config, meta, "train", train=True, start_batch=k, **process)))
-  eval_batches = loader.make_dataset(config, meta, "validation", train=False, **process)
-  try:
-    return _loop(config, setup, workdir, steps, checkpointer, train_iter, eval_batches, start)
-  except KeyboardInterrupt:
-    # Ctrl-C: the loader's worker processes ignore SIGINT (data.ignore_signals_in_worker) so
-    # that only main reports it; stop them now, and let a checkpoint save in flight finish
-    # (it is nearly written; an interpreter exit under it would fail in its thread). A second
-    # Ctrl-C abandons it: main then leaves at once, and Orbax never takes its tmp directory
-    # for a checkpoint.
-    train_iter.close()
-    checkpointer.close()
-    raise Interrupted() from None
-  except BaseException:
-    # Any other way out (bad data, a full disk, a bug): the save in flight is finished, so a
-    # rerun resumes from it (without this a data error one step after a save lost it: only
-    # its tmp directory was left).
-    train_iter.close()
-    checkpointer.end(None if jax.process_count() == 1
-                     else float(config.distributed.heartbeat_timeout))
-    raise
+  return run_loop.run(Pretraining(setup, workdir, steps), config, workdir,
+                      allow_config_change=allow_config_change)
 
 
-def _loop(config, setup: Setup, workdir: str, steps, checkpointer, train_iter, eval_batches,
-          start: int | None) -> dict:
-  train_config, is_writer = config.train, jax.process_index() == 0
-  if start is not None:
-    state = checkpointer.restore(start, steps.abstract_state, train_iter)
-    logging.info("resumed from %s", ckpt_lib.step_dir(workdir, start))
-  else:
-    start = 0
-    state = steps.init(jax.random.key(train_config.seed))
-    if config.init_from:  # step 0 from a BertForMaskedLM directory (hf_convert)
-      state = hf_convert.init_state(config.init_from, state, steps, setup)
-  if is_writer:  # a crash leaves "running": job scripts requeue only a "preempted" run
-    workdir_lib.write_run_state(workdir, "running", start, train_config.steps)
+class Pretraining(run_loop.RunTask):
+  """MLM pretraining in the one loop (:mod:`lmscale_jax.train.run_loop`): batches from the
+  prefetching loader (their position: the loader's), evaluation on the validation split,
+  step 0 fresh or from a BertForMaskedLM directory (``init_from``), :class:`TrainLog`'s rows."""
 
-  log = TrainLog(setup, workdir, start, checkpointer, train_iter)
-  try:
-    preempted, step, state = _steps(config, steps, state, start, workdir, checkpointer,
-                                    train_iter, eval_batches, log)
-    log.finish(step)
-  except BaseException:
-    log.close(quiet=True)  # TensorBoard's buffered events; the run's own error is the report
-    raise
-  log.close()
-  checkpointer.close()
-  if is_writer:
-    workdir_lib.write_run_state(workdir, "preempted" if preempted else "finished", step,
-                             train_config.steps)
-  return {**log.last, "step": int(jax.device_get(state.step))}
+  interrupted = Interrupted
 
+  def __init__(self, setup: Setup, workdir: str, steps: steps_lib.Steps):
+    self.setup, self.config, self.workdir, self.steps = setup, setup.config, workdir, steps
+    self.eval_every = int(self.config.train.eval_every)
+    self.process = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    self.batches = self.eval_batches = None
 
-def _steps(config, steps, state, start: int, workdir: str, checkpointer, train_iter,
-           eval_batches, log: TrainLog) -> tuple[bool, int, object]:
-  """The steps ``start + 1 …``: returns (preempted, the last step, the state after it)."""
-  train_config, is_writer = config.train, jax.process_index() == 0
-  preempted, step = False, start
-  with preemption.ctrl_c_at_step_boundaries():
-    for step in range(start + 1, train_config.steps + 1):
-      if preemption.ctrl_c_requested():
-        raise KeyboardInterrupt
-      state, metrics = steps.train_step(state, next(train_iter))
-      log.after_step(step, metrics)
-      do_eval = step % train_config.eval_every == 0 or step == train_config.steps
-      # Every process asks at every step and gets the same answer.
-      preempted = checkpointer.reached_preemption(step) and step < train_config.steps
-      do_save = step % config.checkpoint.every == 0 or step == train_config.steps or preempted
-      if do_eval or do_save:
-        log.pause()  # neither counts as training time
-      if do_eval:
-        row = evaluate(steps, state.params, eval_batches)
-        log.eval_row(step, {**row, "eval_seconds": time.perf_counter() - log.paused_at})
-      if do_save:
-        log.check_before_save(step)
-        checkpointer.save(step, state, train_iter)
-      else:
-        checkpointer.poll()  # the manifest of a finished background save (processes > 0)
-      if do_eval or do_save:
-        log.resume()
-      if preempted:
-        checkpointer.wait()  # synchronous: the process may be killed soon after it exits
-        if is_writer:
-          logging.warning("preempted: stopped after step %d of %d; checkpoint %s saved. Rerun "
-                          "the same command to continue from it.", step, train_config.steps,
-                          ckpt_lib.step_dir(workdir, step))
-        break
-  return preempted, step, state
+  def past_end_advice(self, step: int) -> str:
+    return (f". To continue it, set a larger train.steps (e.g. --config.train.steps={2 * step});"
+            " for a new run, give another --workdir")
+
+  def model_cfg(self, resume_step: int | None):
+    return self.setup.model_cfg
+
+  def data_identity(self) -> dict:
+    return workdir_lib.dataset_identity(self.setup.meta)
+
+  def before_save_config(self, check) -> None:
+    config, is_writer = self.config, jax.process_index() == 0
+    for change in check.changes:
+      if is_writer:
+        logging.warning("config change from step %d on (recorded in config.json): %s: %r -> %r",
+                        change["step"], change["key"], change["from"], change["to"])
+    # After the config check (the autotune may take minutes; data.workers is a neutral key),
+    # before config.json, which then records the choice.
+    if config.data.autotune:
+      config.data.workers = autotune.choose_for_run(config, self.setup.meta, self.workdir,
+                                                    self.steps, is_writer=is_writer)
+
+  def open(self, checkpointer) -> None:
+    config, meta, process = self.config, self.setup.meta, self.process
+    _warn_if_eval_wraps(config, meta, process)
+    self.batches = prefetch.DevicePrefetcher(self.steps.batch_sharding, reopen=lambda k: iter(
+        loader.make_dataset(config, meta, "train", train=True, start_batch=k, **process)))
+    self.eval_batches = loader.make_dataset(config, meta, "validation", train=False, **process)
+
+  def resumed(self, step: int) -> None:
+    logging.info("resumed from %s", ckpt_lib.step_dir(self.workdir, step))
+
+  def init_state(self):
+    state = self.steps.init(jax.random.key(self.config.train.seed))
+    if self.config.init_from:  # step 0 from a BertForMaskedLM directory (hf_convert)
+      state = hf_convert.init_state(self.config.init_from, state, self.steps, self.setup)
+    return state
+
+  def make_log(self, start: int, checkpointer) -> TrainLog:
+    return TrainLog(self.setup, self.workdir, start, checkpointer, self.batches)
+
+  def evaluate(self, state) -> dict:
+    return evaluate(self.steps, state.params, self.eval_batches)
+
+  def report_preempted(self, step: int, total: int, checkpoint: str) -> None:
+    logging.warning("preempted: stopped after step %d of %d; checkpoint %s saved. Rerun the "
+                    "same command to continue from it.", step, total, checkpoint)
+
+  def close(self) -> None:
+    if self.batches is not None:
+      self.batches.close()
+
+  def result(self, log, state) -> dict:
+    return {**log.last, "step": int(jax.device_get(state.step))}
