@@ -374,9 +374,13 @@ def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, re
   del saved["config"]["model"]["packed_attention"], saved["config"]["init_from"]
   del saved["config"]["train"]["grad_allreduce"]
   path.write_text(json.dumps(saved))
+  # and the fine-tuning levers' keys (its config.json had none before the one train step)
   assert set(workdir_lib.LEGACY_VALUES) == {"model.packed_attention", "init_from",
                                             "train.grad_allreduce", "train.grad_accum_steps",
-                                            "train.grad_allreduce_dtype"}
+                                            "train.grad_allreduce_dtype", "train.fsdp",
+                                            "train.remat", "train.dropout_rng",
+                                            "train.max_consecutive_nonfinite",
+                                            "train.inject_nonfinite_steps"}
   with pytest.raises(checkpoint.IncompatibleCheckpoint, match="model.packed_attention='cross', "
                      "this run has model.packed_attention='segment'"):
     train.train_and_evaluate(small_train_config(data, steps=4), str(resumable))
