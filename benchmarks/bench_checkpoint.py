@@ -15,7 +15,6 @@ one JSON line per measurement (--out appends them to a file).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -29,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
+from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
 
 def bert120m_state(vocab_size: int):
@@ -119,15 +119,8 @@ def one_round(state, data_iter, base: str, order: tuple[str, str]) -> dict:
   return out
 
 
-class _Parser(argparse.ArgumentParser):
-  """A bad argument is one line (the usage block is what --help is for)."""
-
-  def error(self, message):
-    self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
 def main(argv=None) -> int:
-  p = _Parser(description=__doc__.splitlines()[0])
+  p = cli_args.Parser(description=__doc__.splitlines()[0])
   p.add_argument("--dir", required=True, help="scratch directory for the checkpoints (~3 GB)")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--vocab-size", type=int, default=30522,

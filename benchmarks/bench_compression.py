@@ -32,6 +32,7 @@ from benchmarks import _host  # noqa: E402
 from lmscale_jax.prep import prepare  # noqa: E402
 from lmscale_jax.prep.elf import elf_corpus  # noqa: E402
 from lmscale_jax.store import dataset, records  # noqa: E402
+from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
 CODECS = tuple(dataset.COMPRESSIONS)  # zstd first: the reference row
 BATCH = 256
@@ -73,7 +74,7 @@ def measure(files, codec, a, root, tokenizer) -> dict:
 
 
 def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = cli_args.Parser(description=__doc__.splitlines()[0])
   p.add_argument("--input", nargs="+", default=["/usr/lib/x86_64-linux-gnu"])
   p.add_argument("--max-input-bytes", type=int, default=60_000_000)
   p.add_argument("--seq-len", type=int, default=512)

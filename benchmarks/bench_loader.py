@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import _host  # noqa: E402
 
 import numpy as np  # noqa: E402
+from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
 PEER = "/work/shared/bench/peer_hf_loader.py"
 
@@ -176,7 +177,7 @@ def measure_peer(python: str, ids_path: str, batch: int, workers: int, seconds: 
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = cli_args.Parser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--data", help="dataset directory (default: a synthetic seq-512 dataset)")
   ap.add_argument("--synthetic-dir", default=os.path.join(tempfile.gettempdir(),
                                                           "lmscale_bench_seq512"))

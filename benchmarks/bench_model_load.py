@@ -36,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
+from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
 PATHS = ("full_state", "params_only")
 
@@ -194,15 +195,8 @@ def report(name: str, m: dict) -> None:
         f"{m['load_rss_ratio_full_over_params_only']:.2f}x")
 
 
-class _Parser(argparse.ArgumentParser):
-  """A bad argument is one line (the usage block is what --help is for)."""
-
-  def error(self, message):
-    self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
 def main(argv=None) -> int:
-  p = _Parser(description=__doc__.splitlines()[0])
+  p = cli_args.Parser(description=__doc__.splitlines()[0])
   p.add_argument("--dir", help="scratch directory for the runs (~2 GB; reused)")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--out", default="", help="write the JSON result here (atomically)")

@@ -45,6 +45,7 @@ from benchmarks import _host  # noqa: E402
 
 from lmscale_jax.prep import prepare  # noqa: E402
 from lmscale_jax.prep.elf import elf_corpus, pretokenize  # noqa: E402
+from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
 # The goal: end to end with one worker, absolute and against capstone alone in the run.
 GOAL_MB_S_CORE, GOAL_RATIO, GOAL_SCALING = 3.0, 0.65, 0.9
@@ -191,7 +192,7 @@ def prepare_only(files: list[str], workers: int, backend: str,
 
 
 def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = cli_args.Parser(description=__doc__.splitlines()[0])
   p.add_argument("--input", nargs="+", default=["/usr/lib/x86_64-linux-gnu", "/usr/bin"])
   p.add_argument("--max-input-bytes", type=int, default=150_000_000)
   p.add_argument("--workers", type=int, nargs="+", default=[1, 2])

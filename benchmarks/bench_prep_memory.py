@@ -32,6 +32,7 @@ from benchmarks import _host  # noqa: E402
 
 from lmscale_jax.prep.elf import elf_corpus  # noqa: E402
 from lmscale_jax.store import dataset
+from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
 
 def _rss(pid: int) -> int:
@@ -120,7 +121,7 @@ def run_once(inputs: list[str], max_bytes: int, workers: int) -> dict:
 
 
 def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = cli_args.Parser(description=__doc__.splitlines()[0])
   p.add_argument("--input", nargs="+", default=["/usr/lib/x86_64-linux-gnu", "/usr/bin"])
   p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
   p.add_argument("--workers", type=int, default=os.cpu_count() or 1)

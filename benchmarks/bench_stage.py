@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
+from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
 
 def synthetic_dataset(directory: str, size_mb: int) -> str:
@@ -108,7 +109,7 @@ def time_verify(src: str, dest: str, workers: int, verify_all: bool) -> float:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = cli_args.Parser(description=__doc__.splitlines()[0])
   p.add_argument("--src", default="", help="dataset to stage (default: a synthetic one)")
   p.add_argument("--size-mb", type=int, default=1024, help="size of the synthetic dataset")
   p.add_argument("--dest-root", default="/tmp/lmscale-bench-stage",

@@ -31,13 +31,14 @@ import json
 import os
 import sys
 import time
+from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = cli_args.Parser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--config", default="configs/bert120m.py")
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                   help="config override, e.g. train.remat=dots (repeatable)")

@@ -15,7 +15,7 @@ set -euo pipefail
 usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
-  ""|-*) echo "error: give the study's directory: bash $0 OUT (see --help)" >&2; exit 2 ;;
+  ""|-*) echo "error: give the study's directory: bash $0 OUT (see --help)" >&2; exit 1 ;;
 esac
 out=$(realpath -m "$1")
 cd "$(dirname "$0")/.."

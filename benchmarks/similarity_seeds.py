@@ -24,12 +24,13 @@ import sys
 from lmscale_jax.errors import UserError
 from lmscale_jax.evals import seeds
 from lmscale_jax.store import file_io
+from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
 CELLS = "gcc-O0↔gcc-O3@100,all@100,gcc-O0↔gcc-O3@1000,all@1000"
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli_args.Parser(description=__doc__.split("\n")[0])
   p.add_argument("--set", action="append", required=True, metavar="NAME=A.json[,B.json]")
   p.add_argument("--group", action="append", required=True, metavar="LABEL=GLOB[,GLOB]")
   p.add_argument("--compare", action="append", default=[], metavar="A>B")
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     compared = comparisons(found, list(sets), pairs, cells)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return cli_args.EXIT_USAGE
   print(table(found, list(sets), labels, cells))
   print("\n".join(["", *map(show_comparison, compared)]) if compared else "")
   if a.json:

@@ -28,7 +28,7 @@ if ! [[ "$NUM_NODES" =~ ^[1-9][0-9]*$ && "$NODE_RANK" =~ ^[0-9]+$ \
         && "$GPUS_PER_NODE" =~ ^[0-9]+$ ]] || ((NODE_RANK >= NUM_NODES)); then
   echo "error: need NUM_NODES >= 1, 0 <= NODE_RANK < NUM_NODES, GPUS_PER_NODE >= 0" \
     "(got $NUM_NODES, $NODE_RANK, $GPUS_PER_NODE)" >&2
-  exit 2
+  exit 1
 fi
 procs=${PROCS_PER_NODE:-$GPUS_PER_NODE}
 if ((GPUS_PER_NODE == 0)); then
@@ -40,7 +40,7 @@ elif ((procs == GPUS_PER_NODE)); then
   devices=gpu-each
 else
   echo "error: PROCS_PER_NODE=$procs: expected 1 or GPUS_PER_NODE ($GPUS_PER_NODE)" >&2
-  exit 2
+  exit 1
 fi
 LMSCALE_PY=$(lmscale_python "$root")
 cd "$root"

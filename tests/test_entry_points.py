@@ -68,7 +68,7 @@ def test_help_prints_usage_only(name, tmp_path):
                                             if t not in RUNS_WITHOUT_ARGUMENTS)])
 def test_no_arguments_is_one_line(name):
   result = run(entry(name))
-  # argparse's usage errors exit 2; main's user errors 1 (absl's convention)
-  assert result.returncode in (1, 2), (result.returncode, result.stderr[-2000:])
+  # one code for every user error, argparse's usage errors too (docs/design.md, Exit codes)
+  assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]

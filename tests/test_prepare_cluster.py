@@ -275,5 +275,5 @@ def test_bad_sbatch_settings_are_one_line_before_anything_is_submitted(tmp_path,
   slurm = FakeSlurm(tmp_path)
   slurm.env.update(env)
   args = ["--input", *small_elves(1)] + (["--output", tmp_path / "o"] if env else [])
-  assert says in one_line(slurm.submit(args), code=2)  # the batch script's usage code
+  assert says in one_line(slurm.submit(args), code=1)  # the one code of a user error
   assert not (slurm.dir / "calls.log").exists() and not (tmp_path / "o").exists()

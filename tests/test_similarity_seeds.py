@@ -100,22 +100,22 @@ def test_the_files_of_one_set_are_runs_paired_file_by_file(tmp_path):
   assert "random − MLM = +0.017 (per seed +0.020, -0.010, +0.040): does not hold" in p.stdout
 
 
-def test_a_bad_results_file_is_one_line_and_exit_2(tmp_path):
+def test_a_bad_results_file_is_one_line_and_exit_1(tmp_path):
   bad = tmp_path / "bad.json"
   bad.write_text("{not json")
   p = subprocess.run([sys.executable, "benchmarks/similarity_seeds.py", "--set", f"e={bad}",
                       "--group", "x=y"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert p.returncode == 2 and p.stdout == ""
+  assert p.returncode == 1 and p.stdout == ""
   assert p.stderr.startswith(f"error: {bad}: not an eval_similarity.py --json file")
   assert len(p.stderr.strip().splitlines()) == 1
 
 
-def test_a_comparison_naming_no_group_is_one_line_and_exit_2(tmp_path):
+def test_a_comparison_naming_no_group_is_one_line_and_exit_1(tmp_path):
   one = results_file(tmp_path / "one.json", {"pre-s0": 0.6, "rand-s0": 0.5})
   p = subprocess.run([sys.executable, "benchmarks/similarity_seeds.py", "--set", f"e={one}",
                       "--group", "pre=pre-*", "--compare", "pre>rand"],
                      cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert p.returncode == 2 and p.stdout == ""
+  assert p.returncode == 1 and p.stdout == ""
   assert p.stderr == "error: --compare: 'rand' is no --group label (['pre'])\n"
 
 
@@ -124,7 +124,7 @@ def test_the_claims_study_wants_its_directory_and_starts_nothing_without_it():
   for argv in ([], ["--steps"]):
     p = subprocess.run(["bash", "benchmarks/similarity_claims.sh", *argv], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and p.stdout == ""
+    assert p.returncode == 1 and p.stdout == ""
     assert p.stderr.startswith("error: give the study's directory") and p.stderr.count("\n") == 1
   p = subprocess.run(["bash", "benchmarks/similarity_claims.sh", "--help"], cwd=ROOT,
                      capture_output=True, text=True, timeout=60)

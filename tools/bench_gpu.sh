@@ -28,11 +28,11 @@ usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exi
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
   -*) echo "error: unknown option '$1' (usage: tools/bench_gpu.sh OUTDIR; see --help)" >&2
-      exit 2 ;;
-  "") echo "error: missing OUTDIR (usage: tools/bench_gpu.sh OUTDIR; see --help)" >&2; exit 2 ;;
+      exit 1 ;;
+  "") echo "error: missing OUTDIR (usage: tools/bench_gpu.sh OUTDIR; see --help)" >&2; exit 1 ;;
 esac
 if [ $# -gt 1 ]; then
-  echo "error: one argument expected, got $# (usage: tools/bench_gpu.sh OUTDIR)" >&2; exit 2
+  echo "error: one argument expected, got $# (usage: tools/bench_gpu.sh OUTDIR)" >&2; exit 1
 fi
 cd "$(dirname "$0")/.."
 OUT=$1

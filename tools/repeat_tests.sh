@@ -13,11 +13,11 @@ set -euo pipefail
 usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
-  "") echo "error: give N and the tests (see --help)" >&2; exit 2 ;;
+  "") echo "error: give N and the tests (see --help)" >&2; exit 1 ;;
 esac
 n=$1
 shift
-[[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "error: N must be a positive count, got '$n'" >&2; exit 2; }
+[[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "error: N must be a positive count, got '$n'" >&2; exit 1; }
 loaded=0
 if [[ "${1:-}" == --loaded ]]; then loaded=1; shift; fi
 cd "$(dirname "$0")/.."
