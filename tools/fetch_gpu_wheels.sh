@@ -7,7 +7,7 @@
 # The image (see the device notes) has Python 3.12, jax/jaxlib (CUDA), flax, optax,
 # orbax-checkpoint, etils, absl-py, cloudpickle, protobuf, PyYAML, psutil, tokenizers, torch
 # and transformers; it lacks grain (+ portpicker), array-record, ml-collections and
-# tensorboardX. Wheels are fetched without dependencies, for that interpreter, at the
+# tensorboardX (and pytest, for the GPU-only tests bench_gpu.sh runs). Wheels are fetched without dependencies, for that interpreter, at the
 # versions this repository is tested with; one version of each.
 set -euo pipefail
 source "$(dirname "$0")/_no_arguments.sh" "$0" "$@"  # --help, or no arguments at all
@@ -23,7 +23,7 @@ $PIP download -q --no-deps --only-binary=:all: --python-version "$PYVER" --imple
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux1_x86_64 --platform any -d .gpu/wheels \
   grain==0.2.18 array-record==0.8.6 ml-collections==1.1.0 tensorboardX==2.6.5 \
-  portpicker==1.6.0
+  portpicker==1.6.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
 for peer in ../shared/bench/peer_hf_bert.py /work/shared/bench/peer_hf_bert.py; do
   if [ -f "$peer" ]; then install -m 644 "$peer" .gpu/peer_hf_bert.py; break; fi
 done
