@@ -89,7 +89,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog="python -m lmscale_jax.cluster.run_state",
+  # As the user typed it: ``lmscale run-state`` (the dispatcher sets argv[0]) or python -m.
+  typed = sys.argv[0] if sys.argv and sys.argv[0].startswith("lmscale ") else None
+  parser = _Parser(prog=typed or "python -m lmscale_jax.cluster.run_state",
                    description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("step", help="the step reached so far (-1: none)").add_argument("workdir")
