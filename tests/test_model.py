@@ -376,6 +376,9 @@ def design_config_keys() -> list[str]:
     head = re.split(r"\s{2,}", line.strip())[0]
     if not head:
       continue
+    if "." not in head.split()[0]:  # a top-level key (init_from)
+      keys.append(head.split()[0])
+      continue
     section, rest = head.split(".", 1)
     for key in rest.split(","):
       key = re.sub(r"\(.*?\)", "", key).strip()
@@ -397,8 +400,8 @@ def test_config_has_every_design_key(name):
   c = load_config(name)
   for key in design_config_keys() + ["train.remat", "train.grad_accum_steps",
                                      "train.nonfinite", "model.attention_impl"]:
-    section, leaf = key.split(".")
-    assert leaf in c[section], f"configs/{name}.py lacks {key}"
+    section, _, leaf = key.rpartition(".")
+    assert leaf in (c[section] if section else c), f"configs/{name}.py lacks {key}"
   assert c.train.remat in M.REMAT_POLICIES and c.model.dtype in M.DTYPES
   assert c.model.attention_dropout == 0.0  # keeps training on the fused attention path
 
