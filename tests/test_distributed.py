@@ -510,3 +510,26 @@ def test_by_shard_dataset_check(data, tmp_path):
   losses, evals = series(workdir), series(workdir, "eval_loss")
   assert sorted(losses) == [1, 2, 3, 4, 5, 6] and sorted(evals) == [3, 6]
   assert all(np.isfinite(v) for v in [*losses.values(), *evals.values()])
+
+
+def test_a_library_error_from_a_lost_peer_is_left_to_the_supervisors_one_line(monkeypatch):
+  """An Orbax save in flight when a peer was killed logged its barrier's traceback ("Gloo
+  AllGather failed … Connection reset by peer") beside the supervisor's one line (seen once in
+  tests/test_finetune.py's lost-process test); the filter drops it in a multi-process job only,
+  and keeps any other library error."""
+  import logging as std_logging
+
+  from lmscale_jax.cluster import distributed
+  from lmscale_jax.train import startup
+
+  def record(message: str) -> std_logging.LogRecord:
+    error = ValueError(message)
+    return std_logging.LogRecord("absl", std_logging.ERROR, "/x/orbax/checkpoint/_src/a.py",
+                                 1, "save failed", (), (ValueError, error, None))
+
+  lost = "UNKNOWN: Gloo AllGather failed: pair.cc:538 Read error: Connection reset by peer"
+  quiet = startup._QuietLibraries()
+  assert quiet.filter(record(lost))  # one process: nobody else reports it
+  monkeypatch.setattr(distributed._job, "coordinator", "127.0.0.1:1234")
+  assert not quiet.filter(record(lost))
+  assert quiet.filter(record("tensorstore: bad checksum in file d/0"))

@@ -252,6 +252,13 @@ _PEER_FAILURE = re.compile(r"(?i)gloo|nccl|connection|socket|peer|unavailable|de
 _VERDICT_GRACE_S = 10
 
 
+def peer_failure(error: BaseException) -> bool:
+  """Whether ``error`` is a collective of a multi-process job that failed because a peer's
+  connection broke (the runtime then names the lost process: lmscale_jax.cluster.supervisor)."""
+  return (not isinstance(error, UserError) and _job.coordinator is not None
+          and bool(_PEER_FAILURE.search(str(error))))
+
+
 def await_runtime(error: BaseException, heartbeat_timeout_s: float) -> None:
   """For a collective that failed because a peer may be gone: waits for the runtime to end
   this process (the supervisor then names the lost process) and returns only if it has not
@@ -259,8 +266,7 @@ def await_runtime(error: BaseException, heartbeat_timeout_s: float) -> None:
   peer is gone, returns at once. The message decides, not the type: a device collective raises
   JaxRuntimeError, a host-side one ValueError ("UNKNOWN: Gloo AllGather failed: … Connection
   closed by peer", seen in tests/test_finetune.py)."""
-  if (isinstance(error, UserError) or _job.coordinator is None
-      or not _PEER_FAILURE.search(str(error))):
+  if not peer_failure(error):
     return
   logging.info("a collective failed (%s); waiting for the runtime to name the lost process",
                str(error).splitlines()[0][:200] if str(error) else type(error).__name__)

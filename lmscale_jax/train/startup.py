@@ -186,25 +186,33 @@ def _multi_process_failure(e: BaseException, config, workdir: str) -> None:
 # ----------------------------------------------------------------------------- the process
 class _QuietLibraries(std_logging.Filter):
   """Orbax and Grain log every save/restore phase at INFO: keep their warnings and errors,
-  except the errors of a full disk. A save that fails for lack of space logs one error with a
-  traceback per writer thread (5-8 on a full tmpfs, 500-950 lines); the run reports it in its
-  one disk-full line (:func:`one_line`), and ``--v=1`` still shows them."""
+  except two kinds the run reports in one line of its own (``--v=1`` still shows them): a
+  full disk (a failed save logs one error with a traceback per writer thread, 5-8 on a full
+  tmpfs, 500-950 lines; :func:`one_line`), and a lost peer of a multi-process job (a save in
+  flight when a process was killed logged its barrier's "Gloo AllGather failed … Connection
+  reset by peer" traceback, seen in tests/test_finetune.py; the supervisor names the lost
+  process)."""
 
   def filter(self, record):
     if not any(f"/{lib}/" in record.pathname for lib in ("orbax", "grain")):
       return True
     if record.levelno < std_logging.WARNING:
       return False
+    from lmscale_jax.cluster import distributed
+
     cause = record.exc_info[1] if record.exc_info else RuntimeError(record.getMessage())
-    return errors.disk_full(cause) is None or logging.vlog_is_on(1)
+    reported = errors.disk_full(cause) is not None or distributed.peer_failure(cause)
+    return not reported or logging.vlog_is_on(1)
 
 
 def quiet_libraries() -> None:
-  """Installs :class:`_QuietLibraries` on absl's handler and
+  """Installs :class:`_QuietLibraries` on absl's handler and logger, and
   :func:`_without_closed_loop_callbacks` as ``sys.unraisablehook`` (once per process)."""
-  handler = logging.get_absl_handler()
-  if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
-    handler.addFilter(_QuietLibraries())
+  # On absl's logger too: without absl's app.run (lmscale finetune) its records reach
+  # Python's own handlers, which absl's handler filter never sees.
+  for where in (logging.get_absl_handler(), std_logging.getLogger("absl")):
+    if not any(isinstance(f, _QuietLibraries) for f in where.filters):
+      where.addFilter(_QuietLibraries())
   if not getattr(sys.unraisablehook, "lmscale_quiet", False):
     sys.unraisablehook = _without_closed_loop_callbacks(sys.unraisablehook)
 
