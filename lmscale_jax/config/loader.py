@@ -84,11 +84,17 @@ def dotted_keys(config, prefix: str = "") -> list[str]:
   return out
 
 
+def closest(key: str, keys) -> str | None:
+  """The one "did you mean" of every config error: the closest of ``keys`` to ``key``."""
+  near = difflib.get_close_matches(key, list(keys), n=1)
+  return near[0] if near else None
+
+
 def unknown_key(key: str, keys, shown=lambda k: f"config.{k}") -> ConfigError:
   """The one line for a key ``config`` does not have, naming its one closest key."""
-  near = difflib.get_close_matches(key, list(keys), n=1)
+  near = closest(key, keys)
   return ConfigError(f"unknown config key {shown(key)!r}"
-                     + (f"; did you mean {shown(near[0])!r}?" if near else ""))
+                     + (f"; did you mean {shown(near)!r}?" if near else ""))
 
 
 def parse_value(default, text: str, key: str):

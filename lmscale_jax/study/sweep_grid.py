@@ -8,7 +8,6 @@ processes it starts.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import itertools
 import json
@@ -33,12 +32,6 @@ class SweepError(UserError):
 
 
 # ----------------------------------------------------------------------------- configs
-def parse_value(old, text: str, key: str):
-  """``text`` as the type of the config's current value: the loader's typing
-  (``config.loader.parse_value``), the same as ``--config.KEY=VALUE`` on a run's command line."""
-  return loader.parse_value(old, text, key)
-
-
 def load_config(path: str, sets, root: str = ""):
   """``path`` (relative to ``root``)'s get_config() with the (key, value) ``sets`` applied; an
   unknown key names the closest one."""
@@ -46,16 +39,16 @@ def load_config(path: str, sets, root: str = ""):
     raise SweepError(f"--config {path}: no such config file")
   config = loader.load_file(os.path.join(root, path))
   keys = loader.dotted_keys(config)
-  for key, text in sets:
+  for key, text in sets:  # typed as --config.KEY=VALUE is (config.loader)
     if key not in keys:
-      near = difflib.get_close_matches(key, keys, n=1)
+      near = loader.closest(key, keys)
       raise SweepError(f"config key {key!r} (--set/--model) does not exist in {path}"
-                       + (f"; did you mean {near[0]!r}?" if near else ""))
+                       + (f"; did you mean {near!r}?" if near else ""))
     *sections, leaf = key.split(".")
     node = config
     for section in sections:
       node = node[section]
-    node[leaf] = parse_value(node[leaf], text, key)
+    node[leaf] = loader.parse_value(node[leaf], text, key)
   return config
 
 
