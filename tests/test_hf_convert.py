@@ -99,12 +99,17 @@ def test_from_hf_rejects_bad_state_dicts(cfg, params):
                                 cfg)
 
 
-def test_pre_ln_is_refused_in_one_line(cfg):
-  pre = small_cfg(pre_ln=True)
-  with pytest.raises(hf_convert.HFError, match="pre_ln=True cannot be exported.*Megatron"):
+def test_pre_ln_is_refused_as_a_bert_in_one_line(cfg):
+  pre = small_cfg(norm="pre")
+  with pytest.raises(hf_convert.HFError, match="norm='pre' cannot be exported.*Megatron"):
     hf_convert.hf_config(pre)
-  with pytest.raises(hf_convert.HFError, match="pre_ln"):
+  with pytest.raises(hf_convert.HFError, match="norm='pre'"):
     hf_convert.to_hf_state_dict({}, pre)
+
+
+def test_instruction_positions_are_refused_as_a_bert_in_one_line(cfg):
+  with pytest.raises(hf_convert.HFError, match="positions='instruction' cannot be exported"):
+    hf_convert.hf_config(small_cfg(positions="instruction"))
 
 
 def test_export_import_round_trips_parameters_exactly(cfg, params, exported):

@@ -199,9 +199,9 @@ def test_bad_input_is_one_line_naming_what_and_the_fix(run, exported, tmp_path, 
 
 def test_pre_ln_run_export_is_refused_in_one_line(run, tmp_path, capsys):
   saved = json.loads((run[1] / "config.json").read_text())
-  saved["config"]["model"]["pre_ln"] = saved["model"]["pre_ln"] = True
+  saved["config"]["model"]["norm"] = saved["model"]["norm"] = "pre"
   (tmp_path / "pre").mkdir()
   (tmp_path / "pre" / "config.json").write_text(json.dumps(saved))  # refused before any restore
   code, _, err = run_tool("export_hf", ["--workdir", tmp_path / "pre", "--output",
                                         tmp_path / "o"], capsys)
-  assert code == 1 and "pre_ln=True cannot be exported" in err and not (tmp_path / "o").exists()
+  assert code == 1 and "norm='pre' cannot be exported" in err and not (tmp_path / "o").exists()

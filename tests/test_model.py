@@ -256,7 +256,7 @@ def test_attention_impl_selection():
 
 
 def test_pre_ln_variant_runs_and_has_final_layernorm(params):
-  cfg = small_cfg(pre_ln=True)
+  cfg = small_cfg(norm="pre")
   shapes = jax.eval_shape(lambda r: M.init_params(cfg, r), jax.random.key(0))
   assert set(shapes) == set(params) | {"final_LayerNorm"}
   params = dict(params, final_LayerNorm={"scale": jnp.ones(cfg.hidden),
@@ -302,7 +302,7 @@ def test_remat_policies_give_identical_loss_and_grads():
 
 
 # --------------------------------------------------------------------------- accounting
-@pytest.mark.parametrize("overrides", [{}, {"pre_ln": True}, {"layers": 3, "ffn": 48}])
+@pytest.mark.parametrize("overrides", [{}, {"norm": "pre"}, {"positions": "instruction"}, {"layers": 3, "ffn": 48}])
 def test_analytic_param_count(overrides):
   cfg = small_cfg(**overrides)
   shapes = jax.eval_shape(lambda r: M.init_params(cfg, r), jax.random.key(0))
@@ -389,7 +389,7 @@ def design_config_keys() -> list[str]:
 
 def test_design_key_parser_sees_the_documented_keys():
   keys = design_config_keys()
-  for k in ("data.path", "model.pre_ln", "model.type_vocab_size", "train.eval_batches",
+  for k in ("data.path", "model.norm", "model.positions", "model.type_vocab_size", "train.eval_batches",
             "checkpoint.async_save", "metrics.peak_tflops"):
     assert k in keys
   assert len(keys) == len(set(keys)) >= 39

@@ -146,6 +146,8 @@ def check_model_config(model_config, *, remat: str) -> None:
   (``model.bert.resolve_model_config``), for library callers that never parsed a config."""
   one_of(model_config.dtype, modes.DTYPES, "model.dtype")
   one_of(model_config.attention_impl, modes.ATTENTION_IMPLS, "model.attention_impl")
+  one_of(model_config.positions, modes.POSITIONS, "model.positions")
+  one_of(model_config.norm, modes.NORMS, "model.norm")
   one_of(remat, modes.REMAT, "train.remat")
   if model_config.hidden % model_config.heads:
     raise ConfigError(f"model.hidden={model_config.hidden} is not divisible by "
@@ -198,6 +200,11 @@ def check_model_fits_dataset(model_config, meta) -> None:
         f"{mpath} is format {meta.raw.get('format')!r} (one [CLS] per record): re-prepare the "
         "dataset (lmscale prepare binary / text put a [CLS] before every function) "
         "or set model.packed_attention=cross")
+  if model_config.positions == "instruction" and not meta.has_instructions:
+    raise ConfigError(
+        f"model.positions='instruction' counts instructions by [NEXT], and {mpath} is a "
+        f"{meta.raw.get('kind', 'text')} corpus without [NEXT] tokens: use it on a dataset made "
+        "by lmscale prepare binary, or set model.positions=segment (or absolute)")
 
 
 def flat_keys(tree: dict, prefix: str = "") -> dict:

@@ -40,13 +40,17 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.type_vocab_size = 2
   c.model.layer_norm_eps = 1e-12
   c.model.initializer_range = 0.02
-  c.model.pre_ln = False
+  c.model.norm = "post"         # post (BERT) | pre (pre-LN, undertale)
   c.model.dtype = "bfloat16"    # compute dtype; params are always float32
   c.model.attention_impl = "auto"  # auto | xla | cudnn (auto = cuDNN on GPU in bfloat16)
   # segment: each packed function attends within itself, positions from 0 (as alone) | cross
   # (one window per sequence). Default by benchmarks/bench_packed_attention.py: lower MLM
   # loss on packed and on one-function inputs, same CPU step time (docs/performance.md).
   c.model.packed_attention = "segment"
+  # absolute (0..S-1 per sequence) | segment (from 0 at each [CLS]: a packed function gets what
+  # it gets alone) | instruction (undertale: instruction + argument index from [NEXT], binary
+  # datasets only). docs/training.md "Model variants" has what each costs and gives.
+  c.model.positions = "segment"
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 256      # global sequences per step

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 
 # Keys renamed: old spelling -> new (a config file or command line that still uses it is refused).
-RENAMED = {"checkpoint.async": "checkpoint.async_save"}
+RENAMED = {"checkpoint.async": "checkpoint.async_save",
+           "model.pre_ln": "model.norm"}  # pre_ln=True is norm=pre, False is norm=post
 
 VALUES = {
     "model.packed_attention": "cross",  # one attention window per sequence
@@ -30,9 +31,37 @@ VALUES = {
 }
 
 
+def upgrade_model(model: dict) -> dict:
+  """A config's model section in today's keys: ``pre_ln`` (a bool) becomes ``norm`` ("pre" or
+  "post"), and a missing ``positions`` is what such a run computed: its positions followed its
+  attention windows (``packed_attention`` "segment": from 0 at each [CLS]; "cross": 0..S-1)."""
+  out = dict(model)
+  pre_ln = out.pop("pre_ln", False)
+  out.setdefault("norm", "pre" if pre_ln else "post")
+  if "positions" not in out:
+    windows = out.get("packed_attention", VALUES["model.packed_attention"])
+    out["positions"] = "segment" if windows == "segment" else "absolute"
+  return out
+
+
+def complete_record(record: dict) -> dict:
+  """A run's ``config.json`` record (``{"config", "model"}``) with :func:`complete` applied to
+  its config, and ``norm``/``positions`` in its resolved model (the shape keys a resume and the
+  tools compare) taken from that completed config where the record predates them."""
+  out = dict(record, config=complete(record["config"]))
+  model = dict(record["model"])
+  model.pop("pre_ln", None)
+  completed = out["config"].get("model", {})
+  for key, default in (("norm", "post"), ("positions", "segment")):
+    model.setdefault(key, completed.get(key, default))
+  out["model"] = model
+  return out
+
+
 def complete(tree: dict) -> dict:
   """``config.json``'s ``"config"`` (a nested dict) with each key of :data:`VALUES` it lacks set
-  to its legacy value (keys of a section the config does not have are left out)."""
+  to its legacy value (keys of a section the config does not have are left out), and its model
+  section in today's keys (:func:`upgrade_model`)."""
   out = copy.deepcopy(tree)
   for key, value in VALUES.items():
     *sections, leaf = key.split(".")
@@ -43,4 +72,6 @@ def complete(tree: dict) -> dict:
         break
     else:
       node.setdefault(leaf, value)
+  if isinstance(out.get("model"), dict):
+    out["model"] = upgrade_model(out["model"])
   return out

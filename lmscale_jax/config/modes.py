@@ -6,9 +6,13 @@ DTYPES = ("float32", "bfloat16")  # model.dtype, finetune.dtype, train.grad_allr
 REMAT = ("none", "dots", "full")  # train.remat (model/bert.py: what the backward recomputes)
 # model.attention_impl (model/bert.py); auto = cuDNN on a GPU in bfloat16, else XLA
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
-# model.packed_attention: "segment" = per-function attention and positions inside a packed
-# sequence, "cross" = one window over the whole sequence
+# model.packed_attention: "segment" = per-function attention windows inside a packed sequence,
+# "cross" = one window over the whole sequence
 PACKED_ATTENTION = ("segment", "cross")
+# model.positions (model/bert.py): "absolute" 0..S-1 per sequence, "segment" from 0 at each
+# [CLS], "instruction" undertale's instruction + argument index (from [NEXT]), no position table
+POSITIONS = ("absolute", "segment", "instruction")
+NORMS = ("post", "pre")  # model.norm (model/bert.py): BERT's post-LN or pre-LN (undertale)
 SCHEDULES = ("linear", "cosine")  # train.schedule (train/optim.py)
 # train.nonfinite: "error" stops the run, naming the step and the last good checkpoint; "skip"
 # drops the update and counts it (metrics nonfinite_skipped)

@@ -229,7 +229,7 @@ def mlm_logits(model: TrainedModel, ids: np.ndarray, positions: np.ndarray) -> n
 
 
 def _last_hidden_name(cfg) -> str:
-  return "final_LayerNorm" if cfg.pre_ln else f"layer_{cfg.layers - 1}"
+  return "final_LayerNorm" if cfg.norm == "pre" else f"layer_{cfg.layers - 1}"
 
 
 @functools.lru_cache(maxsize=8)

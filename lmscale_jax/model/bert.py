@@ -25,23 +25,37 @@ attention-probability dropout, so when ``cfg.attention_dropout > 0`` and not det
 explicit softmax path runs instead (materializing [B,N,S,S]); the shipped configs use
 ``attention_dropout = 0.0`` so training takes the fused path.
 
-Packed sequences (``cfg.packed_attention``): "cross" is one attention window per sequence with
-positions 0..S-1 (format-1 behaviour, bit for bit); "segment" gives every ``[CLS] … [SEP]``
-span (a function, see :mod:`lmscale_jax.prep.packing`) its own window and positions from 0, so each
-function is computed exactly as alone in a sequence (and as the exported BertForMaskedLM sees
-it). Segments are derived here from the tokens (:func:`segment_ids`: a segment starts at each
+Packed sequences (``cfg.packed_attention``): "cross" is one attention window per sequence
+(format-1 behaviour, bit for bit, with ``positions="absolute"``); "segment" gives every
+``[CLS] … [SEP]`` span (a function, see :mod:`lmscale_jax.prep.packing`) its own window, so with
+``positions="segment"`` or "instruction" each function is computed exactly as alone in a
+sequence (and as the exported model sees it). Segments are derived here from the tokens (:func:`segment_ids`: a segment starts at each
 [CLS]; MLM masking never touches specials), so the loader, per-process slicing and resume are
 the same in both modes. Paths in segment mode: "xla" with the block-diagonal [B,1,S,S] mask
 (:func:`segment_mask`), "cudnn" with that mask as cuDNN's dense bias (``jax.nn`` takes no
 segment ids: jax 0.10's cuDNN packed layout, ``q_offsets``, is private and Hopper-only), and
 "pallas" (Pallas GPU flash attention with ``segment_ids``: no [S,S] tensor in memory).
 
+Positions (``cfg.positions``), independent of the attention windows: "absolute" = 0..S-1 over
+the whole sequence; "segment" = restarting at 0 at each [CLS] (what a function alone gets);
+"instruction" = undertale's instruction-trace embedding (arXiv 2509.05258's model,
+``undertale/models/custom.py``): no position table, each token gets token + instruction index
+(0, 1, … counted by ``[NEXT]``; the ``[NEXT]`` ends its instruction) + argument index (its
+place inside the instruction), both restarting at each [CLS] (:func:`instruction_positions`),
+computed here in the step from the tokens.
+
+Norm (``cfg.norm``): "post" = BERT (LayerNorm after each residual add); "pre" = pre-LN
+(LayerNorm on each branch's input, as undertale), plus a final LayerNorm before the MLM head
+(undertale has none there; its head has its own LayerNorm, as ours).
+
 Parameter tree (names chosen so that ``hf_convert.to_hf_state_dict`` is a 1:1 renaming)::
 
   embeddings/{word_embeddings,position_embeddings,token_type_embeddings}/embedding, LayerNorm
+      (positions="instruction": instruction_embeddings and argument_embeddings, [S,H] each,
+      instead of position_embeddings)
   layer_{i}/{query,key,value,attention_output,intermediate,output}/{kernel,bias},
   layer_{i}/{attention_LayerNorm,output_LayerNorm}/{scale,bias}
-  final_LayerNorm                      (pre-LN only; the embedding LayerNorm stays)
+  final_LayerNorm                      (norm="pre" only; the embedding LayerNorm stays)
   mlm_transform/{kernel,bias}, mlm_LayerNorm/{scale,bias}, mlm_bias [V]
 The decoder has no parameter of its own: it is the transposed word-embedding matrix.
 """
@@ -83,7 +97,8 @@ def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: dataset.Dat
   it. Adds ``pad_id`` (from the dataset's special ids), ``remat`` (``config.train.remat``) and
   ``cudnn_mask`` (one of :data:`CUDNN_MASKS`; "lengths" unless a benchmark sets it) and
   ``cls_id`` (where segments start in ``packed_attention="segment"``; a ``--packing none``
-  dataset resolves "segment" to "cross", the same computation).
+  dataset resolves "segment" to "cross", the same computation) and ``next_id`` (the
+  ``[NEXT]`` that ends an instruction, for ``positions="instruction"``).
   """
   config_checks.check_model_config(model_cfg, remat=remat)
   config_checks.check_model_fits_dataset(model_cfg, meta)
@@ -91,6 +106,7 @@ def resolve_model_config(model_cfg: ml_collections.ConfigDict, meta: dataset.Dat
   cfg.vocab_size, cfg.seq_len = meta.vocab_size, meta.seq_len
   cfg.pad_id = meta.pad_id
   cfg.cls_id = int(meta.special_ids["[CLS]"])
+  cfg.next_id = int(meta.special_ids["[NEXT]"])
   if cfg.packed_attention == "segment" and meta.raw.get("packing") == "none":
     # One function per record: the same computation as one window, and cuDNN keeps its
     # key-length padding mask instead of a dense [B,1,S,S] bias.
@@ -135,6 +151,25 @@ def segment_positions(input_ids, cls_id: int):
   index = jnp.arange(s, dtype=jnp.int32)[None, :]
   starts = (input_ids == cls_id).at[:, 0].set(True)
   return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def instruction_positions(input_ids, cls_id: int, next_id: int):
+  """(instruction index, argument index), int32 [B,S] each, restarting at each [CLS].
+
+  ``[CLS] push rbp [NEXT] mov rbp rsp [NEXT] …`` → instructions 0 0 0 0 1 1 1 1 …, arguments
+  0 1 2 3 0 1 2 3 …: the ``[NEXT]`` belongs to the instruction it ends (undertale's
+  ``compute_instruction_index``/``compute_argument_index``, which shift the [NEXT] mask by one).
+  Both are < S, the size of each table.
+  """
+  s = input_ids.shape[1]
+  index = jnp.arange(s, dtype=jnp.int32)[None, :]
+  functions = (input_ids == cls_id).at[:, 0].set(True)
+  after_next = jnp.zeros_like(functions).at[:, 1:].set(input_ids[:, :-1] == next_id)
+  count = jnp.cumsum(after_next, axis=1, dtype=jnp.int32)
+  instruction = count - jax.lax.cummax(jnp.where(functions, count, 0), axis=1)
+  starts = functions | after_next
+  argument = index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+  return instruction, argument
 
 
 def segment_mask(seg):
@@ -227,7 +262,11 @@ class BertEmbeddings(nn.Module):
                                      param_dtype=jnp.float32, name=name,
                                      embedding_init=nn.initializers.normal(cfg.initializer_range))
     self.word_embeddings = embed(cfg.vocab_size, "word_embeddings")
-    self.position_embeddings = embed(cfg.seq_len, "position_embeddings")
+    if cfg.positions == "instruction":
+      self.instruction_embeddings = embed(cfg.seq_len, "instruction_embeddings")
+      self.argument_embeddings = embed(cfg.seq_len, "argument_embeddings")
+    else:
+      self.position_embeddings = embed(cfg.seq_len, "position_embeddings")
     self.token_type_embeddings = embed(cfg.type_vocab_size, "token_type_embeddings")
     self.LayerNorm = _layer_norm(cfg, "LayerNorm")
     self.dropout = nn.Dropout(cfg.dropout)
@@ -237,7 +276,10 @@ class BertEmbeddings(nn.Module):
     if s > self.cfg.seq_len:
       raise ValueError(f"input length {s} exceeds model.seq_len={self.cfg.seq_len}")
     x = self.word_embeddings(input_ids)
-    if position_ids is None:  # "cross": 0..S-1 for every row
+    if self.cfg.positions == "instruction":
+      instruction, argument = position_ids
+      x = x + self.instruction_embeddings(instruction) + self.argument_embeddings(argument)
+    elif position_ids is None:  # "absolute": 0..S-1 for every row
       x = x + self.position_embeddings(jnp.arange(s))[None]
     else:
       x = x + self.position_embeddings(position_ids)
@@ -276,11 +318,21 @@ class BertLayer(nn.Module):
       y = jax.nn.gelu(_dense(cfg, cfg.ffn, "intermediate")(y), approximate=False)
       return dropout(_dense(cfg, h, "output")(y))
 
-    if cfg.pre_ln:  # same parameters, LayerNorms moved onto the branch inputs
+    if cfg.norm == "pre":  # same parameters, LayerNorms moved onto the branch inputs
       x = x + attention(attn_ln(x))
       return x + mlp(out_ln(x))
     x = attn_ln(x + attention(x))
     return out_ln(x + mlp(x))
+
+
+def position_ids(cfg, input_ids):
+  """What :class:`BertEmbeddings` adds for ``cfg.positions``: None ("absolute", 0..S-1), the
+  segment positions [B,S], or the (instruction, argument) pair."""
+  if cfg.positions == "segment":
+    return segment_positions(input_ids, cfg.cls_id)
+  if cfg.positions == "instruction":
+    return instruction_positions(input_ids, cfg.cls_id, cfg.next_id)
+  return None
 
 
 class BertForMLM(nn.Module):
@@ -293,10 +345,10 @@ class BertForMLM(nn.Module):
     lmscale_jax/model/contrastive.py)."""
     cfg = self.cfg
     key_mask = input_ids != cfg.pad_id
-    segments = positions = None
+    segments = None
     if cfg.packed_attention == "segment":
       segments = segment_ids(input_ids, cfg.cls_id, cfg.pad_id)
-      positions = segment_positions(input_ids, cfg.cls_id)
+    positions = position_ids(cfg, input_ids)
     embeddings = BertEmbeddings(cfg, name="embeddings")
     x = embeddings(input_ids, deterministic, positions)
     layer_cls = BertLayer
@@ -305,7 +357,7 @@ class BertForMLM(nn.Module):
       layer_cls = nn.remat(BertLayer, policy=REMAT_POLICIES[cfg.remat], static_argnums=(4,))
     for i in range(cfg.layers):
       x = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, segments, deterministic)
-    if cfg.pre_ln:
+    if cfg.norm == "pre":
       x = _layer_norm(cfg, "final_LayerNorm")(x)
     if mlm_positions is None:
       return x

@@ -27,10 +27,11 @@ def count_params_from_config(cfg: ml_collections.ConfigDict) -> int:
   """Analytic parameter count of ``BertForMLM(cfg)``; equals :func:`param_count` of its params."""
   h, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
   ln = 2 * h
-  embeddings = (v + cfg.seq_len + cfg.type_vocab_size) * h + ln
+  tables = 2 if cfg.positions == "instruction" else 1  # instruction + argument, or positions
+  embeddings = (v + tables * cfg.seq_len + cfg.type_vocab_size) * h + ln
   layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 2 * ln  # q,k,v,out; ffn in/out; 2 LNs
   head = (h * h + h) + ln + v  # transform dense, its LN, output bias (decoder tied)
-  final_ln = ln if cfg.pre_ln else 0
+  final_ln = ln if cfg.norm == "pre" else 0
   return embeddings + cfg.layers * layer + final_ln + head
 
 

@@ -10,10 +10,11 @@ computation, from the resolved model config (so from a run's own ``config.json``
 Files, read and written with ``safetensors`` (no torch needed here): an HF model directory is
 ``config.json`` + ``model.safetensors`` (+ the tokenizer files, lmscale_jax/store/tokenizer.py).
 
-``model.pre_ln=True`` has no transformers equivalent: BERT, RoBERTa and ELECTRA are post-LN,
-and Megatron-BERT, the pre-LN one (``MegatronBertForMaskedLM``: LayerNorms on the branch
-inputs plus a final one), has no LayerNorm after the embeddings, which ours keeps. Exporting
-one is refused (:func:`check_exportable`).
+``model.norm="pre"`` and ``model.positions="instruction"`` have no transformers BERT
+equivalent: BERT, RoBERTa and ELECTRA are post-LN with a position table, and Megatron-BERT,
+the pre-LN one (``MegatronBertForMaskedLM``: LayerNorms on the branch inputs plus a final one),
+has no LayerNorm after the embeddings, which ours keeps. :func:`check_exportable` refuses them
+as a ``BertForMaskedLM``.
 """
 
 from __future__ import annotations
@@ -72,11 +73,16 @@ _HF_IGNORED_PREFIXES = ("bert.pooler.", "cls.seq_relationship.")
 
 def check_exportable(cfg: ml_collections.ConfigDict) -> None:
   """Refuses a model option no transformers architecture represents (one line)."""
-  if cfg.pre_ln:
+  if cfg.norm == "pre":
     raise HFError(
-        "model.pre_ln=True cannot be exported: transformers' BERT (BertForMaskedLM) is post-LN, "
+        "model.norm='pre' cannot be exported as BertForMaskedLM: transformers' BERT is post-LN, "
         "and its pre-LN BERT (MegatronBertForMaskedLM) has no LayerNorm after the embeddings, "
-        "which this model has; only post-LN runs (model.pre_ln=False) export")
+        "which this model has; only post-LN runs (model.norm=post) export that way")
+  if cfg.positions == "instruction":
+    raise HFError(
+        "model.positions='instruction' cannot be exported as BertForMaskedLM: BERT adds a "
+        "position table, this model adds instruction and argument embeddings counted from "
+        "[NEXT]; only positions=segment or absolute runs export that way")
 
 
 def _module_map(cfg) -> dict[tuple[str, ...], str]:
@@ -223,7 +229,7 @@ def model_keys(hf_dir: str) -> dict:
   """``{config.model key: value}`` that a run starting from ``hf_dir`` must have."""
   config = read_config(hf_dir)
   keys = {k: config[f] for k, f in MODEL_KEYS.items()}
-  keys["pre_ln"] = False
+  keys["norm"] = "post"
   return keys
 
 

@@ -204,6 +204,17 @@ class DatasetMeta:
     per record (``--packing none``)."""
     return self.raw.get("format", FORMAT) == FORMAT or self.raw.get("packing") == "none"
 
+  @property
+  def has_instructions(self) -> bool:
+    """Its records are instruction text with ``[NEXT]`` between instructions (what
+    ``model.positions="instruction"`` needs): a binary-code dataset (``"kind"``; datasets from
+    before the key name their shards ``binary_code-…``). Synthetic metadata counts as one."""
+    kind = self.raw.get("kind")
+    if kind is None and self.splits:
+      files = [s["file"] for info in self.splits.values() for s in info.get("shards", [])]
+      kind = "binary" if all(str(f).startswith("binary_code") for f in files) else "text"
+    return kind in (None, "binary")
+
   @classmethod
   def load(cls, path: str) -> "DatasetMeta":
     if os.path.exists(path) and not os.path.isdir(path):

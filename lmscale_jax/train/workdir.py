@@ -34,7 +34,7 @@ from lmscale_jax.train.checkpoint import IncompatibleCheckpoint, step_dir
 # checkpointing, the loader's speed, paths, memory levers) silently. A key in no list counts as
 # a RESULT_KEY, so a new key is never resumed over silently before someone classifies it.
 SHAPE_KEYS = ("layers", "hidden", "heads", "ffn", "vocab_size", "seq_len", "type_vocab_size",
-              "pre_ln")
+              "norm", "positions")
 STATE_KEYS = ("train.nonfinite",)  # skip mode wraps the optimizer state (optax.apply_if_finite)
 RESULT_KEYS = (
     "train.batch_size", "train.learning_rate", "train.warmup_steps", "train.schedule",
@@ -145,7 +145,7 @@ def load_record(path: str) -> dict:
     raise RunRecordError(f"{path}: cannot read it ({e.strerror or e}): expected {_RECORD}",
                          f"unreadable ({e.strerror or e})") from None
   _check_record(path, record)
-  return record
+  return legacy.complete_record(record)  # a record from before a key existed, in today's keys
 
 
 def json_kind(value) -> str:
@@ -202,7 +202,7 @@ def read_record(workdir: str, resume_step: int | None) -> tuple[dict | None, boo
     logging.warning("%s is %s; the run's config is the copy kept in checkpoint %s (written "
                     "back to %s when this run starts)", path, problem,
                     step_dir(workdir, resume_step), RUN_CONFIG)
-    return saved, True
+    return legacy.complete_record(saved), True
   if problem == "missing" and resume_step is None:
     return None, False
   if resume_step is None:
