@@ -3,7 +3,14 @@
 # (eval: LZ4, Brotli, zstd, QuickJS; eval2: SQLite, libuv, libyaml, llhttp, CRoaring) at
 # several fine-tuning seeds, with TF-IDF and the untrained encoders in the same tables:
 #   bash benchmarks/similarity_claims.sh OUT      (SEEDS="0 1 2" PRE_STEPS=3000 FT_STEPS=600
-#                                                  CORPUS_MB=240 QUERIES=0)
+#                                                  CORPUS_MB=240 QUERIES=0 SEQ_LEN=128
+#                                                  PRE_ARGS="" SHARED=OUT SETS="eval eval2"
+#                                                  DRAWS="1 2")
+# SHARED holds what does not depend on the model (the corpora, the tokenizer, the pretraining
+# inputs, the prepared pretraining data per SEQ_LEN), so several studies share it
+# (benchmarks/longer_functions.sh); PRE_ARGS are more --config overrides of the pretraining
+# (e.g. "--config.model.positions=instruction --config.model.norm=pre"); PREPARE_ONLY=1 stops
+# after the shared stages.
 # Stages, each skipped where its output is there (so a stopped study continues): fetch the
 # sources, build eval, eval2 and the training pairs (disjoint from both), a pretraining corpus
 # from this machine's /usr/lib/x86_64-linux-gnu without the evaluation sets' libraries (the
@@ -22,18 +29,21 @@ cd "$(dirname "$0")/.."
 export JAX_PLATFORMS=cpu
 py=.venv/bin/python
 seeds=${SEEDS:-0 1 2}
-corpora=$out/corpora
-mkdir -p "$corpora"
+shared=$(realpath -m "${SHARED:-$out}")
+corpora=$shared/corpora
+seq_len=${SEQ_LEN:-128}
+sets=${SETS:-eval eval2}
+mkdir -p "$corpora" "$out"
 
 for set in eval eval2 train; do
   $py tools/fetch_bench_sources.py --output bench_sources --set "$set" > /dev/null
 done
 for set in eval eval2; do
   [ -f "$corpora/$set.jsonl" ] || $py tools/build_similarity_bench.py --set "$set" \
-    --compilers gcc,clang --opt O0,O1,O2,O3 --output "$corpora/$set.jsonl"
+    --from "$shared/bench_sources" --compilers gcc,clang --opt O0,O1,O2,O3 --output "$corpora/$set.jsonl"
 done
 [ -f "$corpora/train-pairs.jsonl" ] || $py tools/build_similarity_bench.py --set train \
-  --compilers gcc,clang --opt O0,O1,O2,O3,Os --drop-duplicates \
+  --from "$shared/bench_sources" --compilers gcc,clang --opt O0,O1,O2,O3,Os --drop-duplicates \
   --disjoint-from "$corpora/eval.jsonl" "$corpora/eval2.jsonl" \
   --output "$corpora/train-pairs.jsonl"
 $py tools/similarity_leakage.py --train "$corpora/train-pairs.jsonl" \
@@ -44,13 +54,13 @@ $py tools/similarity_leakage.py --train "$corpora/train-pairs.jsonl" \
 # The tokenizer is the demo's (24 MB of this machine's ELF files); the corpus is 10x that,
 # without the system copies of the evaluation sets' libraries (a benchmark function seen in
 # pretraining would be leakage; eval_similarity.py --train-elf counts what is left).
-[ -f "$out/demo/data/metadata.json" ] || $py tools/prepare_binary.py \
-  --input /usr/lib/x86_64-linux-gnu /usr/bin --output "$out/demo/data" --seq-len 128 \
+[ -f "$shared/demo/data/metadata.json" ] || $py tools/prepare_binary.py \
+  --input /usr/lib/x86_64-linux-gnu /usr/bin --output "$shared/demo/data" --seq-len 128 \
   --vocab-size 4096 --max-input-bytes 24000000 --overwrite
-tokenizer=$out/demo/data/tokenizer.json
-if [ ! -d "$out/corpus_in" ]; then
-  mkdir -p "$out/corpus_in.tmp"
-  $py - "$out/corpus_in.tmp" <<'EOF'
+tokenizer=$shared/demo/data/tokenizer.json
+if [ ! -d "$shared/corpus_in" ]; then
+  mkdir -p "$shared/corpus_in.tmp"
+  $py - "$shared/corpus_in.tmp" <<'EOF'
 import os, re, sys
 src, dst = "/usr/lib/x86_64-linux-gnu", sys.argv[1]
 left_out = re.compile(r"lz4|zstd|brotli|quickjs|sqlite|libuv|yaml|roaring|llhttp|http_parser")
@@ -64,11 +74,13 @@ for name in sorted(os.listdir(src)):
       seen.add(real)
       os.symlink(real, os.path.join(dst, os.path.basename(real)))
 EOF
-  mv "$out/corpus_in.tmp" "$out/corpus_in"
+  mv "$shared/corpus_in.tmp" "$shared/corpus_in"
 fi
-[ -f "$out/pretrain/data/metadata.json" ] || $py tools/prepare_binary.py \
-  --input "$out/corpus_in" --tokenizer "$tokenizer" --output "$out/pretrain/data" \
-  --seq-len 128 --max-input-bytes $(( ${CORPUS_MB:-240} * 1000000 )) --overwrite
+data=$shared/pretrain-seq$seq_len
+[ -f "$data/metadata.json" ] || $py tools/prepare_binary.py \
+  --input "$shared/corpus_in" --tokenizer "$tokenizer" --output "$data" \
+  --seq-len "$seq_len" --max-input-bytes $(( ${CORPUS_MB:-240} * 1000000 )) --overwrite
+[ -z "${PREPARE_ONLY:-}" ] || exit 0  # the shared stages only (benchmarks/longer_functions.sh)
 
 done_at() {  # "yes" when the run in $1 finished its $2 steps
   $py -c 'import sys
@@ -79,7 +91,7 @@ print("yes" if s.get("state") == "finished" and s.get("step") == int(sys.argv[2]
 pre_steps=${PRE_STEPS:-3000}
 [ "$(done_at "$out/pretrain/run" "$pre_steps")" = yes ] || $py -m lmscale_jax.main \
   --config=configs/tiny.py --workdir="$out/pretrain/run" \
-  --config.data.path="$out/pretrain/data" --config.train.steps="$pre_steps"
+  --config.data.path="$data" --config.train.steps="$pre_steps" ${PRE_ARGS:-}
 
 ft_steps=${FT_STEPS:-600}
 finetune() {  # $1 workdir, then the start
@@ -101,21 +113,26 @@ for s in $seeds; do
   runs+=(--workdir "$out/ft-pre-s$s" --workdir "$out/ft-rand-s$s")
 done
 
-for set in eval eval2; do
+for set in $sets; do
   [ -f "$out/scores-$set.json" ] || $py tools/eval_similarity.py \
     --bench "$corpora/$set.jsonl" "${runs[@]}" --tokenizer "$tokenizer" --pool 100,1000 \
-    --queries "${QUERIES:-0}" --train-elf "$out/corpus_in" \
+    --queries "${QUERIES:-0}" --train-elf "$shared/corpus_in" \
     --train-max-bytes $(( ${CORPUS_MB:-240} * 1000000 )) --json "$out/scores-$set.json"
   # The untrained encoders at more draws (--seed: other pools, other random weights): their
   # claims (MLM alone vs random weights vs TF-IDF) pair up draw by draw.
-  for s in 1 2; do
+  for s in ${DRAWS-1 2}; do
     [ -f "$out/scores-$set-draw$s.json" ] || $py tools/eval_similarity.py \
       --bench "$corpora/$set.jsonl" --workdir "$out/pretrain/run" --tokenizer "$tokenizer" \
       --pool 100,1000 --queries "${QUERIES:-0}" --seed "$s" --json "$out/scores-$set-draw$s.json"
   done
 done
-draws() { echo "$out/scores-$1.json,$out/scores-$1-draw1.json,$out/scores-$1-draw2.json"; }
-$py benchmarks/similarity_seeds.py --set "eval=$(draws eval)" --set "eval2=$(draws eval2)" \
+draws() {  # the set's eval JSONs: the main one, then one per extra draw
+  local files=$out/scores-$1.json
+  for s in ${DRAWS-1 2}; do files+=",$out/scores-$1-draw$s.json"; done
+  echo "$files"
+}
+set_args=(); for set in $sets; do set_args+=(--set "$set=$(draws "$set")"); done
+$py benchmarks/similarity_seeds.py "${set_args[@]}" \
   --group TF-IDF=tfidf --group "random init + fine-tune=ft-rand-s*" \
   --group "pretrained + fine-tune=ft-pre-s*" \
   --group "TF-IDF, 3 draws=tfidf,tfidf/*" --group "random weights, untrained=random-init*" \

@@ -53,6 +53,10 @@ def test_a_pretraining_run_from_before_the_layout_resumes_at_its_checkpoint(tmp_
   assert steps_logged(runs["workdir"]) == [1, 2, 3, 4, 5, 6]  # 5 and 6 only: it resumed at 4
   state = json.load(open(os.path.join(runs["workdir"], "run_state.json")))
   assert (state["state"], state["step"]) == ("finished", 6)
+  # Its config.json predates model.norm/positions: read as the model it trained, not a change.
+  changed = {c["key"] for c in json.load(open(os.path.join(runs["workdir"], "config.json")))
+             .get("changes", [])}
+  assert not changed & {"model.norm", "model.positions", "model.pre_ln"}, changed
 
 
 def test_a_fine_tuned_run_from_before_the_layout_embeds_and_resumes(tmp_path, capsys):
@@ -73,3 +77,25 @@ def test_a_fine_tuned_run_from_before_the_layout_embeds_and_resumes(tmp_path, ca
   assert code == 0, err
   assert steps_logged(runs["finetune"]) == [1, 2, 3, 4]
   assert json.load(open(os.path.join(runs["finetune"], "run_state.json")))["step"] == 4
+
+
+def test_a_run_from_before_the_model_variants_is_read_as_the_model_it_trained(tmp_path):
+  """The fixture's config.json has ``pre_ln: false`` and no ``positions``: it reads back as
+  ``norm="post"`` and the positions its attention windows gave it (segment), and a record of a
+  one-window run (no packed_attention: before segment attention) as absolute positions."""
+  from lmscale_jax.inference import model_files
+
+  runs = copy_fixture(tmp_path)
+  config, record = model_files.read_run(runs["workdir"])
+  assert (config.model.norm, config.model.positions) == ("post", "segment")
+  assert "pre_ln" not in config.model and "pre_ln" not in record["model"]
+  assert (record["model"]["norm"], record["model"]["positions"]) == ("post", "segment")
+  saved = json.load(open(os.path.join(runs["workdir"], "config.json")))
+  del saved["config"]["model"]["packed_attention"]
+  saved["config"]["model"]["pre_ln"] = saved["model"]["pre_ln"] = True
+  with open(os.path.join(runs["workdir"], "config.json"), "w") as f:
+    json.dump(saved, f)
+  config, record = model_files.read_run(runs["workdir"])
+  assert (config.model.norm, config.model.positions) == ("pre", "absolute")
+  assert (record["model"]["norm"], record["model"]["positions"]) == ("pre", "absolute")
+

@@ -1,0 +1,112 @@
+"""The table of benchmarks/longer_functions.sh: each variant's claims.json (similarity_seeds.py)
+side by side, with the pretraining budget each had.
+
+  python benchmarks/longer_functions_table.py --study OUT [--json OUT.json]
+
+Per variant and held-out set: R@1 of "pretrained + fine-tune" and of "random init + fine-tune"
+(mean over the fine-tuning seeds, [min, max]) at pool 100 and 1,000 over all pairs and at
+gcc O0↔O3, and what pretraining adds (the seed-paired difference, and whether it is above zero
+at every seed). The issue's goals are printed beside: pool 1,000 all pairs R@1 ≥ 0.50, and
+pretraining worth ≥ +0.08 there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+from lmscale_jax.cli import args as cli_args
+from lmscale_jax.errors import UserError
+from lmscale_jax.store import file_io
+from lmscale_jax.study.host import cpu_name
+
+PRE, RAND = "pretrained + fine-tune", "random init + fine-tune"
+CELLS = (("all", 100), ("all", 1000), ("gcc-O0↔gcc-O3", 1000))
+GOAL_R1, GOAL_GAIN = 0.50, 0.08  # issue 38, pool 1,000 all pairs
+
+
+def read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f"{path}: not readable JSON ({e}): run benchmarks/longer_functions.sh "
+                    "to the end first") from None
+
+
+def variant_rows(name: str, claims: dict, budget: dict) -> list[dict]:
+  """One row per (set, cell) of a variant's claims.json."""
+  cells = {(c["set"], c["label"], c["pair"], c["pool"]): c["recall_at_1_summary"]
+           for c in claims["cells"]}
+  gains = {(c["set"], c["pair"], c["pool"]): c for c in claims["comparisons"]
+           if (c["a"], c["b"]) == (PRE, RAND)}
+  rows = []
+  for s in sorted({key[0] for key in cells}):
+    for pair, pool in CELLS:
+      pre, rand = cells.get((s, PRE, pair, pool)), cells.get((s, RAND, pair, pool))
+      gain = gains.get((s, pair, pool))
+      if pre is None or rand is None or gain is None:
+        continue
+      rows.append({"variant": name, **budget, "set": s, "pair": pair, "pool": pool,
+                   "pretrained_ft": pre, "random_ft": rand,
+                   "gain": {k: gain[k] for k in ("mean", "min", "max", "holds_every_run")}})
+  return rows
+
+
+def fmt(summary: dict) -> str:
+  return f"{summary['mean']:.3f} [{summary['min']:.3f}, {summary['max']:.3f}]"
+
+
+def markdown(rows: list[dict]) -> str:
+  lines = ["| variant | set | cell | pretrained + ft | random init + ft | pretraining adds |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    gain = r["gain"]
+    holds = "every seed" if gain["holds_every_run"] else "not every seed"
+    lines.append(f"| {r['variant']} | {r['set']} | {r['pair']} @{r['pool']} | "
+                 f"{fmt(r['pretrained_ft'])} | {fmt(r['random_ft'])} | "
+                 f"{gain['mean']:+.3f} [{gain['min']:+.3f}, {gain['max']:+.3f}], {holds} |")
+  return "\n".join(lines)
+
+
+def goals(rows: list[dict]) -> list[str]:
+  out = []
+  for r in rows:
+    if (r["pair"], r["pool"]) != ("all", 1000):
+      continue
+    r1, gain = r["pretrained_ft"]["mean"], r["gain"]["mean"]
+    out.append(f"{r['variant']} on {r['set']}: pool 1,000 R@1 {r1:.3f} (goal ≥ {GOAL_R1}: "
+               f"{'met' if r1 >= GOAL_R1 else 'not met'}), pretraining adds {gain:+.3f} "
+               f"(goal ≥ +{GOAL_GAIN}: {'met' if gain >= GOAL_GAIN else 'not met'})")
+  return out
+
+
+def main(argv=None) -> int:
+  p = cli_args.Parser(description=__doc__.split("\n")[0])
+  p.add_argument("--study", required=True, help="the OUT of benchmarks/longer_functions.sh")
+  p.add_argument("--json", default=None, metavar="OUT.json")
+  a = p.parse_args(argv)
+  try:
+    budget = read_json(os.path.join(a.study, "budget.json"))
+    rows = []
+    for name, info in budget["variants"].items():
+      claims = read_json(os.path.join(a.study, name, "claims.json"))
+      rows += variant_rows(name, claims, {**info, "budget_s": budget["budget_s"]})
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(markdown(rows))
+  print("\n".join(goals(rows)))
+  if a.json:
+    file_io.atomic_write_json(a.json, {
+        "date": datetime.date.today().isoformat(), "device": f"cpu: {cpu_name()}",
+        "what": "issue 38: longer functions, instruction positions, pre-LN (same CPU budget)",
+        "budget": budget, "rows": rows, "goals": goals(rows)})
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
