@@ -44,6 +44,8 @@ GROUPS = (
          "contrastive fine-tuning for code similarity"),
         ("eval-similarity", "lmscale_jax.cli.eval_similarity",
          "retrieval quality of a model on a benchmark"),
+        ("provenance-build", "lmscale_jax.cli.provenance_build",
+         "the compiler-provenance task: a labelled split by library"),
     ]),
     ("scaling study", [
         ("sweep", "lmscale_jax.cli.sweep", "run a grid of short training runs"),
