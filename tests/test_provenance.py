@@ -139,6 +139,18 @@ def test_the_baseline_runs_end_to_end_and_beats_the_majority_class(task, tmp_pat
   assert f"macro-F1 {s['macro_f1']:.4f}" in r.stdout
 
 
+def test_the_labels_of_several_files_are_the_variants_every_file_holds(bench, tmp_path):
+  """A pairs file built with -Os beside benchmarks without it: -Os would be told by library."""
+  a = rewritten(bench, tmp_path / "a.jsonl", keep_libraries=["codecs", "containers"])
+  b = rewritten(bench, tmp_path / "b.jsonl", ["gcc-O0", "gcc-O1", "gcc-O2"],
+                ["numeric", "strings"])
+  splits, meta = provenance.build([str(a), str(b)])
+  assert meta["labels"] == ["gcc-O0", "gcc-O1", "gcc-O2"]
+  assert meta["variants_left_out"] == ["gcc-O3"]
+  assert {r["label"] for rows in splits.values() for r in rows} == set(meta["labels"])
+  assert [x["file"] for x in meta["sources"]] == [str(a), str(b)]
+
+
 def test_macro_f1_counts_every_label_of_the_task():
   """A label the classifier never predicts and the test split never holds still counts (as
   F1 0): macro-F1 over ["a", "b", "c"] of a perfect "a"/"b" prediction is 2/3."""
@@ -149,16 +161,16 @@ def test_macro_f1_counts_every_label_of_the_task():
   assert m["label"] == "b" and m["accuracy"] == 0.5
 
 
-def rewritten(bench, path, keep_variants=None, keep_library=None):
-  """The bench with only some variants or one library's groups: inputs the build refuses."""
+def rewritten(bench, path, keep_variants=None, keep_libraries=()):
+  """The bench with only some variants or some libraries' groups."""
   lines = open(bench).read().splitlines()
   header, groups = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
   if keep_variants:
     header["variants"] = keep_variants
     for g in groups:
       g["variants"] = {v: x for v, x in g["variants"].items() if v in keep_variants}
-  if keep_library:
-    groups = [g for g in groups if g["source"].startswith(keep_library + "/")]
+  if keep_libraries:
+    groups = [g for g in groups if g["source"].split("/")[0] in keep_libraries]
   path.write_text("\n".join(json.dumps(x) for x in [header, *groups]) + "\n")
   return path
 
@@ -173,7 +185,7 @@ def test_each_bad_input_is_one_line_and_exit_1(bench, tmp_path):
       "not a similarity benchmark": [not_groups],
       "needs two classes or more": [rewritten(bench, tmp_path / "one.jsonl", ["gcc-O2"])],
       "a split by library needs at least 2": [rewritten(bench, tmp_path / "lib.jsonl",
-                                                        keep_library="codecs")],
+                                                        keep_libraries=["codecs"])],
       "a file is given twice": [bench, bench],
   }
   for expected, files in cases.items():

@@ -32,7 +32,7 @@ def parser():
   p.add_argument("--seed", type=args.number(int, 0, 2**31 - 1), default=0,
                  help="which libraries go to the test split (default 0)")
   p.add_argument("--variants", default="", metavar="V,V,…",
-                 help="the labels to keep (default: every variant of the files)")
+                 help="the labels to keep (default: the variants every file holds)")
   p.add_argument("--max-per-label", type=args.number(int, 1, 2**31 - 1), default=None,
                  metavar="N", help="at most N examples of a label in each split")
   return p

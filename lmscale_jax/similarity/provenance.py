@@ -5,7 +5,9 @@ that every test function comes from a library the classifier never saw
 (``lmscale provenance-build``).
 
 * One example per (group, variant): the variant's pretoken text, labelled with the variant's
-  name. The labels are the variants of the files (or ``variants``, those asked for).
+  name. The labels are the variants every file holds (or ``variants``, those asked for): a
+  label only some files' libraries carry would be told by its library; task.json names the
+  variants left out.
 * A group's library is the first directory of its ``source``, the directory a build names its
   sources from: a spec build's library root (``lz4-4.3.3/lz4libs/lz4.c`` → ``lz4-4.3.3``), a
   ``--sources DIR`` build's DIR; a merge's file-stem prefix (header ``merged``) is skipped
@@ -77,19 +79,30 @@ def read_inputs(paths: list[str]) -> list[tuple[str, dict, list[dict]]]:
   return [(path, *function_groups.load(path)) for path in paths]
 
 
+def all_variants(inputs: list) -> list[str]:
+  return list(dict.fromkeys(v for _, header, _ in inputs for v in header.get("variants", [])))
+
+
+def common_variants(inputs: list) -> list[str]:
+  """The variants every file holds: a label that only some files' libraries can carry would
+  be told by its library (the training pairs add -Os, the benchmarks do not)."""
+  return [v for v in all_variants(inputs)
+          if all(v in header.get("variants", []) for _, header, _ in inputs)]
+
+
 def examples_of(inputs: list, variants: list[str] | None = None) -> tuple[list[str], list[dict]]:
   """→ (labels, one example per (group, variant) of those labels), with ``library``,
   ``source``, ``digest``."""
-  labels = list(dict.fromkeys(v for _, header, _ in inputs for v in header.get("variants", [])))
+  labels = common_variants(inputs)
   if variants:
-    if missing := [v for v in variants if v not in labels]:
+    if missing := [v for v in variants if v not in all_variants(inputs)]:
       raise ProvenanceError(f"--variants {','.join(missing)}: not among the files' variants "
-                            f"{','.join(labels)}")
+                            f"{','.join(all_variants(inputs))}")
     labels = list(dict.fromkeys(variants))
   if len(labels) < 2:
-    raise ProvenanceError(f"{' '.join(p for p, _, _ in inputs)}: {len(labels)} variant "
-                          f"({','.join(labels)}): compiler provenance needs two classes or more "
-                          "(build with more --compilers or --opt)")
+    raise ProvenanceError(f"{' '.join(p for p, _, _ in inputs)}: {len(labels)} variant common "
+                          f"to the files ({','.join(labels)}): compiler provenance needs two "
+                          "classes or more (build with more --compilers or --opt)")
   out = []
   for _, header, groups in inputs:
     prefixes = {m["prefix"] for m in header.get("merged", []) if m.get("prefix")}
@@ -196,6 +209,7 @@ def build(paths: list[str], *, test_fraction: float = TEST_FRACTION, seed: int =
   built = len(splits["test"]) / (len(splits["train"]) + len(splits["test"]))
   task = {"format": FORMAT, "task": "compiler provenance: the variant (compiler-level) of a "
           "function", "labels": labels,
+          "variants_left_out": [v for v in all_variants(inputs) if v not in labels],
           "sources": [{"file": p, "sha256": file_io.sha256_file(p), "groups": len(g),
                        "variants": h.get("variants", [])} for p, h, g in inputs],
           "split": {"rule": RULE, "seed": seed, "test_fraction": test_fraction,
