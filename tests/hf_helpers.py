@@ -21,8 +21,10 @@ def hf_side(tmp_path, jobs: list[dict], timeout: float = 120) -> list:
   """Runs the jobs in one transformers process; returns their results."""
   req, resp = tmp_path / "hf_request.json", tmp_path / "hf_response.json"
   req.write_text(json.dumps(jobs))
+  # HF_MODULES_CACHE: where transformers copies a remote-code export's .py files to import
+  # them (by default under ~/.cache, shared by every test run).
   env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-             TOKENIZERS_PARALLELISM="false")
+             TOKENIZERS_PARALLELISM="false", HF_MODULES_CACHE=str(tmp_path / "hf_modules"))
   out = subprocess.run([hf_python(), os.path.join(ROOT, "tests", "hf_side.py"), str(req),
                         str(resp)], capture_output=True, text=True, timeout=timeout, env=env)
   assert out.returncode == 0, out.stderr[-4000:]

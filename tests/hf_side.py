@@ -90,8 +90,35 @@ def op_embed(job):
   return {"ids": x["input_ids"].tolist(), "embeddings": e.tolist()}
 
 
+def op_remote(job):
+  """An lmscale remote-code export as a user loads it: AutoTokenizer (job["texts"], padded) or
+  job["ids"] (attention_mask = ids != pad), then job["auto"] ("AutoModelForMaskedLM",
+  "AutoModelForSequenceClassification" or "AutoModel") with trust_remote_code=True. → its
+  logits (last_hidden_state for AutoModel), the ids it ran on, and what was loaded."""
+  d = job["dir"]
+  if "texts" in job:
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    x = tok(job["texts"], return_tensors="pt", padding=True)
+    ids, mask = x["input_ids"], x["attention_mask"]
+  else:
+    ids = torch.tensor(job["ids"], dtype=torch.long)
+    mask = None
+  auto = getattr(transformers, job["auto"])
+  model, info = auto.from_pretrained(d, trust_remote_code=True, output_loading_info=True)
+  model.eval()
+  if mask is None:
+    mask = (ids != model.config.pad_token_id).long()
+  with torch.no_grad():
+    out = model(input_ids=ids, attention_mask=mask)
+  values = out.last_hidden_state if job["auto"] == "AutoModel" else out.logits
+  return {"ids": ids.tolist(), "logits": values.numpy().tolist(), "class": type(model).__name__,
+          "info": {k: sorted(map(str, v)) for k, v in info.items()},
+          "id2label": {str(k): v for k, v in model.config.id2label.items()}}
+
+
 OPS = {"logits": op_logits, "strict": op_strict, "tokenize": op_tokenize,
-       "fill_mask": op_fill_mask, "save_random": op_save_random, "embed": op_embed}
+       "fill_mask": op_fill_mask, "save_random": op_save_random, "embed": op_embed,
+       "remote": op_remote}
 
 if __name__ == "__main__":
   with open(sys.argv[1]) as f:

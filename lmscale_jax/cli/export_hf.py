@@ -1,4 +1,4 @@
-"""Export a training run's checkpoint as a Hugging Face BertForMaskedLM directory.
+"""Export a training run's checkpoint as a Hugging Face masked-LM directory.
 
   lmscale export-hf --workdir DIR [--step N] [--tokenizer tokenizer.json] --output OUT
 
@@ -8,8 +8,14 @@ special_tokens_map.json (special-token roles, a [CLS] … [SEP] post-processor) 
 (README.md), so that AutoModelForMaskedLM.from_pretrained(OUT) and
 AutoTokenizer.from_pretrained(OUT) load it as it is. The tokenizer is the run's
 data.path/tokenizer.json unless --tokenizer is given. OUT is written under a temporary name
-and renamed when complete; it must not exist or be empty. model.pre_ln=True runs are refused
-(no transformers architecture has that model; see lmscale_jax/model/hf_convert.py).
+and renamed when complete; it must not exist or be empty.
+
+A post-LN run with segment or absolute positions exports as transformers' own
+BertForMaskedLM. A run transformers' BERT has no form for (model.norm=pre,
+model.positions=instruction) exports as LmscaleForMaskedLM with its modeling code in OUT
+(configuration_lmscale.py, modeling_lmscale.py, auto_map in config.json): load it with
+AutoModelForMaskedLM.from_pretrained(OUT, trust_remote_code=True)
+(lmscale_jax/model/hf_remote_convert.py).
 
 A fine-tuning workdir (lmscale finetune) exports its encoder the same way (its MLM
 head is the one it started from) plus its embedding head: projection.safetensors (weight
@@ -28,7 +34,7 @@ import tempfile
 from lmscale_jax.cli import args
 from lmscale_jax.errors import UserError
 from lmscale_jax.inference import model_files, trained_model
-from lmscale_jax.model import contrastive, flops, hf_convert
+from lmscale_jax.model import contrastive, flops, hf_convert, hf_remote_convert
 from lmscale_jax.store import file_io
 from lmscale_jax.store import tokenizer as toklib
 
@@ -63,6 +69,19 @@ def number(value, spec: str) -> str:
   return "non-finite" if value is None else format(value, spec)
 
 
+def remote_code(model: trained_model.TrainedModel) -> bool:
+  return hf_remote_convert.needs_remote_code(model.cfg)
+
+
+def architecture(model: trained_model.TrainedModel) -> str:
+  """What the card says the model is, and the keyword a load needs."""
+  cfg = model.cfg
+  if not remote_code(model):
+    return "BERT masked-language model (lmscale_jax)"
+  return (f"BERT masked-language model (lmscale_jax; {cfg.norm}-LN, {cfg.positions} positions: "
+          "its own modeling code, load it with `trust_remote_code=True`)")
+
+
 def model_card(model: trained_model.TrainedModel) -> str:
   c, cfg, run = model.run_config, model.cfg, model.source
   ev = last_row(run, model.step, "eval_loss")
@@ -76,7 +95,7 @@ library_name: transformers
 pipeline_tag: fill-mask
 tags: [bert, fill-mask, lmscale_jax]
 ---
-# BERT masked-language model (lmscale_jax)
+# {architecture(model)}
 
 Pretrained with lmscale_jax (masked-language modelling), exported by
 `lmscale export-hf` from `{os.path.abspath(run)}` at step {model.step}.
@@ -90,13 +109,28 @@ Pretrained with lmscale_jax (masked-language modelling), exported by
 
 Inputs are wrapped as `[CLS] … [SEP]` by the tokenizer, as in training. For binary code the
 text is pretokenised instruction text (`mov rax qword [ rbp - 0x18 ] [NEXT] …`).
-
+{remote_note(model)}
 ```python
 from transformers import pipeline
-fill = pipeline("fill-mask", model="OUT")
+fill = pipeline("fill-mask", model="OUT"{trust(model)})
 fill("push rbp [NEXT] mov rbp rsp [NEXT] [MASK] rsp 0x10")
 ```
 """
+
+
+def remote_note(model: trained_model.TrainedModel) -> str:
+  if not remote_code(model):
+    return ""
+  return f"""
+transformers' BERT has no {model.cfg.norm}-LN / {model.cfg.positions}-position model: its code is
+in this directory (`modeling_lmscale.py`, `configuration_lmscale.py`), which transformers runs
+only when asked: `AutoModelForMaskedLM.from_pretrained("OUT", trust_remote_code=True)`.
+"""
+
+
+def trust(model: trained_model.TrainedModel) -> str:
+  """The keyword argument a remote-code export's from_pretrained/pipeline needs."""
+  return ", trust_remote_code=True" if remote_code(model) else ""
 
 
 def finetuned_card(model: trained_model.TrainedModel) -> str:
@@ -132,7 +166,7 @@ import json, torch
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoTokenizer
 tok = AutoTokenizer.from_pretrained("OUT")
-bert = AutoModel.from_pretrained("OUT", add_pooling_layer=False).eval()
+bert = AutoModel.from_pretrained("OUT", add_pooling_layer=False{trust(model)}).eval()
 head, pool = load_file("OUT/projection.safetensors"), json.load(open("OUT/projection.json"))["pool"]
 x = tok(["push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret"], return_tensors="pt",
         padding=True, truncation=True)
@@ -149,7 +183,7 @@ def export(a) -> str:
   check_output(a.output)
   # Refuse what cannot be represented, or would fail at the end, before restoring anything.
   _, cfg, _, _ = trained_model.workdir_shape(a.workdir, a.tokenizer, "float32")
-  hf_convert.check_exportable(cfg)
+  hf_convert.check_exportable(cfg)  # BERT or remote code: what neither represents
   model_files.metrics_rows(a.workdir)  # the model card's source: damaged, one line now
   model = trained_model.from_workdir(a.workdir, a.step, a.tokenizer)
   out = os.path.abspath(a.output)
@@ -174,8 +208,10 @@ def export(a) -> str:
   head = "" if model.head is None else (
       f" + projection head {model.cfg.hidden}→{model.head['projection']['kernel'].shape[1]} "
       f"({model.head['pool']} pooling)")
+  kind = ("LmscaleForMaskedLM, remote code: load with trust_remote_code=True"
+          if remote_code(model) else hf_convert.ARCHITECTURE)
   return (f"exported {a.workdir} step {model.step} to {a.output} "
-          f"(BertForMaskedLM, {model.cfg.layers} layers × {model.cfg.hidden}, "
+          f"({kind}, {model.cfg.layers} layers × {model.cfg.hidden}, "
           f"vocab {model.cfg.vocab_size}{head})")
 
 

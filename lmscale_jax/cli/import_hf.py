@@ -1,14 +1,16 @@
-"""Start pretraining from a Hugging Face BertForMaskedLM directory: write the run's config.
+"""Start pretraining from a Hugging Face masked-LM directory: write the run's config.
 
   lmscale import-hf --hf HF_DIR --data DATASET_DIR --output CONFIG.py
   lmscale train --config=CONFIG.py --workdir=DIR [--config.train.…=…]
 
-Checks that HF_DIR is a BERT this model can take (config.json, model.safetensors) and that
+Checks that HF_DIR is a BERT (BertForMaskedLM) or an lmscale remote-code export
+(LmscaleForMaskedLM) this model can take (config.json, model.safetensors) and that
 its vocabulary (tokenizer.json or vocab.txt) is the dataset's, then writes a config file:
 the shared defaults with the model's shape from HF_DIR's config.json (layers, hidden, heads,
-ffn, vocab, positions, type vocabulary, LayerNorm epsilon, dropout), data.path and
-init_from=HF_DIR, which starts step 0 from its weights. Training keys stay the defaults: set
-them in the file or with --config.train.…
+ffn, vocab, positions, type vocabulary, LayerNorm epsilon, dropout, model.norm and
+model.positions: post and segment for a BERT), data.path and init_from=HF_DIR, which starts
+step 0 from its weights. Training keys stay the defaults: set them in the file or with
+--config.train.…
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from lmscale_jax.model import hf_convert
 from lmscale_jax.store import dataset, file_io
 
 MODEL_KEYS = ("layers", "hidden", "heads", "ffn", "vocab_size", "seq_len", "type_vocab_size",
-              "layer_norm_eps", "dropout", "attention_dropout", "initializer_range")
+              "layer_norm_eps", "dropout", "attention_dropout", "initializer_range", "norm",
+              "positions")
 
 
 def parser() -> argparse.ArgumentParser:
   p = args.Parser(prog="lmscale import-hf", description=__doc__.splitlines()[0])
-  p.add_argument("--hf", required=True, metavar="HF_DIR", help="a BertForMaskedLM directory")
+  p.add_argument("--hf", required=True, metavar="HF_DIR",
+                 help="a BertForMaskedLM or LmscaleForMaskedLM directory")
   p.add_argument("--data", required=True, metavar="DATASET_DIR",
                  help="the dataset to pretrain on (prepared with the HF model's tokenizer)")
   p.add_argument("--output", required=True, type=args.output_file, metavar="CONFIG.py",

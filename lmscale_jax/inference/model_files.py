@@ -185,12 +185,15 @@ def check_hf_files(hf_dir: str) -> None:
 
 
 def hf_model_config(hf_dir: str) -> ml_collections.ConfigDict:
-  """A ``config.model`` for an HF directory: its shape keys over the shared defaults."""
+  """A ``config.model`` for an HF directory: its shape keys over the shared defaults (an
+  lmscale remote-code export's norm, positions and packed_attention too)."""
   check_hf_files(hf_dir)
   model_config = config_defaults.get_base_config().model
   hf = hf_convert.read_config(hf_dir)
   for key, value in hf_convert.model_keys(hf_dir).items():
     model_config[key] = value
+  if "packed_attention" in hf:  # read_config checked it (remote-code exports have it)
+    model_config.packed_attention = hf["packed_attention"]
   model_config.dropout = float(hf.get("hidden_dropout_prob", model_config.dropout))
   model_config.attention_dropout = float(hf.get("attention_probs_dropout_prob", 0.0))
   model_config.initializer_range = float(hf.get("initializer_range", 0.02))

@@ -13,8 +13,13 @@ Files, read and written with ``safetensors`` (no torch needed here): an HF model
 ``model.norm="pre"`` and ``model.positions="instruction"`` have no transformers BERT
 equivalent: BERT, RoBERTa and ELECTRA are post-LN with a position table, and Megatron-BERT,
 the pre-LN one (``MegatronBertForMaskedLM``: LayerNorms on the branch inputs plus a final one),
-has no LayerNorm after the embeddings, which ours keeps. :func:`check_exportable` refuses them
-as a ``BertForMaskedLM``.
+has no LayerNorm after the embeddings, which ours keeps. :func:`check_bert` refuses them as a
+``BertForMaskedLM``; :func:`save_model` exports them with remote code instead
+(``LmscaleForMaskedLM``: lmscale_jax/model/hf_remote_convert.py), whose parameter names are
+BERT's plus ``bert.embeddings.{instruction,argument}_embeddings`` and
+``bert.encoder.final_LayerNorm``: one mapping serves both. So does the sequence classifier
+(:func:`save_classifier`, ``LmscaleForSequenceClassification``: ``bert.*`` +
+``classifier.{weight,bias}``), always remote code (its masked-mean pooling is not BERT's).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 
 from lmscale_jax.errors import UserError
 from lmscale_jax.model import bert as model_lib
+from lmscale_jax.model import hf_remote_convert as remote
 from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 
@@ -54,11 +60,22 @@ _HF_LAYER = {  # our per-layer module → BertLayer submodule in transformers
 _HF_TOP = {
     ("embeddings", "word_embeddings"): "bert.embeddings.word_embeddings",
     ("embeddings", "position_embeddings"): "bert.embeddings.position_embeddings",
+    ("embeddings", "instruction_embeddings"): "bert.embeddings.instruction_embeddings",
+    ("embeddings", "argument_embeddings"): "bert.embeddings.argument_embeddings",
     ("embeddings", "token_type_embeddings"): "bert.embeddings.token_type_embeddings",
     ("embeddings", "LayerNorm"): "bert.embeddings.LayerNorm",
+    ("final_LayerNorm",): "bert.encoder.final_LayerNorm",
     ("mlm_transform",): "cls.predictions.transform.dense",
     ("mlm_LayerNorm",): "cls.predictions.transform.LayerNorm",
 }
+# The modules a model option adds or removes (the rest are in every model).
+_HF_ONLY_IF = {
+    ("embeddings", "position_embeddings"): lambda cfg: cfg.positions != "instruction",
+    ("embeddings", "instruction_embeddings"): lambda cfg: cfg.positions == "instruction",
+    ("embeddings", "argument_embeddings"): lambda cfg: cfg.positions == "instruction",
+    ("final_LayerNorm",): lambda cfg: cfg.norm == "pre",
+}
+_MLM_HEAD = (("mlm_transform",), ("mlm_LayerNorm",))
 # flax leaf → (torch leaf, whether the array is transposed: Linear stores weight as (out, in)).
 _HF_LEAF = {"kernel": ("weight", True), "bias": ("bias", False), "scale": ("weight", False),
             "embedding": ("weight", False)}
@@ -72,34 +89,44 @@ _HF_IGNORED_PREFIXES = ("bert.pooler.", "cls.seq_relationship.")
 
 
 def check_exportable(cfg: ml_collections.ConfigDict) -> None:
-  """Refuses a model option no transformers architecture represents (one line)."""
+  """Refuses a model no export represents (one line): an option value this version of the
+  modeling code does not know (a config.json written by a newer lmscale_jax)."""
+  for key, allowed in remote.OPTIONS.items():
+    if cfg[key] not in allowed:
+      raise HFError(f"model.{key}={cfg[key]!r} cannot be exported: the exported modeling code "
+                    f"knows {list(allowed)}")
+
+
+def check_bert(cfg: ml_collections.ConfigDict) -> None:
+  """Refuses a model option transformers' BERT does not represent (one line)."""
   if cfg.norm == "pre":
     raise HFError(
         "model.norm='pre' cannot be exported as BertForMaskedLM: transformers' BERT is post-LN, "
         "and its pre-LN BERT (MegatronBertForMaskedLM) has no LayerNorm after the embeddings, "
-        "which this model has; only post-LN runs (model.norm=post) export that way")
+        "which this model has; only post-LN runs (model.norm=post) export that way (save_model "
+        "exports it with remote code)")
   if cfg.positions == "instruction":
     raise HFError(
         "model.positions='instruction' cannot be exported as BertForMaskedLM: BERT adds a "
         "position table, this model adds instruction and argument embeddings counted from "
-        "[NEXT]; only positions=segment or absolute runs export that way")
+        "[NEXT]; only positions=segment or absolute runs export that way (save_model exports it "
+        "with remote code)")
 
 
-def _module_map(cfg) -> dict[tuple[str, ...], str]:
-  check_exportable(cfg)
-  mapping = dict(_HF_TOP)
+def _module_map(cfg, mlm: bool = True) -> dict[tuple[str, ...], str]:
+  """Our module path → its torch name, for the modules ``cfg`` has (``mlm``: the MLM head's
+  too). BERT's names, and the variants' own where they have more."""
+  mapping = {path: name for path, name in _HF_TOP.items()
+             if _HF_ONLY_IF.get(path, bool)(cfg) and (mlm or path not in _MLM_HEAD)}
   for i in range(cfg.layers):
     for ours, theirs in _HF_LAYER.items():
       mapping[(f"layer_{i}", ours)] = f"bert.encoder.layer.{i}.{theirs}"
   return mapping
 
 
-def to_hf_state_dict(params, cfg: ml_collections.ConfigDict, *,
-                     tied_aliases: bool = True) -> dict[str, np.ndarray]:
-  """Parameters → ``BertForMaskedLM.state_dict()`` names and layouts (float32 numpy).
-  ``tied_aliases=False`` leaves out the decoder's names (what ``save_pretrained`` stores)."""
+def _renamed(params, mapping) -> dict[str, np.ndarray]:
   sd = {}
-  for path, modname in _module_map(cfg).items():
+  for path, modname in mapping.items():
     node = params
     for p in path:
       node = node[p]
@@ -107,15 +134,31 @@ def to_hf_state_dict(params, cfg: ml_collections.ConfigDict, *,
       name, transpose = _HF_LEAF[leaf]
       a = np.asarray(value, np.float32)
       sd[f"{modname}.{name}"] = np.ascontiguousarray(a.T if transpose else a)
+  return sd
+
+
+def to_hf_state_dict(params, cfg: ml_collections.ConfigDict, *, tied_aliases: bool = True,
+                     bert: bool = True, mlm: bool = True) -> dict[str, np.ndarray]:
+  """Parameters → ``BertForMaskedLM.state_dict()`` names and layouts (float32 numpy).
+  ``tied_aliases=False`` leaves out the decoder's names (what ``save_pretrained`` stores);
+  ``bert=False``: ``LmscaleForMaskedLM``'s (any model option; no decoder names); ``mlm=False``:
+  the encoder's alone (an MLM head in ``params`` is left out)."""
+  if bert:
+    check_bert(cfg)
+  sd = _renamed(params, _module_map(cfg, mlm))
+  if not mlm:
+    return sd
   sd["cls.predictions.bias"] = np.asarray(params["mlm_bias"], np.float32)
-  if tied_aliases:
+  if tied_aliases and bert:
     for alias, source in HF_TIED.items():
       sd[alias] = sd[source]
   return sd
 
 
-def from_hf_state_dict(sd, cfg: ml_collections.ConfigDict, where: str = "HF state dict") -> dict:
-  """``BertForMaskedLM`` state dict (numpy or CPU torch tensors) → parameters (float32 numpy).
+def from_hf_state_dict(sd, cfg: ml_collections.ConfigDict, where: str = "HF state dict", *,
+                       mlm: bool = True) -> dict:
+  """``BertForMaskedLM`` or ``LmscaleForMaskedLM`` state dict (numpy or CPU torch tensors) →
+  parameters (float32 numpy); ``mlm=False``: the encoder's alone (no MLM head expected).
 
   Every parameter must be present with the shape ``cfg`` implies; the decoder must be tied to
   the word embeddings (this model has no separate decoder matrix); unknown keys are an error.
@@ -134,7 +177,7 @@ def from_hf_state_dict(sd, cfg: ml_collections.ConfigDict, where: str = "HF stat
     return sd[key]
 
   params: dict = {}
-  for path, modname in _module_map(cfg).items():
+  for path, modname in _module_map(cfg, mlm).items():
     want = expected
     for p in path:
       want = want[p]
@@ -146,9 +189,10 @@ def from_hf_state_dict(sd, cfg: ml_collections.ConfigDict, where: str = "HF stat
       shape = spec.shape[::-1] if transpose else spec.shape
       a = take(f"{modname}.{name}", shape)
       node[leaf] = np.ascontiguousarray(a.T if transpose else a)
-  params["mlm_bias"] = take("cls.predictions.bias", (cfg.vocab_size,))
+  if mlm:
+    params["mlm_bias"] = take("cls.predictions.bias", (cfg.vocab_size,))
   for alias, source in HF_TIED.items():
-    if alias in sd:
+    if mlm and alias in sd:
       if not np.array_equal(sd[alias], sd[source]):
         raise HFError(f"{where}: {alias!r} differs from {source!r}: this model ties them")
       used.add(alias)
@@ -164,7 +208,7 @@ def hf_config(cfg: ml_collections.ConfigDict) -> dict:
   """The ``BertConfig`` (as config.json) of a resolved model config: every field that changes
   the computation (``layer_norm_eps`` and ``max_position_embeddings`` too: left at
   transformers' defaults the logits drift by ~2e-4), plus the dropout and init values."""
-  check_exportable(cfg)
+  check_bert(cfg)
   return {
       "architectures": [ARCHITECTURE], "model_type": "bert",
       "vocab_size": int(cfg.vocab_size), "hidden_size": int(cfg.hidden),
@@ -194,7 +238,8 @@ _FIXED = {"hidden_act": ("gelu", "gelu"), "position_embedding_type": ("absolute"
 
 
 def read_config(hf_dir: str) -> dict:
-  """``HF_DIR/config.json``, checked to be a BERT this model can take (one line otherwise)."""
+  """``HF_DIR/config.json``, checked to be a BERT or an lmscale remote-code export this model
+  can take (one line otherwise)."""
   path = os.path.join(hf_dir, CONFIG)
   if not os.path.isdir(hf_dir):
     raise HFError(f"{hf_dir}: not a directory (expected a Hugging Face model directory with "
@@ -213,11 +258,15 @@ def read_config(hf_dir: str) -> dict:
     raise HFError(f"{path}: a JSON {type(config).__name__}, expected an object (a model's "
                   f"{CONFIG})")
   kind, archs = config.get("model_type"), config.get("architectures") or [ARCHITECTURE]
-  if kind != "bert" or ARCHITECTURE not in archs:
+  if kind == remote.MODEL_TYPE:
+    if problem := remote.config_problem(config):
+      raise HFError(f"{path}: {problem} (an lmscale export, model_type {remote.MODEL_TYPE!r})")
+  elif kind != "bert" or ARCHITECTURE not in archs:
     raise HFError(f"{path}: model_type={kind!r}, architectures={archs}: only BERT "
-                  f"(model_type 'bert', {ARCHITECTURE}) maps onto this model")
+                  f"(model_type 'bert', {ARCHITECTURE}) or an lmscale export (model_type "
+                  f"{remote.MODEL_TYPE!r}) maps onto this model")
   for field, (want, default) in _FIXED.items():
-    if config.get(field, default) != want:
+    if kind == "bert" and config.get(field, default) != want:
       raise HFError(f"{path}: {field}={config[field]!r}; this model only has {want!r}")
   missing = [f for f in MODEL_KEYS.values() if f not in config]
   if missing:
@@ -230,7 +279,14 @@ def model_keys(hf_dir: str) -> dict:
   config = read_config(hf_dir)
   keys = {k: config[f] for k, f in MODEL_KEYS.items()}
   keys["norm"] = "post"
+  if config["model_type"] == remote.MODEL_TYPE:
+    keys.update(norm=config["norm"], positions=config["positions"])
   return keys
+
+
+def is_classifier(config: dict) -> bool:
+  """Whether a config.json (:func:`read_config`) is a sequence classifier's (no MLM head)."""
+  return remote.CLASSIFIER in (config.get("architectures") or [])
 
 
 def check_matches_model_config(hf_dir: str, model_config) -> None:
@@ -248,8 +304,8 @@ def check_matches_model_config(hf_dir: str, model_config) -> None:
 
 
 # --------------------------------------------------------------------------- files
-def load_params(hf_dir: str, cfg: ml_collections.ConfigDict) -> dict:
-  """``HF_DIR/model.safetensors`` → parameters for ``cfg`` (float32 numpy)."""
+def read_weights(hf_dir: str) -> dict:
+  """``HF_DIR/model.safetensors`` as {name: float32 numpy}, or one line saying why not."""
   from safetensors.numpy import load_file
 
   path = os.path.join(hf_dir, WEIGHTS)
@@ -263,6 +319,18 @@ def load_params(hf_dir: str, cfg: ml_collections.ConfigDict) -> dict:
     sd = load_file(path)
   except Exception as e:  # safetensors raises its own SafetensorError on a bad header
     raise HFError(f"{path}: not a readable safetensors file ({e})") from None
+  return sd
+
+
+def load_params(hf_dir: str, cfg: ml_collections.ConfigDict) -> dict:
+  """``HF_DIR/model.safetensors`` → parameters for ``cfg`` (float32 numpy): a BERT's or an
+  lmscale remote-code export's masked LM."""
+  sd = read_weights(hf_dir)
+  if is_classifier(read_config(hf_dir)):
+    raise HFError(f"{hf_dir} is a sequence classifier ({remote.CLASSIFIER}): it has no MLM "
+                  "head; give the masked LM it was fine-tuned from (load it with "
+                  "lmscale_jax/model/hf_classifier.py)")
+  path = os.path.join(hf_dir, WEIGHTS)
   tied = HF_TIED["cls.predictions.decoder.weight"]
   if tied not in sd and "cls.predictions.decoder.weight" in sd:  # saved under the alias
     sd[tied] = sd["cls.predictions.decoder.weight"]
@@ -270,14 +338,24 @@ def load_params(hf_dir: str, cfg: ml_collections.ConfigDict) -> dict:
 
 
 def save_model(params, cfg: ml_collections.ConfigDict, out_dir: str) -> None:
-  """config.json + model.safetensors (float32, the decoder left to the tie) into ``out_dir``."""
+  """config.json + model.safetensors (float32, the decoder left to the tie) into ``out_dir``:
+  a ``BertForMaskedLM``, or where BERT has no such model (:func:`check_bert`) an
+  ``LmscaleForMaskedLM`` with its modeling code (``trust_remote_code=True``)."""
+  check_exportable(cfg)
+  if remote.needs_remote_code(cfg):
+    write_files(out_dir, to_hf_state_dict(params, cfg, bert=False), remote.remote_config(cfg))
+    remote.write_code(out_dir)
+  else:
+    write_files(out_dir, to_hf_state_dict(params, cfg, tied_aliases=False), hf_config(cfg))
+
+
+def write_files(out_dir: str, sd: dict, config: dict) -> None:
+  """model.safetensors (``sd``) and config.json (``config``) into ``out_dir``, atomically."""
   from safetensors.numpy import save
 
-  check_exportable(cfg)
-  sd = to_hf_state_dict(params, cfg, tied_aliases=False)
   file_io.atomic_write_bytes(os.path.join(out_dir, WEIGHTS),
                              save(sd, metadata={"format": "pt"}))
-  file_io.atomic_write_json(os.path.join(out_dir, CONFIG), hf_config(cfg))
+  file_io.atomic_write_json(os.path.join(out_dir, CONFIG), config)
 
 
 # --------------------------------------------------------------------------- pretraining from HF
