@@ -59,6 +59,7 @@ _INF = float("inf")
 _FLOATS = (
     ("train.learning_rate", 0.0, _INF, True, True),
     ("train.end_lr_frac", 0.0, 1.0, False, False),
+    ("train.warmup_fraction", 0.0, 1.0, False, True),
     ("train.weight_decay", 0.0, _INF, False, True),
     ("train.b1", 0.0, 1.0, False, True),
     ("train.b2", 0.0, 1.0, False, True),

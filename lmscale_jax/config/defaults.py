@@ -57,6 +57,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.steps = 1_000_000
   c.train.learning_rate = 1e-4
   c.train.warmup_steps = 10_000
+  # > 0: the warm-up is int(fraction × train.steps) instead of warmup_steps, so a
+  # --config.train.steps override keeps it (undertale: 2.5%, configs/undertale_medium.py)
+  c.train.warmup_fraction = 0.0
   c.train.schedule = "linear"   # linear | cosine
   c.train.end_lr_frac = 0.0
   c.train.weight_decay = 0.01

@@ -42,8 +42,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.steps = 1000
   c.train.learning_rate = 5e-5
   c.train.warmup_steps = 100
-  for key in ("schedule", "end_lr_frac", "weight_decay", "b1", "b2", "eps", "clip_norm",
-              "seed"):
+  for key in ("warmup_fraction", "schedule", "end_lr_frac", "weight_decay", "b1", "b2", "eps",
+              "clip_norm", "seed"):
     c.train[key] = base.train[key]
   c.train.log_every = 10
   # The levers of the one train step (train/steps.py), pretraining's defaults: FSDP, gradient
@@ -79,6 +79,7 @@ _FLOATS = (("finetune.temperature", 0.0, 100.0, True, False),
 
 
 def check_config(config) -> None:
+           ("train.warmup_fraction", 0.0, 1.0, False, True),
   """Types, ranges and choices of every key, one line naming the first bad one."""
   for key, low in _INTS:
     config_checks.check_int(config, key, low)

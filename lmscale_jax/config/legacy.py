@@ -20,6 +20,7 @@ VALUES = {
     "train.grad_allreduce": "auto",
     "train.grad_accum_steps": 1,        # one microbatch per step
     "train.grad_allreduce_dtype": "float32",
+    "train.warmup_fraction": 0.0,       # the warm-up is train.warmup_steps
     # Fine-tuning's levers (its config had none of these before the one train step): a
     # replicated state, the encoder without recomputation, jax's default dropout generator,
     # no fault injection; its train.nonfinite was always "error", so the skip limit is moot.

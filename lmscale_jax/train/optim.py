@@ -1,6 +1,7 @@
-"""The optimizer: AdamW behind a global-norm clip, BERT's learning-rate schedule (linear warmup,
-then linear or cosine decay), no weight decay on biases and LayerNorm parameters, and the
-non-finite guard of ``train.nonfinite=skip``."""
+"""The optimizer: AdamW behind a global-norm clip, BERT's learning-rate schedule (linear warmup
+over ``train.warmup_steps`` or a ``train.warmup_fraction`` of the steps, then linear or cosine
+decay), no weight decay on biases and LayerNorm parameters, and the non-finite guard of
+``train.nonfinite=skip``."""
 
 from __future__ import annotations
 
@@ -12,16 +13,27 @@ import optax
 _NEVER = 2**31 - 1
 
 
+def warmup_steps(train_config) -> int:
+  """``train.warmup_steps``, or with ``train.warmup_fraction`` > 0 that fraction of
+  ``train.steps``, truncated as undertale's ``int(warmup * total_steps)`` (its 2.5%: 0.025 ×
+  10,000 steps = 250), so a ``--config.train.steps`` override keeps the fraction."""
+  fraction = float(train_config.get("warmup_fraction", 0.0))
+  if fraction > 0:
+    return int(fraction * train_config.steps)
+  return int(train_config.warmup_steps)
+
+
 def learning_rate_schedule(train_config) -> optax.Schedule:
   t = train_config
-  warmup = optax.linear_schedule(0.0, t.learning_rate, max(1, t.warmup_steps))
-  decay_steps = max(1, t.steps - t.warmup_steps)
+  warmup_end = warmup_steps(t)
+  warmup = optax.linear_schedule(0.0, t.learning_rate, max(1, warmup_end))
+  decay_steps = max(1, t.steps - warmup_end)
   end = t.learning_rate * t.end_lr_frac
   if t.schedule == "cosine":
     decay = optax.cosine_decay_schedule(t.learning_rate, decay_steps, alpha=t.end_lr_frac)
   else:
     decay = optax.linear_schedule(t.learning_rate, end, decay_steps)
-  return optax.join_schedules([warmup, decay], [t.warmup_steps])
+  return optax.join_schedules([warmup, decay], [warmup_end])
 
 
 def decay_mask(params):

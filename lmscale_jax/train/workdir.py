@@ -40,7 +40,7 @@ RESULT_KEYS = (
     "train.batch_size", "train.learning_rate", "train.warmup_steps", "train.schedule",
     "train.end_lr_frac", "train.weight_decay", "train.b1", "train.b2", "train.eps",
     "train.clip_norm", "train.seed", "train.grad_accum_steps", "train.grad_allreduce_dtype",
-    "train.dropout_rng", "train.inject_nonfinite_steps",
+    "train.dropout_rng", "train.inject_nonfinite_steps", "train.warmup_fraction",
     "data.seed", "data.mask_prob", "data.max_predictions", "data.shard_by_process",
     "data.on_corrupt", "model.dropout", "model.attention_dropout", "model.dtype",
     "model.layer_norm_eps", "model.packed_attention")
