@@ -39,7 +39,7 @@ ALLOWED = {
     "inference": {"errors", "config", "store", "model", "train"},
     "similarity": {"errors", "store", "progress", "prep.elf"},
     "finetune": {"errors", "config", "store", "model", "train", "inference",
-                 "similarity"},
+                 "similarity", "evals"},  # evals: a classification run's held-out scores
     "evals": {"errors", "progress", "prep.elf", "similarity"},
     "study": {"errors", "config", "store", "input", "model", "train", "child_process"},
     "gpu": {"config", "store", "input", "model", "train"},

@@ -18,8 +18,8 @@ from tests.helpers import ROOT
 SUBCOMMANDS = ["prepare", "inspect-data", "stage", "gpu-check", "max-batch", "train",
                "evaluate", "inspect", "fill-mask", "embed", "export-hf", "import-hf",
                "similarity-sources", "similarity-build", "similarity-leakage", "finetune",
-               "eval-similarity", "provenance-build", "sweep", "report", "scaling-model",
-               "storage-model", "run-state"]
+               "classify", "eval-similarity", "provenance-build", "sweep", "report",
+               "scaling-model", "storage-model", "run-state"]
 INSTALLED = os.path.join(os.path.dirname(sys.executable), "lmscale")
 
 

@@ -1,4 +1,4 @@
-"""Fine-tune an encoder for binary code similarity (contrastive, InfoNCE over in-batch negatives).
+"""Fine-tune an encoder: for binary code similarity (contrastive), or as a classifier.
 
   lmscale finetune --pairs PAIRS.jsonl --workdir OUT
       (--init-workdir RUN [--step N] [--tokenizer F] | --init-hf DIR | --init-random RUN_OR_DIR)
@@ -6,8 +6,11 @@
       [--temperature 0.05] [--proj-dim 128] [--pool mean|cls] [--freeze-layers 0]
       [--dropout 0.1] [--seed 0] [--checkpoint-every 500] [--log-every 10] [--max-groups 0]
       [--allow-config-change] [--config FILE] [--config.SECTION.KEY=VALUE …]
+  lmscale finetune --task classify --labels TRAIN.jsonl --eval-labels TEST.jsonl --workdir OUT
+      (--init-workdir RUN …) [--eval-every 500] [the flags above but --pairs, --temperature,
+      --proj-dim, --pool, --max-groups]
 
-PAIRS is a file in the similarity benchmark's format (lmscale similarity-build): each
+The default task, contrastive: PAIRS is a file in the similarity benchmark's format (lmscale similarity-build): each
 step takes --batch-size distinct source functions and two of their compiled variants. Start
 from a pretraining run's checkpoint, an HF directory, or (--init-random, the baseline) fresh
 weights of a run's or HF directory's architecture. The hyper-parameters are
@@ -16,6 +19,10 @@ flags above set its common keys, --config.K=V any key (e.g. --config.finetune.dt
 on GPUs), typed by the key's default (lmscale_jax.config.loader). OUT is a workdir like
 pretraining's: rerun the same command to resume a stopped run; the result is a model for
 lmscale embed, lmscale eval-similarity --workdir OUT and lmscale export-hf --workdir OUT.
+--task classify: TRAIN and TEST are JSONL files of {"text": "<pretokenised instruction text>",
+"label": "<class>"} objects; a masked-mean-pooled linear head learns the labels, and TEST's
+accuracy and macro-F1 are logged every --eval-every steps and after the last (OUT's
+classification_eval.json); lmscale classify --workdir OUT --labels FILE scores any file.
 Several processes start as lmscale train does, through the same start-up and exit codes
 (lmscale_jax.train.startup: LMSCALE_* variables or Slurm; the config's distributed section).
 See docs/finetune.md.
@@ -39,15 +46,23 @@ FLAGS = {"steps": "train.steps", "batch_size": "train.batch_size",
          "pool": "finetune.pool", "freeze_layers": "finetune.freeze_layers",
          "dropout": "finetune.dropout", "seed": "train.seed",
          "checkpoint_every": "checkpoint.every", "log_every": "train.log_every",
-         "max_groups": "data.max_groups"}
+         "max_groups": "data.max_groups", "eval_every": "train.eval_every"}
 
 
 def parser() -> argparse.ArgumentParser:
   p = cli_args.Parser(prog="lmscale finetune", description=__doc__.splitlines()[0],
                       epilog="--config.SECTION.KEY=VALUE sets any key of "
                       "lmscale_jax/config/finetune.py (after the flags above)")
-  p.add_argument("--pairs", required=True, type=cli_args.input_file, metavar="PAIRS.jsonl",
-                 help="a similarity-benchmark-format file (lmscale similarity-build)")
+  p.add_argument("--task", choices=["contrastive", "classify"], default=None,
+                 help="contrastive (pairs, the default) or classify (labels)")
+  p.add_argument("--pairs", default="", type=cli_args.input_file, metavar="PAIRS.jsonl",
+                 help="(contrastive) a similarity-benchmark-format file (lmscale "
+                 "similarity-build)")
+  p.add_argument("--labels", default="", type=cli_args.input_file, metavar="TRAIN.jsonl",
+                 help='(classify) the training examples: {"text", "label"} per line')
+  p.add_argument("--eval-labels", "--eval_labels", dest="eval_labels", default="",
+                 type=cli_args.input_file, metavar="TEST.jsonl",
+                 help="(classify) the held-out examples, scored every --eval-every steps")
   p.add_argument("--workdir", required=True, metavar="OUT", help="the run's directory")
   start = p.add_mutually_exclusive_group(required=True)
   start.add_argument("--init-workdir", metavar="RUN", help="a pretraining run's --workdir")
@@ -72,7 +87,8 @@ def parser() -> argparse.ArgumentParser:
       ("checkpoint_every", int, 1, 1 << 40, "steps between checkpoints"),
       ("log_every", int, 1, 1 << 40, "steps per metrics row"),
       ("max_groups", int, 0, 1 << 40, "train on a seeded random subset of this many groups "
-       "(0: all; learning curves)")):
+       "(0: all; learning curves)"),
+      ("eval_every", int, 1, 1 << 40, "(classify) steps between held-out scores")):
     names = dict.fromkeys([f"--{flag.replace('_', '-')}", f"--{flag}"])  # both spellings
     p.add_argument(*names, dest=flag, default=None, type=num(kind, lo, hi), help=what)
   p.add_argument("--pool", choices=["mean", "cls"], default=None,
@@ -88,7 +104,11 @@ def parser() -> argparse.ArgumentParser:
 def build_config(a, rest: list[str]):
   """The run's config: --config FILE's (else the defaults), the flags, then --config.K=V."""
   c = loader.load_file(a.config) if a.config else finetune_config.get_config()
-  c.data.pairs = a.pairs
+  if a.task:
+    c.finetune.task = a.task
+  c.data.pairs = a.pairs or c.data.pairs
+  c.finetune.labels = a.labels or c.finetune.labels
+  c.finetune.eval_labels = a.eval_labels or c.finetune.eval_labels
   source = ("workdir", a.init_workdir) if a.init_workdir else (
       ("hf", a.init_hf) if a.init_hf else ("random", a.init_random))
   c.init.source, c.init.path = source
@@ -109,27 +129,40 @@ def build_config(a, rest: list[str]):
 def run(config, workdir: str, allow_change: bool) -> int:
   """The run through the one start-up (lmscale_jax.train.startup): the inputs checked before
   anything is created, then the runtime, the workdir lock and preflight; its exit code."""
-  from lmscale_jax.finetune import contrastive_run as finetune
+  module = _task_module(config)
+  return startup.run(config, workdir, lambda inputs: _finetune(config, workdir, allow_change,
+                                                                 inputs),
+                     checks=lambda: module.check_inputs(config, workdir))
 
-  return startup.run(config, workdir, lambda pairs: _finetune(config, workdir, allow_change,
-                                                                pairs),
-                     checks=lambda: finetune.check_inputs(config, workdir))
+
+def _task_module(config):
+  if config.finetune.task == "classify":
+    from lmscale_jax.finetune import classify_run
+    return classify_run
+  from lmscale_jax.finetune import contrastive_run
+  return contrastive_run
 
 
-def _finetune(config, workdir: str, allow_change: bool, pairs) -> None:
-  from lmscale_jax.finetune import contrastive_run as finetune
-
+def _finetune(config, workdir: str, allow_change: bool, inputs) -> None:
   import jax
 
-  row = finetune.finetune(config, workdir, allow_config_change=allow_change, pairs=pairs,
-                          say=lambda line: print(line, flush=True))
+  say = lambda line: print(line, flush=True)  # noqa: E731
+  if config.finetune.task == "classify":
+    row = _task_module(config).finetune(config, workdir, allow_config_change=allow_change,
+                                        inputs=inputs, say=say)
+    done = (f"held-out accuracy {row.get('eval_accuracy', float('nan')):.3f}, macro-F1 "
+            f"{row.get('eval_macro_f1', float('nan')):.3f} ({workdir}/classification_eval.json); "
+            "the model: lmscale classify --workdir, lmscale export-hf --workdir")
+  else:
+    row = _task_module(config).finetune(config, workdir, allow_config_change=allow_change,
+                                        pairs=inputs, say=say)
+    done = (f"in-batch accuracy {row.get('accuracy', 0.0):.3f}; the model: {workdir} (lmscale "
+            "embed --workdir, lmscale eval-similarity --workdir, lmscale export-hf --workdir)")
   if jax.process_index() == 0 and "loss" not in row:
     print(f"{workdir} is already at step {config.train.steps}: nothing to train (a larger "
           "--steps continues it)")
   elif jax.process_index() == 0 and row["step"] == config.train.steps:
-    print(f"done: step {row['step']}, loss {row['loss']:.4f}, in-batch accuracy "
-          f"{row['accuracy']:.3f}; the model: {workdir} (lmscale embed --workdir, "
-          "lmscale eval-similarity --workdir, lmscale export-hf --workdir)")
+    print(f"done: step {row['step']}, loss {row['loss']:.4f}, {done}")
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,5 @@
-"""The configuration of contrastive fine-tuning (finetune/contrastive_run.py): an ml_collections
+"""The configuration of fine-tuning (``finetune.task``: contrastive, finetune/contrastive_run.py;
+classify, finetune/classify_run.py): an ml_collections
 config like ``configs/*.py``, so ``--config.section.key=value`` overrides it
 (lmscale finetune), with the same ``train``, ``checkpoint`` and ``distributed``
 sections as pretraining (its optimizer, checkpointing and multi-process start-up read them).
@@ -14,6 +15,7 @@ from lmscale_jax.config import modes
 from lmscale_jax.errors import ConfigError
 
 INIT_SOURCES = ("workdir", "hf", "random")
+TASKS = ("contrastive", "classify")
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -30,6 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.init.tokenizer = ""          # (workdir, random) the dataset's tokenizer.json if moved
 
   c.finetune = ml_collections.ConfigDict()
+  c.finetune.task = "contrastive"  # contrastive (pairs) | classify (labels: a JSONL file)
+  c.finetune.labels = ""         # (classify) the training file: {"text", "label"} per line
+  c.finetune.eval_labels = ""    # (classify) the held-out file scored every train.eval_every
   c.finetune.temperature = 0.05  # InfoNCE logits = cosine / temperature
   c.finetune.proj_dim = 128      # the projection head's output size
   c.finetune.pool = "mean"       # mean (non-pad tokens) | cls
@@ -46,6 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
               "clip_norm", "seed"):
     c.train[key] = base.train[key]
   c.train.log_every = 10
+  c.train.eval_every = 500       # (classify) steps between held-out scores (and after the last)
   # The levers of the one train step (train/steps.py), pretraining's defaults: FSDP, gradient
   # accumulation (GradCache: the negatives still span the global batch), the gradient
   # reduction's dtype and shape, the encoder's recomputation, dropout's generator, what a
@@ -64,7 +70,8 @@ def get_config() -> ml_collections.ConfigDict:
 
 # ----------------------------------------------------------------------------- config
 _INTS = (("train.batch_size", 2), ("train.steps", 1), ("train.warmup_steps", 0),
-         ("train.log_every", 1), ("train.seed", 0), ("train.grad_accum_steps", 1),
+         ("train.log_every", 1), ("train.eval_every", 1), ("train.seed", 0),
+         ("train.grad_accum_steps", 1),
          ("train.max_consecutive_nonfinite", 1), ("checkpoint.every", 1),
          ("checkpoint.keep", 1), ("finetune.proj_dim", 1), ("finetune.freeze_layers", 0),
          ("init.step", -1), ("data.max_groups", 0))
@@ -72,6 +79,7 @@ _FLOATS = (("finetune.temperature", 0.0, 100.0, True, False),
            ("finetune.dropout", 0.0, 1.0, False, True),
            ("train.learning_rate", 0.0, float("inf"), True, True),
            ("train.end_lr_frac", 0.0, 1.0, False, False),
+           ("train.warmup_fraction", 0.0, 1.0, False, True),
            ("train.weight_decay", 0.0, float("inf"), False, True),
            ("train.b1", 0.0, 1.0, False, True), ("train.b2", 0.0, 1.0, False, True),
            ("train.eps", 0.0, float("inf"), True, True),
@@ -79,7 +87,6 @@ _FLOATS = (("finetune.temperature", 0.0, 100.0, True, False),
 
 
 def check_config(config) -> None:
-           ("train.warmup_fraction", 0.0, 1.0, False, True),
   """Types, ranges and choices of every key, one line naming the first bad one."""
   for key, low in _INTS:
     config_checks.check_int(config, key, low)
@@ -87,6 +94,7 @@ def check_config(config) -> None:
     config_checks.check_float(config, key, *bounds)
   for value, options, key in (
       (config.init.source, INIT_SOURCES, "init.source"),
+      (config.finetune.task, TASKS, "finetune.task"),
       (config.finetune.pool, modes.POOLS, "finetune.pool"),
       (config.finetune.dtype, modes.DTYPES, "finetune.dtype"),
       (config.train.schedule, modes.SCHEDULES, "train.schedule"),
@@ -98,8 +106,28 @@ def check_config(config) -> None:
       (config.checkpoint.on_full, modes.ON_FULL, "checkpoint.on_full")):
     config_checks.one_of(value, options, key)
   config_checks.parse_steps(config.train.inject_nonfinite_steps, "train.inject_nonfinite_steps")
-  if not config.data.pairs:
-    raise ConfigError("data.pairs is empty: give the pairs file (--pairs FILE)")
+  _check_task_inputs(config)
   if not config.init.path:
     raise ConfigError("init.path is empty: give the model to start from (--init-workdir RUN, "
                       "--init-hf DIR or --init-random RUN)")
+
+
+def _check_task_inputs(config) -> None:
+  """The task's files are given (and only its own)."""
+  f = config.finetune
+  if f.task == "contrastive" and not config.data.pairs:
+    raise ConfigError("data.pairs is empty: give the pairs file (--pairs FILE)")
+  if f.task == "contrastive" and (f.labels or f.eval_labels):
+    raise ConfigError("finetune.labels/eval_labels are the classification task's files: give "
+                      "--task classify with them, or leave them out")
+  if f.task != "classify":
+    return
+  if config.data.pairs:
+    raise ConfigError("data.pairs (--pairs) is the contrastive task's file: --task classify "
+                      "trains on --labels FILE")
+  if not f.labels or not f.eval_labels:
+    raise ConfigError("finetune.labels and finetune.eval_labels: --task classify needs both "
+                      "(--labels TRAIN.jsonl --eval-labels TEST.jsonl)")
+  if f.pool != "mean":
+    raise ConfigError(f"finetune.pool={f.pool}: the classification head pools by the mean over "
+                      "non-pad tokens (undertale's); leave --pool out")

@@ -29,6 +29,10 @@ VALUES = {
     "train.dropout_rng": "threefry",
     "train.max_consecutive_nonfinite": 20,
     "train.inject_nonfinite_steps": "",
+    # The classification task (finetune.task): a run from before it is a contrastive one.
+    "finetune.task": "contrastive",
+    "finetune.labels": "",
+    "finetune.eval_labels": "",
 }
 
 

@@ -163,10 +163,16 @@ def check_same_file(pairs: Pairs, saved: dict) -> None:
 def check_resume(pairs: Pairs, step_dir: str, process_index: int, process_count: int) -> None:
   """Before a resume writes anything: the checkpoint's batches came from ``pairs``' contents
   (its sampler state, which Grain's handler writes as ``data/process_<i>-of-<n>.json``)."""
+  saved = saved_state(step_dir, process_index, process_count)
+  if saved is not None:  # else the restore names a missing or unreadable state
+    check_same_file(pairs, saved)
+
+
+def saved_state(step_dir: str, process_index: int, process_count: int) -> dict | None:
+  """A checkpoint's sampler state as this process saved it (None: missing or unreadable)."""
   path = os.path.join(step_dir, "data", f"process_{process_index}-of-{process_count}.json")
   try:
     with open(path) as f:
-      saved = json.load(f)
+      return json.load(f)
   except (OSError, ValueError):
-    return  # the restore names a missing or unreadable state
-  check_same_file(pairs, saved)
+    return None

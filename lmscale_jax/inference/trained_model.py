@@ -1,7 +1,8 @@
 """A trained model, for the tools that use one (export, evaluate, fill-mask, embed): from a
 training workdir's checkpoint or from a Hugging Face directory, with its tokenizer, and the
 three things done with it: MLM logits at given positions, the last hidden layer, and (a
-fine-tuned model: finetune/contrastive_run.py) its embeddings, pooled, projected and normalised.
+fine-tuned model: finetune/contrastive_run.py) its embeddings, pooled, projected and normalised,
+or (a classification fine-tune: finetune/classify_run.py) its class logits.
 
 A workdir needs no dataset: the model's shape is in the run's ``config.json`` (its ``model``
 block holds the resolved vocab_size/seq_len); the parameters, and only they, come from its
@@ -9,8 +10,9 @@ checkpoint (:func:`abstract_params` is the restore target: no optimizer is built
 moment read; benchmarks/bench_model_load.py measures what that saves). Only the tokenizer is
 read from the run's ``data.path`` (or ``--tokenizer``). Inference runs in float32, as
 transformers does. A fine-tuning workdir (its config.json has a ``finetune`` section) keeps its
-tokenizer in the workdir and its projection head beside the encoder (``head``); an exported one
-has ``projection.*`` files.
+tokenizer in the workdir and its projection head beside the encoder (``head``), or, a
+classification run (``finetune.task="classify"``), its classifier and class names
+(``classifier``, the workdir's ``labels.json``); an exported one has ``projection.*`` files.
 
 Every file is read, and checked, by :mod:`lmscale_jax.inference.model_files`.
 """
@@ -30,6 +32,7 @@ import numpy as np
 from lmscale_jax.errors import UserError
 from lmscale_jax.inference import model_files
 from lmscale_jax.model import bert as model_lib
+from lmscale_jax.model import classifier as classifier_lib
 from lmscale_jax.model import contrastive, hf_convert
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
@@ -45,6 +48,8 @@ class TrainedModel:
   step: int | None = None          # the checkpoint's step (workdir)
   run_config: ml_collections.ConfigDict | None = None
   head: dict | None = None         # fine-tuned: {"pool", "projection": {"kernel", "bias"}}
+  # a classification fine-tune: {"labels": class names, "kernel" [H,C], "bias" [C]}
+  classifier: dict | None = None
 
   @property
   def special_ids(self) -> dict:
@@ -90,14 +95,18 @@ def _check_vocab(tok, cfg, where: str) -> None:
                     f"{cfg.vocab_size}: not the tokenizer this model was trained with")
 
 
-def abstract_params(run_config, cfg):
+def abstract_params(run_config, cfg, classes: int = 0):
   """The parameters' shapes as the run's checkpoint holds them (the restore target of
   ``checkpoint.restore_params``), on this process's first device: the model's init under
   ``jax.eval_shape`` (nothing allocated, no optimizer built); for a fine-tuned run
-  ``{"bert", "projection"}`` as ``train.finetune_state`` builds its state. Pretraining's
+  ``{"bert", "projection"}`` as ``train.finetune_state`` builds its state, for a
+  classification run ``{"bert", "classifier"}`` (``classes`` outputs). Pretraining's
   parameters do not depend on ``predictions`` (``model.bert.init_params``)."""
   bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
-  if is_finetuned(run_config):
+  if is_classifier(run_config):
+    bert = {"bert": bert, "classifier": jax.eval_shape(
+        lambda: classifier_lib.init_head(cfg, classes, jax.random.key(0)))}
+  elif is_finetuned(run_config):
     projection = jax.eval_shape(lambda: contrastive.init_projection(
         cfg, int(run_config.finetune.proj_dim), jax.random.key(0)))
     bert = {"bert": bert, "projection": projection}
@@ -107,6 +116,11 @@ def abstract_params(run_config, cfg):
 
 def is_finetuned(run_config) -> bool:
   return "finetune" in run_config
+
+
+def is_classifier(run_config) -> bool:
+  """A classification fine-tune's run (config.legacy: an older fine-tune is contrastive)."""
+  return is_finetuned(run_config) and run_config.finetune.task == "classify"
 
 
 def workdir_shape(workdir: str, tokenizer_path: str, dtype: str | None):
@@ -130,13 +144,17 @@ def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = ""
   run_config, cfg, tok, record = workdir_shape(workdir, tokenizer_path, dtype)
   if data is not None:
     model_files.check_dataset(cfg, data, workdir, same_seq_len=False, record=record)
-  step, params = model_files.restore_params(workdir, step, abstract_params(run_config, cfg))
-  params, head = jax.device_get(params), None
-  if is_finetuned(run_config):
+  names = classifier_lib.load_labels(workdir) if is_classifier(run_config) else []
+  step, params = model_files.restore_params(workdir, step,
+                                            abstract_params(run_config, cfg, len(names)))
+  params, head, classes = jax.device_get(params), None, None
+  if names:
+    params, classes = params["bert"], {"labels": names, **params["classifier"]}
+  elif is_finetuned(run_config):
     params, head = params["bert"], {"pool": run_config.finetune.pool,
                                     "projection": params["projection"]}
   return TrainedModel(cfg=cfg, params=params, tokenizer=tok, source=workdir, step=step,
-                      run_config=run_config, head=head)
+                      run_config=run_config, head=head, classifier=classes)
 
 
 def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
@@ -183,7 +201,7 @@ def random_init(model: TrainedModel, seed: int) -> TrainedModel:
   (seed ``seed``): eval_similarity.py's random-init row, finetune's ``init.source=random``."""
   params = _init_fn(model.cfg.to_json())(jax.random.key(seed))
   return dataclasses.replace(model, params=jax.device_get(params), source="random-init",
-                             step=None, head=None)
+                             step=None, head=None, classifier=None)
 
 
 def load(workdir: str = "", hf: str = "", step: int | None = None,
@@ -261,3 +279,19 @@ def embeddings(model: TrainedModel, ids: np.ndarray) -> np.ndarray:
     raise UserError(f"{model.source} has no projection head: not a fine-tuned model "
                     "(lmscale finetune makes one)")
   return contrastive.embed(model.cfg, model.params, model.head, ids)
+
+
+def classifier_params(model: TrainedModel) -> dict:
+  """A classification fine-tune's parameters as its run trains them, ``{"bert", "classifier":
+  {"kernel", "bias"}}`` (what ``model.hf_classifier.save_classifier`` exports)."""
+  if model.classifier is None:
+    raise UserError(f"{model.source} has no classifier: not a classification fine-tune "
+                    "(lmscale finetune --task classify makes one)")
+  return {"bert": model.params,
+          "classifier": {k: model.classifier[k] for k in ("kernel", "bias")}}
+
+
+def class_logits(model: TrainedModel, ids: np.ndarray) -> np.ndarray:
+  """ids [B,S] → a classification fine-tune's logits, float32 [B,C] (class ``i``:
+  ``model.classifier["labels"][i]``)."""
+  return classifier_lib.logits(model.cfg, classifier_params(model), ids)

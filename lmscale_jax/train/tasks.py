@@ -5,7 +5,7 @@ gradient paths, FSDP, accumulation, the reduction, the optimizer, ``train.nonfin
 Two kinds, by how the loss decomposes over the batch's rows:
 
 * :class:`SumTask`: a sum over rows divided by a weight (MLM: cross-entropy summed over the
-  predicted positions / their count). Microbatches and devices are then independent: the
+  predicted positions / their count; classification: over the rows / their count). Microbatches and devices are then independent: the
   gradients of ``loss_sum(microbatch) / W`` (``W`` the global batch's weight) sum exactly to
   the global mean loss's.
 * :class:`BatchTask`: a loss over the per-row outputs of the whole global batch (contrastive:
@@ -75,24 +75,57 @@ def mlm_task(model, pad_id: int) -> SumTask:
 def contrastive_task(model, labels: Callable, temperature: float, pad_id: int) -> BatchTask:
   """Fine-tuning's symmetric InfoNCE over in-batch negatives (:func:`contrastive.info_nce`) on
   batches of pair rows ``ids [B, 2, S]`` (anchor, positive). ``labels(params)``: "frozen" or
-  "train" per leaf; frozen leaves get no gradient computed at all (the optimizer also zeroes
-  their updates)."""
+  "train" per leaf (:func:`stop_frozen`)."""
 
   def embed(params, ids, rng):
-    frozen = labels(params)
-    params = jax.tree.map(lambda p, lab: jax.lax.stop_gradient(p) if lab == "frozen" else p,
-                          params, frozen)
     b, _, s = ids.shape
-    return model.apply({"params": params}, ids.reshape(2 * b, s), deterministic=False,
-                       rngs={"dropout": rng}).reshape(b, 2, -1)
+    return model.apply({"params": stop_frozen(params, labels)}, ids.reshape(2 * b, s),
+                       deterministic=False, rngs={"dropout": rng}).reshape(b, 2, -1)
 
   def loss(z):
     value, accuracy = contrastive.info_nce(z[:, 0], z[:, 1], temperature)
     return value, {"accuracy": accuracy}
 
-  def compute_cast(params):  # the projection head runs in float32 (contrastive.py)
-    return {"bert": jax.tree.map(lambda p: p.ndim > 1, params["bert"]),
-            "projection": jax.tree.map(lambda _: False, params["projection"])}
-
   return BatchTask(embed=embed, loss=loss, sums=lambda ids: {"tokens": (ids != pad_id).sum()},
-                   compute_cast=compute_cast)
+                   compute_cast=head_in_float32("projection"))
+
+
+def classification_task(model, labels: Callable, pad_id: int) -> SumTask:
+  """A classification fine-tune's cross-entropy (:mod:`lmscale_jax.model.classifier`) summed
+  over the rows of batches ``{"ids" [B,S], "label" [B]}`` / their count; a row labelled -1
+  counts nowhere. ``labels(params)``: "frozen" or "train" per leaf, as the contrastive task's."""
+
+  def loss_sum(params, batch, rng):
+    logits = model.apply({"params": stop_frozen(params, labels)}, batch["ids"],
+                         deterministic=False, rngs={"dropout": rng})
+    real = batch["label"] >= 0
+    target = jnp.where(real, batch["label"], 0)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), target)
+    correct = (jnp.argmax(logits, -1) == target) & real
+    return (ce * real).sum(), {"correct": correct.sum(),
+                               "tokens": (batch["ids"] != pad_id).sum()}
+
+  def metrics(sums):
+    return {"accuracy": sums["correct"] / jnp.maximum(sums["weight"], 1.0),
+            "tokens": sums["tokens"]}
+
+  return SumTask(loss_sum=loss_sum, weight=lambda b: (b["label"] >= 0).sum(dtype=jnp.float32),
+                 metrics=metrics, compute_cast=head_in_float32("classifier"))
+
+
+def stop_frozen(params, labels: Callable):
+  """``params`` with no gradient through the leaves ``labels(params)`` calls "frozen" (none is
+  then computed at all; the optimizer also zeroes their updates)."""
+  return jax.tree.map(lambda p, lab: jax.lax.stop_gradient(p) if lab == "frozen" else p,
+                      params, labels(params))
+
+
+def head_in_float32(head: str) -> Callable:
+  """A fine-tuning task's ``compute_cast``: the encoder's matrices cast, the ``head`` (which
+  runs in float32: model/contrastive.py, model/classifier.py) not."""
+
+  def compute_cast(params):
+    return {"bert": jax.tree.map(lambda p: p.ndim > 1, params["bert"]),
+            head: jax.tree.map(lambda _: False, params[head])}
+
+  return compute_cast

@@ -1,0 +1,232 @@
+"""Classification fine-tuning end to end (lmscale finetune --task classify, finetune/classify_run.py;
+lmscale classify): a toy compiler-provenance task built from tests/data/similarity with the
+machine's gcc (each function at -O0 and at -O3, labelled by its level; the held-out split is
+other source functions), started from tests/test_finetune.py's real 2-step pretraining run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from lmscale_jax.evals import classification
+from lmscale_jax.finetune import classify_run
+from lmscale_jax.inference import trained_model
+from lmscale_jax.train import checkpoint as ckpt_lib
+from tests.helpers import ROOT, communicate, lmscale
+from tests.test_finetune import bench, pretrained, rows  # noqa: F401 (fixtures)
+from tests.test_hf_tools import run_tool
+
+STEPS = 40
+EVAL_EVERY = 20
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+
+
+def write_jsonl(path, objects) -> None:
+  path.write_text("".join(json.dumps(o) + "\n" for o in objects))
+
+
+@pytest.fixture(scope="module")
+def task(bench, tmp_path_factory):
+  """(train.jsonl, test.jsonl): the first 70 source functions' two variants to train on, the
+  other 31's held out; the label is the optimisation level."""
+  groups = [json.loads(x) for x in open(bench).read().splitlines()[1:]]
+  out = tmp_path_factory.mktemp("task")
+
+  def examples(part):
+    return [{"text": v["text"], "label": name.split("-")[1], "library": g["source"],
+             "function": g["name"]} for g in part for name, v in sorted(g["variants"].items())]
+
+  write_jsonl(out / "train.jsonl", examples(groups[:70]))
+  write_jsonl(out / "test.jsonl", examples(groups[70:]))
+  return out / "train.jsonl", out / "test.jsonl"
+
+
+def args(task, pretrained, workdir, *extra) -> list[str]:
+  """The golden run's command line (the stopped run and the 2-device run repeat it)."""
+  return [str(a) for a in (
+      "--task", "classify", "--labels", task[0], "--eval-labels", task[1], "--workdir", workdir,
+      "--init-workdir", pretrained[1], "--steps", STEPS, "--batch-size", 16,
+      "--learning-rate", 2e-3, "--warmup-steps", 3, "--dropout", 0.0, "--log-every", 1,
+      "--eval-every", EVAL_EVERY, "--checkpoint-every", 4, *extra)]
+
+
+def train_rows(workdir, key="loss") -> dict:
+  return {r["step"]: r[key] for r in rows(workdir) if key in r}
+
+
+@pytest.fixture(scope="module")
+def classified(task, pretrained, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("cls") / "run"
+  from lmscale_jax.cli import finetune
+
+  assert finetune.main(args(task, pretrained, workdir)) == 0
+  return workdir
+
+
+def test_a_classification_finetune_learns_a_separable_task(classified, task):
+  report = json.load(open(classified / classify_run.EVAL_REPORT))
+  print(f"held-out accuracy {report['accuracy']:.3f}, macro-F1 {report['macro_f1']:.3f} "
+        f"(majority {report['majority']['accuracy']:.3f}); loss "
+        f"{train_rows(classified)[1]:.4f} → {train_rows(classified)[STEPS]:.4f}")
+  assert report["step"] == STEPS and report["labels"] == ["O0", "O3"]
+  assert report["accuracy"] > 0.9 and report["macro_f1"] > 0.9
+  assert report["examples"] == 62 and sum(map(sum, report["confusion"])) == 62
+  assert {k: v["support"] for k, v in report["per_label"].items()} == {"O0": 31, "O3": 31}
+  evals = {r["step"]: r for r in rows(classified) if "eval_accuracy" in r}
+  assert sorted(evals) == [EVAL_EVERY, STEPS]
+  assert evals[STEPS]["eval_accuracy"] == report["accuracy"]
+  assert sorted(train_rows(classified)) == list(range(1, STEPS + 1))
+  assert json.load(open(classified / "labels.json"))["labels"] == ["O0", "O3"]
+
+
+def test_lmscale_classify_scores_a_finished_run_as_its_last_evaluation(classified, task,
+                                                                       tmp_path, capsys):
+  out = tmp_path / "scores.json"
+  code, said, err = run_tool("classify", ["--workdir", classified, "--labels", task[1],
+                                          "--json", out], capsys)
+  assert code == 0, err
+  scores, report = json.load(open(out)), json.load(open(classified / classify_run.EVAL_REPORT))
+  assert scores["accuracy"] == report["accuracy"] and scores["confusion"] == report["confusion"]
+  assert f"accuracy {report['accuracy']:.4f}" in said
+  lines = open(task[1]).read().splitlines()
+  first = scores["predictions"][0]
+  assert len(scores["predictions"]) == len(lines) and first["line"] == 1
+  assert first["label"] == json.loads(lines[0])["label"] and first["predicted"] in ("O0", "O3")
+  assert first["library"] and first["function"]
+  again = classification.classification_scores(
+      [p["label"] for p in scores["predictions"]], [p["predicted"] for p in scores["predictions"]],
+      ["O0", "O3"])
+  assert again["macro_f1"] == scores["macro_f1"]
+  model = trained_model.load(workdir=str(classified))
+  assert model.step == STEPS and model.classifier["labels"] == ["O0", "O3"]
+  assert model.classifier["kernel"].shape == (64, 2) and model.head is None
+
+
+def test_a_stopped_classification_run_resumes_with_the_uninterrupted_losses_bitwise(
+    classified, task, pretrained, tmp_path):
+  """The golden run as the lmscale command, stopped by SIGTERM once a checkpoint is saved (it
+  saves one and exits 0), then rerun: every step's numbers, and the held-out scores, equal the
+  uninterrupted run's."""
+  workdir = tmp_path / "stopped"
+  argv = [*lmscale("finetune"), *args(task, pretrained, workdir)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, start_new_session=True)
+  deadline = time.monotonic() + 240
+  while not ckpt_lib.complete_steps(str(workdir)):
+    assert p.poll() is None, p.communicate()[1][-3000:]
+    assert time.monotonic() < deadline, "no checkpoint within 240 s"
+    time.sleep(0.01)
+  p.send_signal(signal.SIGTERM)
+  out, err = communicate(p)
+  assert p.returncode == 0 and "preempted: stopped after step" in out, err[-3000:]
+  stopped = max(ckpt_lib.complete_steps(str(workdir)))
+  assert stopped < STEPS, "the run finished before the signal: nothing to resume"
+  r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr[-3000:]
+  print(f"stopped at step {stopped}, resumed")
+  for key in ("loss", "accuracy", "grad_norm", "eval_accuracy", "eval_macro_f1"):
+    assert train_rows(workdir, key) == train_rows(classified, key), key
+
+
+def test_two_devices_equal_one_device(classified, task, pretrained, tmp_path):
+  """The golden run on 2 host devices (the batch split 8/8, XLA's all-reduce): the same
+  losses to float32 rounding, the same held-out predictions."""
+  workdir = tmp_path / "two"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  r = subprocess.run([*lmscale("finetune"), *args(task, pretrained, workdir)], cwd=ROOT,
+                     env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and "2 device(s)" in r.stdout, r.stderr[-3000:]
+  one, two = train_rows(classified), train_rows(workdir)
+  assert sorted(one) == sorted(two)
+  diff = max(abs(one[s] - two[s]) for s in one)
+  print(f"largest loss difference over {STEPS} steps: {diff:.2e}")
+  assert diff < 1e-5
+  assert train_rows(workdir, "eval_accuracy") == train_rows(classified, "eval_accuracy")
+
+
+# --------------------------------------------------------------------------- bad input
+def test_bad_labels_files_are_one_line_each_before_any_work(task, pretrained, tmp_path):
+  good = [json.loads(x) for x in open(task[0]).read().splitlines()]
+  files = {
+      "empty": "",
+      "notjson": json.dumps(good[0]) + "\n{text: oops\n",
+      "nolabel": json.dumps(good[0]) + "\n" + json.dumps({"text": "ret"}) + "\n",
+      "array": "[1, 2]\n",
+      "oneclass": "".join(json.dumps(dict(g, label="O0")) + "\n" for g in good),
+      "unknown": json.dumps(good[0]) + "\n" + json.dumps(dict(good[1], label="O2")) + "\n",
+  }
+  for name, text in files.items():
+    (tmp_path / f"{name}.jsonl").write_text(text)
+  f = lambda name: str(tmp_path / f"{name}.jsonl")  # noqa: E731
+  train, test = str(task[0]), str(task[1])
+  cases = [
+      ([train, f("empty")], f("empty"), "no examples (an empty file"),
+      ([f("notjson"), test], f"{f('notjson')}:2", "not a JSON object"),
+      ([f("nolabel"), test], f"{f('nolabel')}:2", '"label" is missing, expected a string'),
+      ([f("array"), test], f"{f('array')}:1", "a JSON list, expected an object"),
+      ([f("oneclass"), test], f("oneclass"), "a classifier needs two or more classes"),
+      ([train, f("unknown")], f"unknown label 'O2' at {f('unknown')}:2",
+       "the training labels are 'O0', 'O3' (2)"),
+      ([str(tmp_path / "none.jsonl"), test], "none.jsonl", "no such file"),
+  ]
+  for (train_file, test_file), where, message in cases:
+    workdir = tmp_path / "out"
+    r = subprocess.run([*lmscale("finetune"), "--task", "classify", "--labels", train_file,
+                        "--eval-labels", test_file, "--workdir", workdir, "--init-workdir",
+                        pretrained[1], "--batch-size", "8"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 1, (where, r.stderr)
+    assert r.stderr.count("\n") == 1 and where in r.stderr and message in r.stderr, r.stderr
+    assert not workdir.exists(), where  # refused before the workdir, the runtime, a checkpoint
+  r = subprocess.run([*lmscale("finetune"), "--task", "classify", "--labels", train,
+                      "--workdir", tmp_path / "out", "--init-workdir", pretrained[1]],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 1 and "--eval-labels" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_a_contrastive_workdir_is_not_resumed_as_a_classifier(task, pretrained, tmp_path,
+                                                              capsys):
+  workdir = tmp_path / "ft"
+  workdir.mkdir()
+  record = json.load(open(pretrained[1] / "config.json"))
+  record["config"] = {**record["config"], "finetune": {"task": "contrastive"}}
+  (workdir / "config.json").write_text(json.dumps(record))
+  code, _, err = run_tool("finetune", args(task, pretrained, workdir), capsys)
+  assert code == 1 and "holds a --task contrastive fine-tuning run" in err, err
+
+
+# --------------------------------------------------------------------------- export
+def test_the_exported_classifier_in_transformers_gives_our_logits(classified, task, tmp_path):
+  """The run's classifier through model/hf_classifier.save_classifier (what lmscale export-hf
+  writes for it) → AutoModelForSequenceClassification (trust_remote_code): the held-out
+  texts' logits are ours, its id2label the run's classes."""
+  from lmscale_jax.model import hf_classifier
+  from lmscale_jax.store import tokenizer as toklib
+  from tests.hf_helpers import hf_side
+
+  model = trained_model.load(workdir=str(classified))
+  out = tmp_path / "hf"
+  out.mkdir()
+  hf_classifier.save_classifier(trained_model.classifier_params(model), model.cfg,
+                                model.classifier["labels"], str(out))
+  toklib.write_hf_files(model.tokenizer, str(out), model_max_length=model.cfg.seq_len)
+  texts = [json.loads(x)["text"] for x in open(task[1]).read().splitlines()[:8]]
+  ids = trained_model.pad_batch([trained_model.encode(model, t)[0] for t in texts],
+                                model.cfg.seq_len, model.special_ids["[PAD]"])
+  theirs, = hf_side(tmp_path, [{"op": "remote", "dir": str(out), "ids": ids.tolist(),
+                                "auto": "AutoModelForSequenceClassification"}])
+  assert theirs["class"] == "LmscaleForSequenceClassification"
+  assert theirs["id2label"] == {"0": "O0", "1": "O3"}
+  diff = np.abs(np.asarray(theirs["logits"]) - trained_model.class_logits(model, ids)).max()
+  print(f"exported classifier: max |logits diff| {diff:.2e}")
+  assert diff < 1e-4
