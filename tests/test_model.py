@@ -17,7 +17,7 @@ from lmscale_jax.model import flops
 from lmscale_jax.store import dataset
 from tests.helpers import ROOT, SPECIAL_IDS, make_config
 
-CONFIGS = ("tiny", "bert120m", "bert350m")
+CONFIGS = ("tiny", "bert120m", "bert350m", "undertale_medium")
 PAD = SPECIAL_IDS["[PAD]"]
 
 
@@ -309,7 +309,8 @@ def test_analytic_param_count(overrides):
   assert flops.count_params_from_config(cfg) == flops.param_count(shapes)
 
 
-@pytest.mark.parametrize("name,lo,hi", [("bert120m", 100e6, 130e6), ("bert350m", 320e6, 370e6)])
+@pytest.mark.parametrize("name,lo,hi", [("bert120m", 100e6, 130e6), ("bert350m", 320e6, 370e6),
+                                         ("undertale_medium", 105e6, 115e6)])
 def test_named_configs_have_their_size(name, lo, hi):
   c = load_config(name)
   cfg = M.resolve_model_config(c.model, fake_meta(seq_len=512, vocab_size=30522),
