@@ -5,6 +5,7 @@ code (lmscale_jax/model/hf_remote/) and loaded by transformers with trust_remote
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -13,12 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lmscale_jax.cli import export_hf, fill_mask, import_hf
 from lmscale_jax.inference import trained_model
 from lmscale_jax.model import contrastive, hf_classifier, hf_convert
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
+from lmscale_jax.train import trainer
 from tests.hf_helpers import hf_side
-from tests.helpers import SPECIAL_IDS
+from tests.helpers import SPECIAL_IDS, make_synthetic_dataset, small_train_config
 from tests.test_model import apply, init, small_cfg
 
 SEQ = 32
@@ -197,3 +200,53 @@ def test_sequence_classifier_in_transformers_equals_mean_pool_and_dense(exports,
                                                                "classifier": head})
   with pytest.raises(hf_convert.HFError, match="sequence classifier"):
     trained_model.from_hf(str(out))
+
+
+# --------------------------------------------------------------------------- lmscale export-hf
+@pytest.fixture(scope="module")
+def undertale_run(tmp_path_factory):
+  """A 2-step pre-LN, instruction-position run (undertale's model, small) on a real dataset."""
+  base = tmp_path_factory.mktemp("undertale")
+  make_synthetic_dataset(str(base / "ds"), seq_len=32, vocab_size=64, n_train=32, n_val=16)
+  meta_path = base / "ds" / "metadata.json"  # its tokens stand in for instruction text
+  meta_path.write_text(json.dumps(dict(json.loads(meta_path.read_text()), kind="binary")))
+  config = small_train_config(str(base / "ds"), steps=2, eval_every=2)
+  config.model.update(norm="pre", positions="instruction")
+  config.checkpoint.every = 2
+  trainer.train_and_evaluate(config, str(base / "run"))
+  return base / "ds", base / "run"
+
+
+def test_export_hf_of_a_pre_ln_instruction_run_loads_with_trust_remote_code(
+    undertale_run, tmp_path, capsys):
+  """lmscale export-hf writes the modeling code and a card that loads it with
+  trust_remote_code=True; transformers' logits = the run's; lmscale fill-mask --hf and
+  import-hf (+ init_from) take the directory."""
+  data, run = undertale_run
+  out = tmp_path / "hf"
+  assert export_hf.main(["--workdir", str(run), "--output", str(out)]) == 0
+  assert "LmscaleForMaskedLM" in capsys.readouterr().out
+  assert {"modeling_lmscale.py", "configuration_lmscale.py", "tokenizer.json"} <= set(
+      os.listdir(out))
+  assert "trust_remote_code=True" in (out / "README.md").read_text()
+  model = trained_model.from_workdir(str(run))
+  ids = [[2, 6, 7, 5, 8, 9, 10, 5, 11, 3, 0, 0],  # [CLS] t6 t7 [NEXT] t8 … [SEP] [PAD] [PAD]
+         [2, 12, 5, 13, 3, 2, 14, 5, 15, 3, 0, 0]]  # two functions packed in one row
+  theirs, = hf_side(tmp_path, [{"op": "remote", "dir": str(out), "ids": ids,
+                                "auto": "AutoModelForMaskedLM"}])
+  every = np.broadcast_to(np.arange(12), (2, 12))
+  ours = trained_model.mlm_logits(model, np.asarray(ids, np.int32), every)
+  assert np.abs(np.asarray(theirs["logits"]) - ours)[np.asarray(ids) != 0].max() < 1e-5
+  assert fill_mask.main(["--hf", str(out), "--text", "t7 [NEXT] [MASK] t9"]) == 0
+  config_file = tmp_path / "from_hf.py"
+  assert import_hf.main(["--hf", str(out), "--data", str(data), "--output",
+                         str(config_file)]) == 0
+  spec = importlib.util.spec_from_file_location("from_hf", config_file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  assert (config.model.norm, config.model.positions) == ("pre", "instruction")
+  config.train.batch_size = 8
+  setup = trainer.build_setup(config)
+  start = hf_convert.init_params(config.init_from, setup.model_cfg, setup.meta)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, start, model.params)
