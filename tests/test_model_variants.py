@@ -6,7 +6,8 @@ its source (``undertale/models/custom.py``: ``compute_instruction_index`` and
 ``compute_argument_index``) and applied to each packed function alone. The runs are real
 ``python -m lmscale_jax.main`` processes (1 and 4 CPU devices, 2 processes over gloo) on one
 real binary-code dataset (two system libraries through ``lmscale prepare binary``); the tools
-run in-process through their ``main()`` on that run's workdir.
+run in-process through their ``main()`` on that run's workdir. The GPU side (cuDNN attention in
+bfloat16) is tests/test_model_variants_gpu.py.
 """
 
 from __future__ import annotations
@@ -379,41 +380,3 @@ def test_undertale_medium_is_the_papers_model_and_optimiser():
 
   assert flops.param_count(shapes) == flops.count_params_from_config(cfg)
   assert set(config_defaults.get_base_config().train) == set(t)  # no key of its own
-
-
-# --------------------------------------------------------------------------- GPU
-@pytest.mark.skipif(jax.default_backend() != "gpu" and not os.environ.get(
-    "LMSCALE_GPU_TESTS_ON_CPU"), reason="cuDNN attention needs a GPU "
-    "(LMSCALE_GPU_TESTS_ON_CPU=1 runs the code path on the CPU, XLA against itself)")
-def test_gpu_bf16_undertale_step_cudnn_matches_xla():
-  """A bf16 loss-and-gradient step of positions="instruction", norm="pre" on packed rows
-  (segment windows: cuDNN takes the block-diagonal mask as its bias): cuDNN's attention
-  against XLA's, the loss within 2e-2 relative, the gradients within 5e-2 (relative global
-  norm of the difference): bfloat16 rounding, as tests/test_model.py's cuDNN tests."""
-  rows = packed.pack(instruction_functions(np.random.default_rng(5), 80))[:8].astype(np.int32)
-  rng = np.random.default_rng(6)
-  positions = rng.integers(0, 40, (len(rows), 8)).astype(np.int32)
-  labels = rng.integers(0, packed.VOCAB, positions.shape).astype(np.int32)
-  other = "cudnn" if jax.default_backend() == "gpu" else "xla"
-
-  def loss_and_grads(impl):
-    model = make_config(model=dict(layers=2, hidden=128, heads=2, ffn=256, dropout=0.0,
-                                   dtype="bfloat16", attention_impl=impl, **UNDERTALE_MODEL)).model
-    cfg = M.resolve_model_config(model, dataset.DatasetMeta.synthetic(packed.SEQ, packed.VOCAB))
-    params = jax.jit(lambda r: M.init_params(cfg, r))(jax.random.key(0))
-
-    def loss(p):
-      logits = M.BertForMLM(cfg).apply({"params": p}, jnp.asarray(rows), jnp.asarray(positions))
-      logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-      return -jnp.take_along_axis(logp, jnp.asarray(labels)[..., None], -1).mean()
-
-    return jax.jit(jax.value_and_grad(loss))(params)
-
-  ref_loss, ref_grads = loss_and_grads("xla")
-  got_loss, got_grads = loss_and_grads(other)
-  assert np.isfinite(float(got_loss)) and float(got_loss) == pytest.approx(float(ref_loss),
-                                                                          rel=2e-2)
-  diff = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(got_grads),
-                                                         jax.tree.leaves(ref_grads)))
-  norm = sum(float(jnp.sum(b ** 2)) for b in jax.tree.leaves(ref_grads))
-  assert np.sqrt(diff / norm) < 5e-2, np.sqrt(diff / norm)

@@ -7,7 +7,7 @@
 # 0. lmscale gpu-check (devices, versions, cuDNN vs XLA attention, a 120M step at batch 8 and
 # B120): if it FAILs, the script stops there with its reason (no minutes spent on a broken
 # install), then the GPU-only tests (OUTDIR/gpu_tests.log: cuDNN/Pallas attention, fine-tuning
-# in bf16); 1. bf16 matmul peak (the MFU denominator); 2. lmscale_jax training steps on synthetic
+# and undertale's variant in bf16); 1. bf16 matmul peak (the MFU denominator); 2. lmscale_jax training steps on synthetic
 # batches: 120M batch 184, 350M batch 64 (with a jax.profiler trace), 350M at 128 sequences
 # per device (remat=dots, and grad_accum_steps=2); 3. the Hugging Face peer
 # (.gpu/peer_hf_bert.py) at the same shapes: bf16 120M b184, bf16 350M b64, fp32 350M b20
@@ -159,11 +159,13 @@ if [ $rc -ne 0 ]; then
 fi
 
 # --- 0b. the GPU-only tests: what the CPU suite skips (cuDNN/Pallas attention against XLA,
-# fine-tuning's bf16 path with GradCache accumulation, remat and a bf16 reduction) --------------
+# fine-tuning's bf16 path with GradCache accumulation, remat and a bf16 reduction, undertale's
+# variant — instruction positions, pre-LN — in bf16 with cuDNN attention) ---------------------
 if [ -z "${BENCH_SMOKE:-}" ]; then
   run gpu_tests 240 "$PY" -m pytest -q -p no:cacheprovider -rs \
     tests/test_model.py::test_cudnn_attention_matches_xla \
-    tests/test_model.py::test_gpu_segment_attention_matches_xla tests/test_finetune_gpu.py
+    tests/test_model.py::test_gpu_segment_attention_matches_xla tests/test_finetune_gpu.py \
+    tests/test_model_variants_gpu.py
   cp "$OUT/logs/gpu_tests.log" "$OUT/gpu_tests.log" 2>/dev/null
 fi
 
