@@ -97,7 +97,7 @@ def op_remote(job):
   logits (last_hidden_state for AutoModel), the ids it ran on, and what was loaded."""
   d = job["dir"]
   if "texts" in job:
-    tok = transformers.AutoTokenizer.from_pretrained(d)
+    tok = transformers.AutoTokenizer.from_pretrained(d, trust_remote_code=True)
     x = tok(job["texts"], return_tensors="pt", padding=True)
     ids, mask = x["input_ids"], x["attention_mask"]
   else:

@@ -124,7 +124,9 @@ def remote_note(model: trained_model.TrainedModel) -> str:
   return f"""
 transformers' BERT has no {model.cfg.norm}-LN / {model.cfg.positions}-position model: its code is
 in this directory (`modeling_lmscale.py`, `configuration_lmscale.py`), which transformers runs
-only when asked: `AutoModelForMaskedLM.from_pretrained("OUT", trust_remote_code=True)`.
+only when asked: `AutoModelForMaskedLM.from_pretrained("OUT", trust_remote_code=True)`
+(`AutoTokenizer.from_pretrained("OUT", trust_remote_code=True)` too: it reads the config
+first, and would otherwise ask).
 """
 
 
@@ -165,7 +167,7 @@ Inputs are pretokenised instruction text; the tokenizer adds [CLS] … [SEP].
 import json, torch
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoTokenizer
-tok = AutoTokenizer.from_pretrained("OUT")
+tok = AutoTokenizer.from_pretrained("OUT"{trust(model)})
 bert = AutoModel.from_pretrained("OUT", add_pooling_layer=False{trust(model)}).eval()
 head, pool = load_file("OUT/projection.safetensors"), json.load(open("OUT/projection.json"))["pool"]
 x = tok(["push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret"], return_tensors="pt",

@@ -17,9 +17,9 @@ has no LayerNorm after the embeddings, which ours keeps. :func:`check_bert` refu
 ``BertForMaskedLM``; :func:`save_model` exports them with remote code instead
 (``LmscaleForMaskedLM``: lmscale_jax/model/hf_remote_convert.py), whose parameter names are
 BERT's plus ``bert.embeddings.{instruction,argument}_embeddings`` and
-``bert.encoder.final_LayerNorm``: one mapping serves both. So does the sequence classifier
-(:func:`save_classifier`, ``LmscaleForSequenceClassification``: ``bert.*`` +
-``classifier.{weight,bias}``), always remote code (its masked-mean pooling is not BERT's).
+``bert.encoder.final_LayerNorm``: one mapping serves both. So does the sequence classifier's
+encoder (lmscale_jax/model/hf_classifier.py, ``LmscaleForSequenceClassification``: ``bert.*``
++ ``classifier.{weight,bias}``), always remote code (its masked-mean pooling is not BERT's).
 """
 
 from __future__ import annotations
