@@ -142,6 +142,19 @@ def test_unknown_positions_in_config_json_is_one_line(exports, tmp_path):
   assert len(message.splitlines()) == 1
 
 
+def test_what_no_export_represents_is_refused_in_one_line(exports, tmp_path):
+  cfg, params, _ = exports["pre_segment"]
+  newer = cfg.copy_and_resolve_references()
+  newer.positions = "rotary"  # a config.json from a later lmscale_jax
+  with pytest.raises(hf_convert.HFError, match="model.positions='rotary' cannot be exported"):
+    hf_convert.save_model(params, newer, str(tmp_path))
+  head = {"kernel": np.zeros((cfg.hidden, 2), np.float32), "bias": np.zeros(2, np.float32)}
+  with pytest.raises(hf_convert.HFError, match="2 classes but 3 labels"):
+    hf_classifier.save_classifier({"bert": params, "classifier": head}, cfg, LABELS,
+                                  str(tmp_path))
+  assert os.listdir(tmp_path) == []
+
+
 # --------------------------------------------------------------------------- against transformers
 def test_transformers_with_remote_code_gives_our_logits(exports, tmp_path):
   """Each variant in transformers (AutoTokenizer + AutoModelForMaskedLM, trust_remote_code):
