@@ -13,9 +13,9 @@ Step ``k`` (1-based) of a run with seed ``s`` takes B distinct rows, drawn by
 ``np.random.default_rng([s, k])`` (a function of (seed, step) alone: a resumed run, or another
 process, draws the batch an uninterrupted run draws); process p of P tokenises only its rows
 ``p*B/P … (p+1)*B/P - 1``, each ``[CLS] text [SEP]`` cut at the model's length as the pairs'
-texts (:func:`trained_model.encode`). :class:`LabelBatches` is the checkpoint's "data" item, as
-:class:`lmscale_jax.finetune.pairs.PairBatches`: the next step, and the file's sha256 (a resume
-on other contents is refused).
+texts. :class:`LabelBatches` is the checkpoint's "data" item
+(:class:`lmscale_jax.finetune.batches.StepBatches`): the next step, and the file's sha256 (a
+resume on other contents is refused).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import os
 import numpy as np
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.finetune import pairs as finetune_pairs
+from lmscale_jax.finetune import batches as finetune_batches
 from lmscale_jax.inference import trained_model
 from lmscale_jax.store import file_io
 
@@ -129,60 +129,27 @@ def encode_all(model: trained_model.TrainedModel, texts: list[str]) -> tuple[np.
   return ids, sum(e[1] for e in encoded)
 
 
-class LabelBatches:
+class LabelBatches(finetune_batches.StepBatches):
   """This process's rows of each step's batch: ``{"ids": int32 [B/P, seq_len], "label": int32
-  [B/P]}``. Iterating yields the batch of ``next_step`` and advances it."""
+  [B/P]}`` (:class:`finetune_batches.StepBatches`)."""
+
+  file_key = "labels_sha256"
 
   def __init__(self, train: Examples, names: list[str], model: trained_model.TrainedModel, *,
                seed: int, batch_size: int, process_index: int = 0, process_count: int = 1):
     check_enough(train, batch_size)
-    self.train, self.model, self.targets = train, model, class_ids(train, names)
-    self.seed, self.batch_size = int(seed), int(batch_size)
-    per = self.batch_size // process_count
-    self.rows = slice(process_index * per, (process_index + 1) * per)
-    self.next_step = 1
-    self._ids: dict[int, np.ndarray] = {}
-    self.truncated = 0  # texts cut at the model's length, of those tokenised so far
-
-  def _encode(self, row: int) -> np.ndarray:
-    if row not in self._ids:
-      self._ids[row], cut = trained_model.encode(self.model, self.train.texts[row])
-      self.truncated += cut
-    return self._ids[row]
-
-  @property
-  def truncated_fraction(self) -> float:
-    """Of the distinct texts this process has tokenised so far, the share cut at seq_len."""
-    return self.truncated / max(1, len(self._ids))
+    super().__init__(model, train.sha256, seed=seed, batch_size=batch_size,
+                     process_index=process_index, process_count=process_count)
+    self.train, self.targets = train, class_ids(train, names)
 
   def batch(self, step: int) -> dict:
     rng = np.random.default_rng([self.seed, step])
     rows = rng.choice(len(self.train), self.batch_size, replace=False)[self.rows].tolist()
-    ids = trained_model.pad_batch([self._encode(r) for r in rows], self.model.cfg.seq_len,
-                                  self.model.special_ids["[PAD]"])
+    ids = self.padded([self.encode(r, self.train.texts[r]) for r in rows])
     return {"ids": ids, "label": self.targets[rows]}
 
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    out = self.batch(self.next_step)
-    self.next_step += 1
-    return out
-
-  # Grain's checkpoint handler calls these three (see finetune/pairs.PairBatches).
-  def get_state(self) -> bytes:
-    return json.dumps({"next_step": self.next_step, "seed": self.seed,
-                       "batch_size": self.batch_size,
-                       "labels_sha256": self.train.sha256}).encode()
-
-  def set_state(self, state: bytes) -> None:
-    saved = json.loads(state)
+  def check_same_file(self, saved: dict) -> None:
     check_same_file(self.train, saved)
-    self.next_step = int(saved["next_step"])
-
-  def start_prefetch(self) -> None:
-    pass  # batches are built on demand
 
 
 def check_same_file(train: Examples, saved: dict) -> None:
@@ -195,6 +162,6 @@ def check_same_file(train: Examples, saved: dict) -> None:
 
 def check_resume(train: Examples, step_dir: str, process_index: int, process_count: int) -> None:
   """Before a resume writes anything: the checkpoint's batches came from ``train``'s contents."""
-  saved = finetune_pairs.saved_state(step_dir, process_index, process_count)
+  saved = finetune_batches.saved_state(step_dir, process_index, process_count)
   if saved is not None:  # else the restore names a missing or unreadable state
     check_same_file(train, saved)

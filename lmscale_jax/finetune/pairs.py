@@ -10,20 +10,20 @@ tokenises only its own rows (process p of P: rows ``p*B/P … (p+1)*B/P - 1``). 
 source function; two groups with byte-identical text (two copies of a helper) are still
 negatives of each other, as in the benchmark.
 
-:class:`PairBatches` is also the "data" item of a checkpoint (Grain's checkpoint handler takes
-any object with ``get_state() -> bytes`` / ``set_state(bytes)``): it records the next step,
-the seed, the batch size and the pairs file's sha256; a resume on other contents is refused.
+:class:`PairBatches` is also the "data" item of a checkpoint
+(:class:`lmscale_jax.finetune.batches.StepBatches`): it records the next step, the seed, the
+batch size and the pairs file's sha256; a resume on other contents is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
 
 from lmscale_jax.errors import UserError
+from lmscale_jax.finetune import batches as finetune_batches
 from lmscale_jax.inference import trained_model
 from lmscale_jax.similarity import function_groups
 from lmscale_jax.store import file_io
@@ -87,66 +87,29 @@ def draw(n_groups: int, variants: list[int], seed: int, step: int, batch_size: i
   return out
 
 
-class PairBatches:
+class PairBatches(finetune_batches.StepBatches):
   """This process's rows of each step's batch: int32 ``[B/P, 2, seq_len]`` token ids, each
-  ``[CLS] text [SEP]`` cut at the model's length (:func:`trained_model.encode`) and padded.
-  Iterating yields the batch of ``next_step`` and advances it."""
+  ``[CLS] text [SEP]`` cut at the model's length and padded
+  (:class:`finetune_batches.StepBatches`)."""
+
+  file_key = "pairs_sha256"
 
   def __init__(self, pairs: Pairs, model: trained_model.TrainedModel, *, seed: int,
                batch_size: int, process_index: int = 0, process_count: int = 1):
     check_enough(pairs, batch_size)
-    self.pairs, self.model = pairs, model
-    self.seed, self.batch_size = int(seed), int(batch_size)
-    per = self.batch_size // process_count
-    self.rows = slice(process_index * per, (process_index + 1) * per)
+    super().__init__(model, pairs.sha256, seed=seed, batch_size=batch_size,
+                     process_index=process_index, process_count=process_count)
+    self.pairs = pairs
     self.variants = [len(t) for t in pairs.texts]
-    self.pad = model.special_ids["[PAD]"]
-    self.next_step = 1
-    self._ids: dict[tuple[int, int], np.ndarray] = {}
-    self.truncated = 0  # texts cut at the model's length, of those tokenised so far
-
-  def _encode(self, group: int, variant: int) -> np.ndarray:
-    key = (group, variant)
-    if key not in self._ids:
-      ids, cut = trained_model.encode(self.model, self.pairs.texts[group][variant])
-      self._ids[key] = ids
-      self.truncated += cut
-    return self._ids[key]
-
-  @property
-  def truncated_fraction(self) -> float:
-    """Of the distinct texts this process has tokenised so far, the share cut at seq_len."""
-    return self.truncated / max(1, len(self._ids))
 
   def batch(self, step: int) -> np.ndarray:
     drawn = draw(len(self.pairs), self.variants, self.seed, step, self.batch_size)[self.rows]
-    rows = [self._encode(g, v) for g, a, b in drawn for v in (a, b)]
-    ids = trained_model.pad_batch(rows, self.model.cfg.seq_len, self.pad)
+    texts = self.pairs.texts
+    ids = self.padded([self.encode((g, v), texts[g][v]) for g, a, b in drawn for v in (a, b)])
     return ids.reshape(len(drawn), 2, self.model.cfg.seq_len)
 
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> np.ndarray:
-    out = self.batch(self.next_step)
-    self.next_step += 1
-    return out
-
-  # Grain's checkpoint handler (grain/_src/python/checkpoint/handler.py) calls these three.
-  # Seed and batch size are recorded for the reader; a change of them is the config's to
-  # refuse or allow (workdir.check_config_change), a change of the file's contents is not.
-  def get_state(self) -> bytes:
-    return json.dumps({"next_step": self.next_step, "seed": self.seed,
-                       "batch_size": self.batch_size,
-                       "pairs_sha256": self.pairs.sha256}).encode()
-
-  def set_state(self, state: bytes) -> None:
-    saved = json.loads(state)
+  def check_same_file(self, saved: dict) -> None:
     check_same_file(self.pairs, saved)
-    self.next_step = int(saved["next_step"])
-
-  def start_prefetch(self) -> None:
-    pass  # batches are built on demand
 
 
 def check_same_file(pairs: Pairs, saved: dict) -> None:
@@ -162,17 +125,7 @@ def check_same_file(pairs: Pairs, saved: dict) -> None:
 
 def check_resume(pairs: Pairs, step_dir: str, process_index: int, process_count: int) -> None:
   """Before a resume writes anything: the checkpoint's batches came from ``pairs``' contents
-  (its sampler state, which Grain's handler writes as ``data/process_<i>-of-<n>.json``)."""
-  saved = saved_state(step_dir, process_index, process_count)
-  if saved is not None:  # else the restore names a missing or unreadable state
+  (its sampler state, :func:`finetune_batches.saved_state`)."""
+  saved = finetune_batches.saved_state(step_dir, process_index, process_count)
+  if saved is not None:
     check_same_file(pairs, saved)
-
-
-def saved_state(step_dir: str, process_index: int, process_count: int) -> dict | None:
-  """A checkpoint's sampler state as this process saved it (None: missing or unreadable)."""
-  path = os.path.join(step_dir, "data", f"process_{process_index}-of-{process_count}.json")
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
