@@ -109,6 +109,11 @@ def test_lmscale_classify_scores_a_finished_run_as_its_last_evaluation(classifie
   model = trained_model.load(workdir=str(classified))
   assert model.step == STEPS and model.classifier["labels"] == ["O0", "O3"]
   assert model.classifier["kernel"].shape == (64, 2) and model.head is None
+  other = tmp_path / "other.jsonl"
+  write_jsonl(other, [{"text": "ret", "label": "O0"}, {"text": "ret", "label": "O2"}])
+  code, _, err = run_tool("classify", ["--workdir", classified, "--labels", other], capsys)
+  assert code == 1 and err.count("\n") == 1, err
+  assert f"unknown label 'O2' at {other}:2; the training labels are 'O0', 'O3'" in err
 
 
 def test_a_stopped_classification_run_resumes_with_the_uninterrupted_losses_bitwise(

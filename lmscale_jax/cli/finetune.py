@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
   num = cli_args.number
   for flag, kind, lo, hi, what in (
       ("steps", int, 1, 1 << 40, "training steps"),
-      ("batch_size", int, 2, 1 << 20, "pairs per step (global)"),
+      ("batch_size", int, 2, 1 << 20, "pairs (classify: examples) per step, global"),
       ("learning_rate", float, 1e-12, 10.0, "peak learning rate"),
       ("warmup_steps", int, 0, 1 << 40, "linear warm-up steps"),
       ("temperature", float, 1e-6, 100.0, "InfoNCE temperature"),
