@@ -143,21 +143,39 @@ def test_a_stopped_classification_run_resumes_with_the_uninterrupted_losses_bitw
     assert train_rows(workdir, key) == train_rows(classified, key), key
 
 
+def on_two_devices(task, pretrained, workdir, *levers) -> dict:
+  """The golden run (with ``levers``) on 2 host devices: its losses by step."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  r = subprocess.run([*lmscale("finetune"), *args(task, pretrained, workdir, *levers)],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and "2 device(s)" in r.stdout, r.stderr[-3000:]
+  return train_rows(workdir)
+
+
 def test_two_devices_equal_one_device(classified, task, pretrained, tmp_path):
   """The golden run on 2 host devices (the batch split 8/8, XLA's all-reduce): the same
   losses to float32 rounding, the same held-out predictions."""
-  workdir = tmp_path / "two"
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  r = subprocess.run([*lmscale("finetune"), *args(task, pretrained, workdir)], cwd=ROOT,
-                     env=env, capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0 and "2 device(s)" in r.stdout, r.stderr[-3000:]
-  one, two = train_rows(classified), train_rows(workdir)
+  one, two = train_rows(classified), on_two_devices(task, pretrained, tmp_path / "two")
   assert sorted(one) == sorted(two)
   diff = max(abs(one[s] - two[s]) for s in one)
   print(f"largest loss difference over {STEPS} steps: {diff:.2e}")  # 6.0e-08 measured
   assert diff < 1e-6
-  assert train_rows(workdir, "eval_accuracy") == train_rows(classified, "eval_accuracy")
+  assert train_rows(tmp_path / "two", "eval_accuracy") == train_rows(classified,
+                                                                     "eval_accuracy")
+
+
+def test_fsdp_accumulation_and_remat_give_the_plain_step_losses(classified, task, pretrained,
+                                                                tmp_path):
+  """Pretraining's levers through the classification task (the shard_map path: parameters
+  and moments sharded over 2 devices, 2 microbatches a step, the encoder recomputed): the
+  plain step's losses to float32 rounding."""
+  levers = on_two_devices(task, pretrained, tmp_path / "levers", "--config.train.fsdp=true",
+                          "--config.train.grad_accum_steps=2", "--config.train.remat=full")
+  one = train_rows(classified)
+  rel = max(abs(levers[s] - one[s]) / one[s] for s in one)
+  print(f"fsdp + accumulation + remat: largest relative loss difference {rel:.2e}")
+  assert rel < 1e-5  # 8.3e-07 measured
 
 
 def test_two_processes_log_the_one_process_losses_and_scores(classified, task, pretrained,
