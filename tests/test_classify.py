@@ -1,5 +1,5 @@
-"""Classification fine-tuning end to end (lmscale finetune --task classify, finetune/classify_run.py;
-lmscale classify): a toy compiler-provenance task built from tests/data/similarity with the
+"""Classification fine-tuning end to end (lmscale finetune --task classify,
+finetune/classify_run.py; lmscale classify): a toy compiler-provenance task built from tests/data/similarity with the
 machine's gcc (each function at -O0 and at -O3, labelled by its level; the held-out split is
 other source functions), started from tests/test_finetune.py's real 2-step pretraining run.
 """

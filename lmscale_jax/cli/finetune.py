@@ -10,19 +10,22 @@
       (--init-workdir RUN …) [--eval-every 500] [the flags above but --pairs, --temperature,
       --proj-dim, --pool, --max-groups]
 
-The default task, contrastive: PAIRS is a file in the similarity benchmark's format (lmscale similarity-build): each
-step takes --batch-size distinct source functions and two of their compiled variants. Start
-from a pretraining run's checkpoint, an HF directory, or (--init-random, the baseline) fresh
-weights of a run's or HF directory's architecture. The hyper-parameters are
-lmscale_jax/config/finetune.py's config (or --config FILE's get_config() of that shape); the
-flags above set its common keys, --config.K=V any key (e.g. --config.finetune.dtype=bfloat16
-on GPUs), typed by the key's default (lmscale_jax.config.loader). OUT is a workdir like
+The default task, contrastive: PAIRS is a file in the similarity benchmark's format (lmscale
+similarity-build): each step takes --batch-size distinct source functions and two of their
+compiled variants. Start from a pretraining run's checkpoint, an HF directory, or
+(--init-random, the baseline) fresh weights of a run's or HF directory's architecture. The
+hyper-parameters are lmscale_jax/config/finetune.py's config (or --config FILE's get_config()
+of that shape); the flags above set its common keys, --config.K=V any key (e.g.
+--config.finetune.dtype=bfloat16 on GPUs), typed by the key's default
+(lmscale_jax.config.loader). OUT is a workdir like
 pretraining's: rerun the same command to resume a stopped run; the result is a model for
 lmscale embed, lmscale eval-similarity --workdir OUT and lmscale export-hf --workdir OUT.
+
 --task classify: TRAIN and TEST are JSONL files of {"text": "<pretokenised instruction text>",
 "label": "<class>"} objects; a masked-mean-pooled linear head learns the labels, and TEST's
 accuracy and macro-F1 are logged every --eval-every steps and after the last (OUT's
 classification_eval.json); lmscale classify --workdir OUT --labels FILE scores any file.
+
 Several processes start as lmscale train does, through the same start-up and exit codes
 (lmscale_jax.train.startup: LMSCALE_* variables or Slurm; the config's distributed section).
 See docs/finetune.md.

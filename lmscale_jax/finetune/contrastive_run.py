@@ -8,10 +8,10 @@ trained with symmetric InfoNCE over in-batch negatives on pairs of one function 
 Start (shared with every fine-tuning task: :mod:`lmscale_jax.finetune.base_run`): a pretraining
 workdir's checkpoint (``init.source="workdir"``), an HF directory (``"hf"``), or fresh weights
 of a run's or HF directory's architecture (``"random"``: the baseline "random init +
-fine-tune"; the weights ``eval_similarity.py``'s random-init row has for the same seed). ``finetune.freeze_layers=k`` freezes the embeddings and the k lowest
-layers (their gradients are stopped and their updates zeroed: ``optax.multi_transform``); the
-MLM head, outside the loss, is always frozen and kept, so the encoder still exports as a
-``BertForMaskedLM``.
+fine-tune"; the weights ``eval_similarity.py``'s random-init row has for the same seed).
+``finetune.freeze_layers=k`` freezes the embeddings and the k lowest layers (their gradients
+are stopped and their updates zeroed: ``optax.multi_transform``); the MLM head, outside the
+loss, is always frozen and kept, so the encoder still exports as a ``BertForMaskedLM``.
 
 The run is the one loop of every run (lmscale_jax/train/run_loop.py) in a workdir like
 pretraining's (lmscale_jax/train/workdir.py, checkpoint.py): its lock,

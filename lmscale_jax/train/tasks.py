@@ -5,9 +5,9 @@ gradient paths, FSDP, accumulation, the reduction, the optimizer, ``train.nonfin
 Two kinds, by how the loss decomposes over the batch's rows:
 
 * :class:`SumTask`: a sum over rows divided by a weight (MLM: cross-entropy summed over the
-  predicted positions / their count; classification: over the rows / their count). Microbatches and devices are then independent: the
-  gradients of ``loss_sum(microbatch) / W`` (``W`` the global batch's weight) sum exactly to
-  the global mean loss's.
+  predicted positions / their count; classification: over the rows / their count).
+  Microbatches and devices are then independent: the gradients of ``loss_sum(microbatch) /
+  W`` (``W`` the global batch's weight) sum exactly to the global mean loss's.
 * :class:`BatchTask`: a loss over the per-row outputs of the whole global batch (contrastive:
   every row is the others' negative). The manual path gathers every device's outputs, takes
   the loss's gradient with respect to them, and pulls each device's share back through its
