@@ -251,20 +251,20 @@ def test_a_contrastive_workdir_is_not_resumed_as_a_classifier(task, pretrained, 
 
 
 # --------------------------------------------------------------------------- export
-def test_the_exported_classifier_in_transformers_gives_our_logits(classified, task, tmp_path):
-  """The run's classifier through model/hf_classifier.save_classifier (what lmscale export-hf
-  writes for it) → AutoModelForSequenceClassification (trust_remote_code): the held-out
-  texts' logits are ours, its id2label the run's classes."""
-  from lmscale_jax.model import hf_classifier
-  from lmscale_jax.store import tokenizer as toklib
+def test_the_exported_classifier_in_transformers_gives_our_logits(classified, task, tmp_path,
+                                                                  capsys):
+  """lmscale export-hf of the classification run (model/hf_classifier.save_classifier) →
+  AutoModelForSequenceClassification (trust_remote_code): the held-out texts' logits are ours,
+  its id2label the run's classes, and the card names the held-out scores."""
   from tests.hf_helpers import hf_side
 
-  model = trained_model.load(workdir=str(classified))
   out = tmp_path / "hf"
-  out.mkdir()
-  hf_classifier.save_classifier(trained_model.classifier_params(model), model.cfg,
-                                model.classifier["labels"], str(out))
-  toklib.write_hf_files(model.tokenizer, str(out), model_max_length=model.cfg.seq_len)
+  code, printed, err = run_tool("export_hf", ["--workdir", classified, "--output", out], capsys)
+  assert code == 0, err
+  assert "LmscaleForSequenceClassification, 2 classes" in printed
+  card = (out / "README.md").read_text()
+  assert "pipeline_tag: text-classification" in card and "macro-F1" in card
+  model = trained_model.load(workdir=str(classified))
   texts = [json.loads(x)["text"] for x in open(task[1]).read().splitlines()[:8]]
   ids = trained_model.pad_batch([trained_model.encode(model, t)[0] for t in texts],
                                 model.cfg.seq_len, model.special_ids["[PAD]"])

@@ -20,7 +20,10 @@ AutoModelForMaskedLM.from_pretrained(OUT, trust_remote_code=True)
 A fine-tuning workdir (lmscale finetune) exports its encoder the same way (its MLM
 head is the one it started from) plus its embedding head: projection.safetensors (weight
 [D, H], bias [D]) and projection.json (pooling, normalisation); docs/finetune.md shows the few
-lines that embed a function with them in transformers.
+lines that embed a function with them in transformers. A classification fine-tune (lmscale
+finetune --task classify) exports as LmscaleForSequenceClassification (masked-mean pooling →
+its classifier, id2label its classes; remote code): AutoModelForSequenceClassification or
+pipeline("text-classification", …, trust_remote_code=True) (lmscale_jax/model/hf_classifier.py).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ import tempfile
 
 from lmscale_jax.cli import args
 from lmscale_jax.errors import UserError
+from lmscale_jax.finetune import classify_run
 from lmscale_jax.inference import model_files, trained_model
-from lmscale_jax.model import contrastive, flops, hf_convert, hf_remote_convert
+from lmscale_jax.model import contrastive, flops, hf_classifier, hf_convert, hf_remote_convert
 from lmscale_jax.store import file_io
 from lmscale_jax.store import tokenizer as toklib
 
@@ -181,6 +185,71 @@ e = torch.nn.functional.normalize(v @ head["weight"].T + head["bias"], dim=-1)  
 """
 
 
+def classifier_card(model: trained_model.TrainedModel) -> str:
+  c, cfg, run = model.run_config, model.cfg, model.source
+  names = model.classifier["labels"]
+  scores = read_scores(run)
+  held_out = (f"accuracy {scores['accuracy']:.3f}, macro-F1 {scores['macro_f1']:.3f} on "
+              f"`{scores['file']}` ({scores['examples']} examples)" if scores else
+              "not measured (no classification_eval.json)")
+  return f"""---
+library_name: transformers
+pipeline_tag: text-classification
+tags: [bert, text-classification, lmscale_jax]
+---
+# Binary-code classifier (lmscale_jax, fine-tuned)
+
+Fine-tuned with lmscale_jax (masked-mean pooling → Linear {cfg.hidden}→{len(names)},
+cross-entropy) from `{c.init.source}:{c.init.path}` on `{c.finetune.labels}`, exported by
+`lmscale export-hf` from `{os.path.abspath(run)}` at step {model.step}. Its code is in this
+directory (`modeling_lmscale.py`): load it with `trust_remote_code=True`.
+
+| | |
+|---|---|
+| classes | {", ".join(f"`{n}`" for n in names)} |
+| held out | {held_out} |
+| encoder | {cfg.layers} layers × {cfg.hidden}, {cfg.heads} heads, vocabulary {cfg.vocab_size}, {cfg.seq_len} tokens, {cfg.norm}-LN, {cfg.positions} positions |
+
+```python
+from transformers import pipeline
+classify = pipeline("text-classification", model="OUT", trust_remote_code=True)
+classify("push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret")
+```
+"""
+
+
+def read_scores(workdir: str) -> dict | None:
+  """The run's last held-out scores (classify_run.EVAL_REPORT), None where it has none."""
+  path = os.path.join(workdir, classify_run.EVAL_REPORT)
+  return model_files.read_json(path, "a JSON object") if os.path.exists(path) else None
+
+
+def save(model: trained_model.TrainedModel, out_dir: str) -> str:
+  """The model's files into ``out_dir``; returns its model card."""
+  if model.classifier is not None:
+    hf_classifier.save_classifier(trained_model.classifier_params(model), model.cfg,
+                                  model.classifier["labels"], out_dir)
+    return classifier_card(model)
+  hf_convert.save_model(model.params, model.cfg, out_dir)
+  if model.head is not None:
+    contrastive.save_head(model.head, out_dir)
+    return finetuned_card(model)
+  return model_card(model)
+
+
+def what(model: trained_model.TrainedModel) -> str:
+  """The one-line summary's description of what was exported."""
+  if model.classifier is not None:
+    return (f"LmscaleForSequenceClassification, {len(model.classifier['labels'])} classes, "
+            "remote code: load with trust_remote_code=True")
+  kind = ("LmscaleForMaskedLM, remote code: load with trust_remote_code=True"
+          if remote_code(model) else hf_convert.ARCHITECTURE)
+  head = "" if model.head is None else (
+      f" + projection head {model.cfg.hidden}→{model.head['projection']['kernel'].shape[1]} "
+      f"({model.head['pool']} pooling)")
+  return kind + head
+
+
 def export(a) -> str:
   check_output(a.output)
   # Refuse what cannot be represented, or would fail at the end, before restoring anything.
@@ -193,11 +262,8 @@ def export(a) -> str:
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.", suffix=".tmp")
   try:
-    hf_convert.save_model(model.params, model.cfg, tmp)
+    card = save(model, tmp)
     toklib.write_hf_files(model.tokenizer, tmp, model_max_length=model.cfg.seq_len)
-    card = model_card(model) if model.head is None else finetuned_card(model)
-    if model.head is not None:
-      contrastive.save_head(model.head, tmp)
     file_io.atomic_write_bytes(os.path.join(tmp, "README.md"), card.encode())
     os.chmod(tmp, 0o755)
     check_output(a.output)  # still free: then the complete directory takes the name
@@ -207,14 +273,8 @@ def export(a) -> str:
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  head = "" if model.head is None else (
-      f" + projection head {model.cfg.hidden}→{model.head['projection']['kernel'].shape[1]} "
-      f"({model.head['pool']} pooling)")
-  kind = ("LmscaleForMaskedLM, remote code: load with trust_remote_code=True"
-          if remote_code(model) else hf_convert.ARCHITECTURE)
-  return (f"exported {a.workdir} step {model.step} to {a.output} "
-          f"({kind}, {model.cfg.layers} layers × {model.cfg.hidden}, "
-          f"vocab {model.cfg.vocab_size}{head})")
+  return (f"exported {a.workdir} step {model.step} to {a.output} ({what(model)}, "
+          f"{model.cfg.layers} layers × {model.cfg.hidden}, vocab {model.cfg.vocab_size})")
 
 
 def main(argv=None) -> int:
