@@ -48,6 +48,7 @@ EXTEND_KEYS = ("train.steps",)
 NEUTRAL_KEYS = (
     "train.log_every", "train.eval_every", "train.eval_batches", "train.remat", "train.fsdp",
     "train.memory_check",
+    "finetune.eval_labels",  # what the held-out scores are measured on, not what is trained
     "train.grad_allreduce",
     "train.max_consecutive_nonfinite", "checkpoint", "metrics", "distributed", "data.path",
     "data.workers", "data.prefetch_buffer", "data.read_threads", "data.stage_from",
