@@ -80,6 +80,16 @@ class StepBatches:
     pass  # batches are built on demand
 
 
+def check_same_source(flag: str, path: str, sha256: str, saved_sha256, error) -> None:
+  """Refuses (``error``, one line) a resume whose data file (``flag path``) is not the one the
+  checkpoint's batches were drawn from (``saved_sha256``, from its saved state)."""
+  if saved_sha256 != sha256:
+    raise error(
+        f"{flag} {path} is not the file the checkpoint was trained on (sha256 "
+        f"{str(saved_sha256)[:12]}…, now {sha256[:12]}…): the resumed run would draw other "
+        "batches; restore that file or use a new --workdir")
+
+
 def saved_state(step_dir: str, process_index: int, process_count: int) -> dict | None:
   """A checkpoint's sampler state as this process saved it (Grain's handler writes
   ``data/process_<i>-of-<n>.json``; None: missing or unreadable, which the restore names)."""

@@ -153,11 +153,8 @@ class LabelBatches(finetune_batches.StepBatches):
 
 
 def check_same_file(train: Examples, saved: dict) -> None:
-  if saved.get("labels_sha256") != train.sha256:
-    raise LabelsError(
-        f"--labels {train.path} is not the file the checkpoint was trained on (sha256 "
-        f"{str(saved.get('labels_sha256'))[:12]}…, now {train.sha256[:12]}…): the resumed run "
-        "would draw other batches; restore that file or use a new --workdir")
+  finetune_batches.check_same_source("--labels", train.path, train.sha256,
+                                     saved.get("labels_sha256"), LabelsError)
 
 
 def check_resume(train: Examples, step_dir: str, process_index: int, process_count: int) -> None:

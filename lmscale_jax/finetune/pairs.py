@@ -116,11 +116,8 @@ def check_same_file(pairs: Pairs, saved: dict) -> None:
   if "pairs_sha256" not in saved:  # trainer.check_workdir refuses such a workdir first
     raise PairsError(f"--pairs {pairs.path}: the checkpoint's data state records no pairs file "
                      "(not a fine-tuning run's checkpoint); use a new --workdir")
-  if saved.get("pairs_sha256") != pairs.sha256:
-    raise PairsError(
-        f"--pairs {pairs.path} is not the file the checkpoint was trained on (sha256 "
-        f"{str(saved.get('pairs_sha256'))[:12]}…, now {pairs.sha256[:12]}…): the resumed run "
-        "would draw other batches; restore that file or use a new --workdir")
+  finetune_batches.check_same_source("--pairs", pairs.path, pairs.sha256,
+                                     saved.get("pairs_sha256"), PairsError)
 
 
 def check_resume(pairs: Pairs, step_dir: str, process_index: int, process_count: int) -> None:
