@@ -1,8 +1,8 @@
 """What model.positions (absolute | segment | instruction) × model.norm (post | pre) cost per
 train step: the six variants paired in one process, on the same batches.
 
-  python benchmarks/bench_variants.py [--shapes tiny:128,tiny:256,tiny:512,base:128]
-      [--rounds 5] [--steps 3] [--out FILE]
+  python benchmarks/bench_variants.py --shapes tiny:128,tiny:256,tiny:512,base:128 \
+      [--base-batch 2] [--rounds 5] [--steps 2] [--out FILE]
 
 A shape is ``NAME:SEQ``: ``tiny`` = configs/tiny.py (2 × 128, batch 32), ``base`` =
 configs/bert120m.py's encoder (12 × 768, BERT-base) at ``--base-batch`` sequences; float32
@@ -48,8 +48,10 @@ CONFIGS = {"tiny": "configs/tiny.py", "base": "configs/bert120m.py"}
 
 def parser() -> Parser:
   p = Parser(description=__doc__.splitlines()[0])
-  p.add_argument("--shapes", default="tiny:128,tiny:256,tiny:512,base:128",
-                 help="comma-separated NAME:SEQ, NAME one of " + ", ".join(CONFIGS))
+  # Required: the whole run is minutes of a busy CPU, never what a bare invocation starts.
+  p.add_argument("--shapes", required=True,
+                 help="comma-separated NAME:SEQ, NAME one of " + ", ".join(CONFIGS)
+                 + " (docs/training.md: tiny:128,tiny:256,tiny:512,base:128)")
   p.add_argument("--base-batch", type=number(int, 1, 1 << 20), default=4,
                  help="global batch of the base shape (tiny: its config's 32)")
   p.add_argument("--rounds", type=number(int, 1, 1000), default=5)
