@@ -13,7 +13,10 @@
 # an otherwise idle machine: OUT/budget.json). The untrained encoders are scored at one draw
 # (DRAWS=""; similarity_claims.sh draws more). Stages are skipped where their output exists,
 # so a stopped study continues; the table is OUT/longer_functions.json. A smoke run:
-# BUDGET_S=20 SEEDS=0 FT_STEPS=10 QUERIES=50 CORPUS_MB=24 SETS=eval.
+# BUDGET_S=20 SEEDS=0 FT_STEPS=10 CLS_STEPS=10 QUERIES=50 CORPUS_MB=24 SETS=eval. Then the
+# compiler-provenance task (lmscale provenance-build over the three corpora), fine-tuned for
+# CLS_STEPS (600) from each variant's weights and from random ones, beside its TF-IDF +
+# logistic-regression baseline (benchmarks/provenance_baseline.py).
 set -euo pipefail
 usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
 case "${1:-}" in
@@ -35,6 +38,7 @@ model_args() {  # SEQ POSITIONS NORM -> the pretraining's --config overrides
 }
 calibrate() {  # NAME SEQ POSITIONS NORM -> seconds per step (40 steps, the last 20 timed)
   local dir=$out/calibrate/$1
+  mkdir -p "$out/calibrate"
   [ -f "$dir/metrics.jsonl" ] && grep -q '"step": 40' "$dir/metrics.jsonl" || {
     rm -rf "$dir"
     $py -m lmscale_jax.main --config=configs/tiny.py --workdir="$dir" \
@@ -74,4 +78,32 @@ for v in $variants; do
     PRE_ARGS="$(model_args "$seq" "$positions" "$norm")" SEEDS="${SEEDS:-0 1}" DRAWS="${DRAWS-}" \
     bash benchmarks/similarity_claims.sh "$out/$name"
 done
+# The compiler-provenance task (lmscale provenance-build: the three corpora, split by library),
+# fine-tuned identically from each variant's pretrained weights and from random weights.
+task=$out/shared/provenance
+corpora=$out/shared/corpora
+[ -f "$task/task.json" ] || $py -m lmscale_jax.cli.lmscale provenance-build \
+  --bench "$corpora/eval.jsonl" "$corpora/eval2.jsonl" "$corpora/train-pairs.jsonl" \
+  --output "$task"
+cls_steps=${CLS_STEPS:-600}
+for v in $variants; do
+  IFS=: read -r name seq positions norm <<< "$v"
+  for s in ${SEEDS:-0 1}; do
+    for start in pre rand; do
+      run=$out/$name/cls-$start-s$s
+      [ -f "$run/classification_eval.json" ] && grep -q "\"step\": $cls_steps" \
+        "$run/classification_eval.json" && continue
+      init=(--init-workdir "$out/$name/pretrain/run")
+      [ $start = pre ] || init=(--init-random "$out/$name/pretrain/run")
+      $py -m lmscale_jax.cli.lmscale finetune --task classify --labels "$task/train.jsonl" \
+        --eval-labels "$task/test.jsonl" --workdir "$run" "${init[@]}" --seed "$s" \
+        --tokenizer "$out/shared/demo/data/tokenizer.json" --steps "$cls_steps" \
+        --eval-every "$cls_steps" --checkpoint-every "$cls_steps" --log-every 50 \
+        --learning-rate 3e-4 --warmup-steps 60 > "$run.log" 2>&1 \
+        || { tail -3 "$run.log" >&2; exit 1; }
+    done
+  done
+done
+[ -f "$out/provenance-baseline.json" ] || $py benchmarks/provenance_baseline.py --task "$task" \
+  --json "$out/provenance-baseline.json"
 $py benchmarks/longer_functions_table.py --study "$out" --json "$out/longer_functions.json"

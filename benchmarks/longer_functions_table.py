@@ -6,7 +6,8 @@ side by side, with the pretraining budget each had.
 Per variant and held-out set: R@1 of "pretrained + fine-tune" and of "random init + fine-tune"
 (mean over the fine-tuning seeds, [min, max]) at pool 100 and 1,000 over all pairs and at
 gcc O0↔O3, and what pretraining adds (the seed-paired difference, and whether it is above zero
-at every seed). The issue's goals are printed beside: pool 1,000 all pairs R@1 ≥ 0.50, and
+at every seed); then the compiler-provenance task's held-out accuracy and macro-F1 from each
+variant's weights and from random ones, beside the TF-IDF baseline. The issue's goals are printed beside: pool 1,000 all pairs R@1 ≥ 0.50, and
 pretraining worth ≥ +0.08 there.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import sys
@@ -54,6 +56,35 @@ def variant_rows(name: str, claims: dict, budget: dict) -> list[dict]:
                    "pretrained_ft": pre, "random_ft": rand,
                    "gain": {k: gain[k] for k in ("mean", "min", "max", "holds_every_run")}})
   return rows
+
+
+def provenance_rows(study: str, budget: dict) -> list[dict]:
+  """Per variant and start (pretrained / random): the classification runs' held-out accuracy
+  and macro-F1 (``cls-{pre,rand}-s{seed}/classification_eval.json``), over seeds."""
+  rows = []
+  for name in budget["variants"]:
+    for start, label in (("pre", PRE), ("rand", RAND)):
+      runs = sorted(glob.glob(os.path.join(study, name, f"cls-{start}-s*", "classification_eval.json")))
+      scores = [read_json(p) for p in runs]
+      if scores:
+        rows.append({"variant": name, "start": label, "runs": len(scores),
+                     **{k: summary([s[k] for s in scores]) for k in ("accuracy", "macro_f1")}})
+  return rows
+
+
+def summary(values: list[float]) -> dict:
+  return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+def provenance_markdown(rows: list[dict], baseline: dict | None) -> str:
+  lines = ["| variant | start | accuracy | macro-F1 |", "|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['variant']} | {r['start']} ({r['runs']} seeds) | {fmt(r['accuracy'])} | "
+                 f"{fmt(r['macro_f1'])} |")
+  if baseline:
+    lines.append(f"| TF-IDF + logistic regression | — | {baseline['accuracy']:.3f} | "
+                 f"{baseline['macro_f1']:.3f} |")
+  return "\n".join(lines)
 
 
 def fmt(summary: dict) -> str:
@@ -98,13 +129,19 @@ def main(argv=None) -> int:
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  baseline_path = os.path.join(a.study, "provenance-baseline.json")
+  baseline = read_json(baseline_path) if os.path.exists(baseline_path) else None
+  provenance = provenance_rows(a.study, budget)
   print(markdown(rows))
   print("\n".join(goals(rows)))
+  print("\nCompiler provenance (held-out libraries):")
+  print(provenance_markdown(provenance, baseline and baseline.get("scores")))
   if a.json:
     file_io.atomic_write_json(a.json, {
         "date": datetime.date.today().isoformat(), "device": f"cpu: {cpu_name()}",
         "what": "issue 38: longer functions, instruction positions, pre-LN (same CPU budget)",
-        "budget": budget, "rows": rows, "goals": goals(rows)})
+        "budget": budget, "rows": rows, "goals": goals(rows), "provenance": provenance,
+        "provenance_baseline": baseline})
   return 0
 
 

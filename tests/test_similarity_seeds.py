@@ -119,13 +119,23 @@ def test_a_comparison_naming_no_group_is_one_line_and_exit_1(tmp_path):
   assert p.stderr == "error: --compare: 'rand' is no --group label (['pre'])\n"
 
 
-def test_the_claims_study_wants_its_directory_and_starts_nothing_without_it():
-  """benchmarks/similarity_claims.sh runs for hours: no argument, or a flag, is one line."""
+@pytest.mark.parametrize("study", ["similarity_claims", "longer_functions"])
+def test_a_study_wants_its_directory_and_starts_nothing_without_it(study):
+  """benchmarks/similarity_claims.sh and longer_functions.sh run for hours: no argument, or a
+  flag, is one line."""
   for argv in ([], ["--steps"]):
-    p = subprocess.run(["bash", "benchmarks/similarity_claims.sh", *argv], cwd=ROOT,
+    p = subprocess.run(["bash", f"benchmarks/{study}.sh", *argv], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and p.stdout == ""
     assert p.stderr.startswith("error: give the study's directory") and p.stderr.count("\n") == 1
-  p = subprocess.run(["bash", "benchmarks/similarity_claims.sh", "--help"], cwd=ROOT,
+  p = subprocess.run(["bash", f"benchmarks/{study}.sh", "--help"], cwd=ROOT,
                      capture_output=True, text=True, timeout=60)
-  assert p.returncode == 0 and "bash benchmarks/similarity_claims.sh OUT" in p.stdout
+  assert p.returncode == 0 and f"bash benchmarks/{study}.sh OUT" in p.stdout
+
+
+def test_the_longer_functions_table_of_an_unfinished_study_is_one_line(tmp_path):
+  p = subprocess.run([sys.executable, "benchmarks/longer_functions_table.py", "--study",
+                      str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert p.returncode == 1 and p.stdout == ""
+  assert p.stderr.startswith(f"error: {tmp_path}/budget.json: not readable JSON")
+  assert p.stderr.count("\n") == 1
