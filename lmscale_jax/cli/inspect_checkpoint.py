@@ -45,9 +45,12 @@ def config_summary(workdir: str) -> str:
   saved = model_files.run_file(workdir)
   m, c = saved["model"], saved["config"]
   t, k = c["train"], c.get("checkpoint") if isinstance(c.get("checkpoint"), dict) else {}
+  warmup = (f"{t['warmup_fraction']:.1%} of the steps" if t.get("warmup_fraction")
+            else t.get("warmup_steps"))
   return (f"config: model {m['layers']} × {m['hidden']} (vocab {m['vocab_size']}, seq "
-          f"{m['seq_len']}); batch {t.get('batch_size')}, lr {t.get('learning_rate')} "
-          f"({t.get('schedule')}, warmup {t.get('warmup_steps')}), train.steps "
+          f"{m['seq_len']}, {m.get('norm', 'post')}-LN, {m.get('positions')} positions); batch "
+          f"{t.get('batch_size')}, lr {t.get('learning_rate')} "
+          f"({t.get('schedule')}, warmup {warmup}), train.steps "
           f"{t.get('steps')}; checkpoint every {k.get('every')}, keep {k.get('keep')}; "
           f"{len(saved.get('changes') or [])} recorded change(s)")
 
