@@ -239,6 +239,25 @@ def test_bad_labels_files_are_one_line_each_before_any_work(task, pretrained, tm
   assert r.returncode == 1 and "--eval-labels" in r.stderr and r.stderr.count("\n") == 1
 
 
+def test_a_resume_over_another_labels_file_is_one_line(classified, task, pretrained, tmp_path,
+                                                       capsys):
+  """Extending the finished run with another training file (a line dropped; the path change
+  allowed) is refused before a step: its batches would not be the checkpoint's."""
+  from lmscale_jax.cli import finetune
+
+  workdir = tmp_path / "run"
+  shutil.copytree(classified, workdir)
+  other = tmp_path / "other.jsonl"
+  other.write_text("".join(open(task[0]).readlines()[:-1]))
+  argv = args((other, task[1]), pretrained, workdir, "--allow-config-change")
+  argv[argv.index("--steps") + 1] = str(STEPS + 4)
+  assert finetune.main(argv) == 1
+  err = capsys.readouterr().err
+  assert f"--labels {other} is not the file the checkpoint was trained on" in err, err
+  assert err.count("error:") == 1
+  assert max(train_rows(workdir)) == STEPS  # nothing trained
+
+
 def test_a_contrastive_workdir_is_not_resumed_as_a_classifier(task, pretrained, tmp_path,
                                                               capsys):
   workdir = tmp_path / "ft"
