@@ -41,6 +41,8 @@ ALLOWED = {
     "finetune": {"errors", "config", "store", "model", "train", "inference",
                  "similarity", "evals"},  # evals: a classification run's held-out scores
     "evals": {"errors", "progress", "prep.elf", "similarity"},
+    # A function index of ELF binaries and exact search over it (lmscale index / search).
+    "search": {"errors", "store", "train", "inference", "prep.elf"},
     "study": {"errors", "config", "store", "input", "model", "train", "child_process"},
     "gpu": {"config", "store", "input", "model", "train"},
     "main": {"errors", "config", "cluster", "input", "train"},
@@ -48,7 +50,8 @@ ALLOWED = {
     # imported by its name when it runs (cli/lmscale.py's table): ``run-state``'s
     # ``lmscale_jax.cluster.run_state`` is no edge, and the batch node needs no cli/ for it.
     "cli": {"errors", "progress", "config", "store", "prep.elf", "prep", "input", "model",
-            "train", "inference", "similarity", "finetune", "evals", "study", "gpu", "main"},
+            "train", "inference", "similarity", "finetune", "evals", "search", "study", "gpu",
+            "main"},
 }
 
 def modules() -> dict[str, str]:

@@ -30,6 +30,9 @@ GROUPS = (
     ("using the model", [
         ("fill-mask", "lmscale_jax.cli.fill_mask", "the model's guesses for [MASK] tokens"),
         ("embed", "lmscale_jax.cli.embed", "embeddings of functions or texts"),
+        ("index", "lmscale_jax.cli.index", "an on-disk function index of ELF binaries"),
+        ("search", "lmscale_jax.cli.search",
+         "the indexed functions most like a function or text"),
         ("export-hf", "lmscale_jax.cli.export_hf", "a checkpoint as a Hugging Face directory"),
         ("import-hf", "lmscale_jax.cli.import_hf", "a Hugging Face BERT as a start model"),
     ]),

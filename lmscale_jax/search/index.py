@@ -1,0 +1,133 @@
+"""Building a function index (format: :mod:`index_files`): every named function of each ELF
+file, extracted and normalised as preparation does (``prep/elf/elf_functions``), embedded as
+``lmscale embed`` embeds it (``inference/function_vectors``), L2-normalised so that a dot
+product is the cosine.
+
+Incremental: a binary whose sha256 index.json already holds is skipped. Resumable: index.json is
+rewritten after each binary, so a rerun after a crash continues with the binary in flight. The
+index belongs to one model: its identity (a run's workdir, checkpoint step and the sha256 of that
+checkpoint's manifests; an HF directory's model.safetensors sha256) is kept and checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+
+import numpy as np
+
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import function_vectors, trained_model
+from lmscale_jax.prep.elf import elf_corpus, elf_functions
+from lmscale_jax.search import index_files
+from lmscale_jax.store import file_io
+from lmscale_jax.train import checkpoint, checkpoint_manifest
+
+# What makes two identities the same model (the workdir's path may move with it).
+_SAME = ("kind", "step", "sha256")
+
+
+def identity(model) -> dict:
+  """The model's identity as index.json keeps it."""
+  if model.step is None:  # an HF directory
+    path = os.path.join(model.source, "model.safetensors")
+    return {"kind": "hf", "hf": os.path.abspath(model.source),
+            "sha256": file_io.sha256_file(path)}
+  step_dir = checkpoint.step_dir(model.source, model.step)
+  h = hashlib.sha256()
+  for process, count in sorted(checkpoint_manifest.parts_present(step_dir).items()):
+    with open(os.path.join(step_dir, checkpoint_manifest.part_name(process, count)), "rb") as f:
+      h.update(f.read())
+  return {"kind": "workdir", "workdir": os.path.abspath(model.source), "step": model.step,
+          "sha256": h.hexdigest()}
+
+
+def describe(ident: dict) -> str:
+  where = ident.get("workdir") or ident.get("hf") or "?"
+  step = f" step {ident['step']}" if ident.get("step") is not None else ""
+  return f"{where}{step} (sha256 {str(ident.get('sha256'))[:12]})"
+
+
+def check_model(doc: dict, model_identity: dict, index_dir: str) -> None:
+  """An index is used only with the model that built it: one line naming both."""
+  if any(doc["model"].get(k) != model_identity.get(k) for k in _SAME):
+    raise index_files.IndexFileError(
+        f"{os.path.join(index_dir, index_files.INDEX)}: built by {describe(doc['model'])}, not "
+        f"by the model given, {describe(model_identity)}; give that model or another index")
+
+
+def function_sizes(path: str) -> dict[int, int]:
+  """address → size in bytes of the sized function symbols (elf_functions reads the same)."""
+  from elftools.elf.elffile import ELFFile
+
+  with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+    shdrs = elf_corpus.section_headers(ELFFile(fh), data)
+    return {a: int(s) for a, (s, _) in elf_corpus.function_symbols(shdrs, data).items()}
+
+
+def elf_functions_of(path: str) -> list:
+  """The named functions of an x86-64 ELF file; none is one line."""
+  fns = elf_functions.functions(path)
+  if not fns:
+    raise UserError(f"{path}: no named x86-64 functions (a stripped binary, or no code); "
+                    "the index needs function symbols")
+  return fns
+
+
+def embed_texts(model, named_texts: list[tuple[str, str]]) -> tuple[np.ndarray, list]:
+  """(name, text) pairs → (L2-normalised float32 vectors [n, dim], (ids, cut) per text)."""
+  encoded = [trained_model.encode(model, text) for _, text in named_texts]
+  inputs = [(name, "", ids, cut) for (name, _), (ids, cut) in zip(named_texts, encoded)]
+  vectors = function_vectors.embed(model, inputs)["embeddings"]
+  norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+  return (vectors / np.maximum(norms, 1e-12)).astype(np.float32), encoded
+
+
+def binary_shard(model, path: str) -> tuple[np.ndarray, list[dict]]:
+  """One binary's vectors and per-function rows."""
+  fns = elf_functions_of(path)
+  sizes = function_sizes(path)
+  vectors, encoded = embed_texts(model, [(f.name, f.text) for f in fns])
+  rows = [{"name": f.name, "address": f.address, "bytes": sizes.get(f.address, 0),
+           "instructions": len(f.instructions), "tokens": len(ids) - 2, "cut": bool(cut)}
+          for f, (ids, cut) in zip(fns, encoded)]
+  return vectors, rows
+
+
+def open_index(index_dir: str, model) -> dict:
+  """index.json for ``model``: the existing one (checked: the same model), or a new one."""
+  ident = identity(model)
+  doc = index_files.read(index_dir)
+  if doc is None:
+    dim = int(model.head["projection"]["kernel"].shape[-1]) if model.head else model.cfg.hidden
+    return index_files.new(ident, function_vectors.resolve_pool(model, None), dim)
+  check_model(doc, ident, index_dir)
+  return doc
+
+
+def build(model, elf_paths: list[str], index_dir: str, say=print) -> dict:
+  """Adds the binaries of ``elf_paths`` not yet in the index at ``index_dir`` (created if
+  needed). Returns {"added": [paths], "skipped": [paths], "functions": functions embedded}."""
+  os.makedirs(index_dir, exist_ok=True)
+  doc = open_index(index_dir, model)
+  index_files.clear_partial(index_dir)
+  have = {b["sha256"] for b in doc["binaries"]}
+  added, skipped, count = [], [], 0
+  for path in elf_paths:
+    digest = file_io.sha256_file(path)
+    if digest in have:
+      skipped.append(path)
+      continue
+    vectors, rows = binary_shard(model, path)
+    stem = index_files.shard_stem(digest)
+    index_files.write_shard(index_dir, stem, vectors, rows)
+    doc["binaries"].append({"path": os.path.abspath(path), "sha256": digest,
+                            "size": os.path.getsize(path), "functions": len(rows),
+                            "shard": stem})
+    index_files.write(index_dir, doc)  # the binary is in the index from here on
+    have.add(digest)
+    added.append(path)
+    count += len(rows)
+    say(f"indexed {len(rows)} functions of {path}")
+  return {"added": added, "skipped": skipped, "functions": count}

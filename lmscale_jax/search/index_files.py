@@ -1,0 +1,116 @@
+"""The on-disk format of a function index, read and checked as it is read.
+
+  INDEX_DIR/index.json                 format, the model's identity, pool, dim, the binaries
+  INDEX_DIR/shards/<sha256>.npz        ``vectors`` float32 [n, dim], L2-normalised
+  INDEX_DIR/shards/<sha256>.jsonl      per function: name, address, bytes, instructions, tokens, cut
+
+A shard is written under a temp name and renamed, then index.json is rewritten atomically: a
+binary is in the index only once both its shard files are complete (a crash loses at most the
+binary in flight; a shard not named in index.json is ignored and rewritten by the next build).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+
+from lmscale_jax.errors import UserError
+from lmscale_jax.store import file_io
+
+FORMAT = "lmscale_jax.search_index/1"
+INDEX = "index.json"
+SHARDS = "shards"
+ROW_KEYS = ("name", "address", "bytes", "instructions", "tokens", "cut")
+
+
+class IndexFileError(UserError, ValueError):
+  """A damaged or foreign index directory: the message names the file and what was expected."""
+
+
+def new(identity: dict, pool: str, dim: int) -> dict:
+  return {"format": FORMAT, "model": identity, "pool": pool, "dim": dim, "binaries": []}
+
+
+def read(index_dir: str) -> dict | None:
+  """index.json of ``index_dir``, checked; None where there is none yet."""
+  path = os.path.join(index_dir, INDEX)
+  if not os.path.exists(path):
+    return None
+  if kind := file_io.not_regular(path):
+    raise IndexFileError(f"{path} is {kind}: expected the index's JSON file")
+  try:
+    with open(path) as f:
+      doc = json.load(f)
+  except (OSError, ValueError) as e:
+    raise IndexFileError(f"{path}: not a JSON file ({file_io.error_reason(e)}); delete the index "
+                      "directory and build it again") from None
+  _check(doc, path)
+  return doc
+
+
+def _check(doc, path: str) -> None:
+  ok = (isinstance(doc, dict) and doc.get("format") == FORMAT and isinstance(doc.get("model"), dict)
+        and isinstance(doc.get("dim"), int) and isinstance(doc.get("binaries"), list)
+        and all(isinstance(b, dict) and {"path", "sha256", "size", "functions", "shard"} <= set(b)
+                for b in doc["binaries"]))
+  if not ok:
+    raise IndexFileError(f"{path}: not an index of format {FORMAT} (format, model, dim and "
+                      "binaries with path, sha256, size, functions, shard expected)")
+
+
+def write(index_dir: str, doc: dict) -> None:
+  file_io.atomic_write_json(os.path.join(index_dir, INDEX), doc)
+
+
+def shard_stem(sha256: str) -> str:
+  return f"{SHARDS}/{sha256}"
+
+
+def clear_partial(index_dir: str) -> None:
+  """Temp files of a shard write a crash interrupted (nothing names them)."""
+  folder = os.path.join(index_dir, SHARDS)
+  for name in os.listdir(folder) if os.path.isdir(folder) else ():
+    if name.endswith(".tmp"):
+      os.unlink(os.path.join(folder, name))
+
+
+def write_shard(index_dir: str, stem: str, vectors: np.ndarray, rows: list[dict]) -> None:
+  os.makedirs(os.path.join(index_dir, SHARDS), exist_ok=True)
+  buf = io.BytesIO()
+  np.savez(buf, vectors=vectors.astype(np.float32))
+  file_io.atomic_write_bytes(os.path.join(index_dir, stem + ".npz"), buf.getvalue())
+  text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+  file_io.atomic_write_bytes(os.path.join(index_dir, stem + ".jsonl"), text.encode())
+
+
+def read_shard(index_dir: str, binary: dict, dim: int) -> tuple[np.ndarray, list[dict]]:
+  """(vectors [n, dim], rows) of one binary's shard, checked against index.json's entry."""
+  n = binary["functions"]
+  path = os.path.join(index_dir, binary["shard"] + ".npz")
+  try:
+    with np.load(path) as z:
+      vectors = z["vectors"]
+  except (OSError, ValueError, KeyError, EOFError) as e:
+    raise IndexFileError(f"{path}: unreadable shard ({file_io.error_reason(e)}); delete "
+                      f"{binary['path']}'s entry or rebuild the index") from None
+  if vectors.dtype != np.float32 or vectors.shape != (n, dim):
+    raise IndexFileError(f"{path}: vectors {vectors.dtype} {list(vectors.shape)}, index.json "
+                      f"expects float32 [{n}, {dim}]")
+  return vectors, _read_rows(index_dir, binary)
+
+
+def _read_rows(index_dir: str, binary: dict) -> list[dict]:
+  path = os.path.join(index_dir, binary["shard"] + ".jsonl")
+  try:
+    with open(path) as f:
+      rows = [json.loads(line) for line in f]
+  except (OSError, ValueError) as e:
+    raise IndexFileError(f"{path}: unreadable shard metadata ({file_io.error_reason(e)})") from None
+  if len(rows) != binary["functions"] or not all(
+      isinstance(r, dict) and set(ROW_KEYS) <= set(r) for r in rows):
+    raise IndexFileError(f"{path}: {len(rows)} rows, index.json expects {binary['functions']} "
+                      f"each with {', '.join(ROW_KEYS)}")
+  return rows

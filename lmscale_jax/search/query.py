@@ -1,0 +1,107 @@
+"""Exact cosine search over a function index: every shard's vectors in one matrix, one matrix
+product per batch of queries (numpy), the top k by ``argpartition``. A query is every function
+of an ELF file, one of them (by name or address), or pretokenised assembly text."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+
+import numpy as np
+
+from lmscale_jax.errors import UserError
+from lmscale_jax.search import index, index_files
+
+QUERY_BATCH = 1024  # queries per matrix product: [1024, N] float32 scores at a time
+
+
+@dataclasses.dataclass
+class Corpus:
+  """The whole index in memory: vectors [N, dim] and, per row, (binary path, name, address)."""
+  vectors: np.ndarray
+  binaries: list[str]
+  names: list[str]
+  addresses: list[int]
+
+
+def load(index_dir: str, model) -> Corpus:
+  doc = index_files.read(index_dir)
+  if doc is None:
+    raise UserError(f"{index_dir}: no {index_files.INDEX} (build the index with lmscale index)")
+  index.check_model(doc, index.identity(model), index_dir)
+  parts, binaries, names, addresses = [], [], [], []
+  for b in doc["binaries"]:
+    vectors, rows = index_files.read_shard(index_dir, b, doc["dim"])
+    parts.append(vectors)
+    binaries += [b["path"]] * len(rows)
+    names += [r["name"] for r in rows]
+    addresses += [int(r["address"]) for r in rows]
+  vectors = np.concatenate(parts) if parts else np.zeros((0, doc["dim"]), np.float32)
+  return Corpus(vectors, binaries, names, addresses)
+
+
+def top_k(corpus: Corpus, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+  """(indices [Q, k'], scores [Q, k']) of the k most similar rows, best first (k' = min(k, N))."""
+  k = min(k, len(corpus.vectors))
+  idx, scores = [], []
+  for start in range(0, len(queries), QUERY_BATCH):
+    s = queries[start:start + QUERY_BATCH] @ corpus.vectors.T
+    part = np.argpartition(-s, k - 1, axis=1)[:, :k] if k else np.zeros((len(s), 0), int)
+    order = np.take_along_axis(s, part, 1).argsort(axis=1, kind="stable")[:, ::-1]
+    best = np.take_along_axis(part, order, 1)
+    idx.append(best)
+    scores.append(np.take_along_axis(s, best, 1))
+  return np.concatenate(idx), np.concatenate(scores)
+
+
+def pick(fns: list, path: str, name: str | None, address: int | None) -> list:
+  """All of ``fns``, or the one named ``name`` / at ``address``; none such is one line naming
+  the closest."""
+  if name is not None:
+    found = [f for f in fns if f.name == name]
+    near = difflib.get_close_matches(name, sorted({f.name for f in fns}), n=3, cutoff=0.0)
+    if not found:
+      raise UserError(f"{path} has no function named {name!r} (closest: {', '.join(near)})")
+    return found[:1]
+  if address is not None:
+    found = [f for f in fns if f.address == address]
+    if not found:
+      near = sorted(fns, key=lambda f: abs(f.address - address))[:3]
+      raise UserError(f"{path} has no function at {address:#x} (closest: "
+                      + ", ".join(f"{f.address:#x} {f.name}" for f in near) + ")")
+    return found
+  return fns
+
+
+def elf_queries(path: str, name: str | None = None,
+                address: int | None = None) -> list[tuple[str, int | None, str]]:
+  """(name, address, text) of the query functions of an ELF file."""
+  fns = pick(index.elf_functions_of(path), path, name, address)
+  return [(f.name, f.address, f.text) for f in fns]
+
+
+def search(model, corpus: Corpus, queries: list[tuple[str, int | None, str]], k: int) -> list:
+  """Per query: {"query", "address", "tokens", "cut", "results": [{"score", "binary",
+  "function", "address"}]}."""
+  vectors, encoded = index.embed_texts(model, [(q[0], q[2]) for q in queries])
+  idx, scores = top_k(corpus, vectors, k)
+  out = []
+  for (qname, qaddr, _), (ids, cut), row, score in zip(queries, encoded, idx, scores):
+    results = [{"score": float(s), "binary": corpus.binaries[i], "function": corpus.names[i],
+                "address": corpus.addresses[i]} for i, s in zip(row, score)]
+    out.append({"query": qname, "address": qaddr, "tokens": len(ids) - 2, "cut": bool(cut),
+                "results": results})
+  return out
+
+
+def table(answers: list, seq_len: int) -> str:
+  """The answers as rows: query, rank, score, binary, function, address."""
+  lines = [f"{'query':<24} {'rank':>4} {'score':>8}  function @ address  binary"]
+  for a in answers:
+    if a["cut"]:
+      lines.append(f"# {a['query']}: cut to the model's sequence length ({seq_len} tokens)")
+    for rank, r in enumerate(a["results"], 1):
+      lines.append(f"{a['query'][:24]:<24} {rank:>4} {r['score']:>8.4f}  {r['function']} @ "
+                   f"{r['address']:#x}  {os.path.basename(r['binary'])}")
+  return "\n".join(lines)
