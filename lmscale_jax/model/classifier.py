@@ -72,12 +72,8 @@ def save_labels(directory: str, names: list[str]) -> None:
 def load_labels(directory: str) -> list[str]:
   """The class names of a classification run's (or export's) ``labels.json``."""
   path = os.path.join(directory, LABELS)
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-  except (OSError, ValueError) as e:
-    raise UserError(f"{path}: unreadable class names ({e}); a classification run writes it "
-                    "when it starts") from None
+  saved = file_io.read_json(path, "the run's class names",
+                            "a classification run writes it when it starts")
   saved = saved if isinstance(saved, dict) else {}
   names = saved.get("labels")
   if saved.get("format") != LABELS_FORMAT or not isinstance(names, list) or len(names) < 2 \

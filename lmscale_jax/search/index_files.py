@@ -39,14 +39,8 @@ def read(index_dir: str) -> dict | None:
   path = os.path.join(index_dir, INDEX)
   if not os.path.exists(path):
     return None
-  if kind := file_io.not_regular(path):
-    raise IndexFileError(f"{path} is {kind}: expected the index's JSON file")
-  try:
-    with open(path) as f:
-      doc = json.load(f)
-  except (OSError, ValueError) as e:
-    raise IndexFileError(f"{path}: not a JSON file ({file_io.error_reason(e)}); delete the index "
-                      "directory and build it again") from None
+  doc = file_io.read_json(path, "the index's JSON file",
+                         "delete the index directory and build it again", IndexFileError)
   _check(doc, path)
   return doc
 

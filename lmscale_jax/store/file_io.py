@@ -11,6 +11,8 @@ import stat
 import tempfile
 from typing import Any
 
+from lmscale_jax.errors import UserError
+
 
 def not_regular(path: str) -> str | None:
   """What ``path`` is when it exists but is no regular file ("a directory", "a FIFO", …), else
@@ -32,6 +34,20 @@ def error_reason(e: BaseException) -> str:
   """An exception as the reason of a one-line error: its message, or its type where it has
   none (array_record raises ``RuntimeError('')`` for a shard cut at a 64 KiB block boundary)."""
   return str(e).strip() or f"{type(e).__name__} without a message"
+
+
+def read_json(path: str, what: str, fix: str, error=None):
+  """``path`` parsed as JSON; anything else (missing, not a regular file, unreadable, not JSON)
+  is one line of ``error`` (a UserError subclass; UserError by default): ``PATH: not a JSON
+  file (why): expected WHAT; FIX``. A FIFO is refused unopened (it would block the read)."""
+  error = error or UserError
+  if kind := not_regular(path):
+    raise error(f"{path} is {kind}: expected {what}; {fix}")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise error(f"{path}: not a JSON file ({error_reason(e)}): expected {what}; {fix}") from None
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
