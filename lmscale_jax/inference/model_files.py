@@ -20,7 +20,6 @@ import ml_collections
 from absl import logging
 
 from lmscale_jax.config import defaults as config_defaults
-from lmscale_jax.config import legacy
 from lmscale_jax.errors import UserError
 from lmscale_jax.model import contrastive, hf_convert
 from lmscale_jax.store import dataset, file_io
@@ -65,7 +64,7 @@ def read_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict]:
   """``workdir/config.json`` → (the run's config, the whole record: its ``"model"`` holds the
   resolved shape keys, its ``"dataset"`` what the run is bound to), checked."""
   saved = run_file(workdir)
-  return ml_collections.ConfigDict(legacy.complete(saved["config"])), saved
+  return ml_collections.ConfigDict(saved["config"]), saved  # completed by load_record
 
 
 def check_dataset(shape, meta: dataset.DatasetMeta, source: str, *, same_seq_len: bool = True,
