@@ -43,6 +43,8 @@ ALLOWED = {
     "evals": {"errors", "progress", "prep.elf", "similarity"},
     # A function index of ELF binaries and exact search over it (lmscale index / search).
     "search": {"errors", "store", "train", "inference", "prep.elf"},
+    # lmscale serve's HTTP API (FastAPI) over the model and an index: above search.
+    "serve": {"errors", "store", "inference", "prep.elf", "search"},
     "study": {"errors", "config", "store", "input", "model", "train", "child_process"},
     "gpu": {"config", "store", "input", "model", "train"},
     "main": {"errors", "config", "cluster", "input", "train"},
@@ -50,7 +52,8 @@ ALLOWED = {
     # imported by its name when it runs (cli/lmscale.py's table): ``run-state``'s
     # ``lmscale_jax.cluster.run_state`` is no edge, and the batch node needs no cli/ for it.
     "cli": {"errors", "progress", "config", "store", "prep.elf", "prep", "input", "model",
-            "train", "inference", "similarity", "finetune", "evals", "search", "study", "gpu",
+            "train", "inference", "similarity", "finetune", "evals", "search", "serve", "study",
+            "gpu",
             "main"},
 }
 

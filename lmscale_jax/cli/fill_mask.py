@@ -19,12 +19,9 @@ import sys
 import numpy as np
 
 from lmscale_jax.cli import args
-from lmscale_jax.errors import UserError
-from lmscale_jax.inference import trained_model
+from lmscale_jax.inference import mask_predictions, trained_model
 from lmscale_jax.prep.elf import elf_functions
 from lmscale_jax.prep.elf.pretokenize import NEXT
-
-BATCH = 32  # sequences per forward pass (--elf: one per instruction)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,42 +36,6 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-def predict(model, texts: list[str], top_k: int) -> list[list[list[dict]]]:
-  """Per text, per [MASK] in order: the top-k ``{"id", "token", "probability"}``."""
-  mask, pad = model.special_ids["[MASK]"], model.special_ids["[PAD]"]
-  out = []
-  for start in range(0, len(texts), BATCH):
-    rows = [trained_model.encode(model, t)[0] for t in texts[start:start + BATCH]]
-    where = [np.flatnonzero(r == mask) for r in rows]
-    p = max(1, max(len(w) for w in where))
-    positions = np.zeros((len(rows), p), np.int32)
-    for i, w in enumerate(where):
-      positions[i, :len(w)] = w
-    logits = trained_model.mlm_logits(
-        model, trained_model.pad_batch(rows, model.cfg.seq_len, pad), positions)
-    for i, w in enumerate(where):
-      per_mask = []
-      for j in range(len(w)):
-        z = logits[i, j].astype(np.float64)
-        prob = np.exp(z - z.max())
-        prob /= prob.sum()
-        best = np.argsort(-prob, kind="stable")[:top_k]
-        per_mask.append([{"id": int(t), "token": model.tokenizer.id_to_token(int(t)),
-                          "probability": float(prob[t])} for t in best])
-      out.append(per_mask)
-  return out
-
-
-def fill_text(model, text: str, top_k: int) -> list[list[dict]]:
-  if "[MASK]" not in text:
-    raise UserError("--text has no [MASK]: put [MASK] where a token should be predicted, "
-                    "e.g. --text 'push rbp [NEXT] [MASK] rbp rsp'")
-  ids, cut = trained_model.encode(model, text)
-  if cut and model.special_ids["[MASK]"] not in ids:
-    raise UserError(f"--text: every [MASK] lies past the model's {model.cfg.seq_len} tokens")
-  return predict(model, [text], top_k)[0]
-
-
 def fill_function(model, path: str, name: str) -> dict:
   fn = elf_functions.functions(path, only=name)[0]
   insns = fn.instructions
@@ -86,7 +47,7 @@ def fill_function(model, path: str, name: str) -> dict:
     texts.append(f" {NEXT} ".join(insns[:i] + [masked] + insns[i + 1:]))
     targets.append(pieces)
   rows = []
-  for insn, want, preds in zip(insns, targets, predict(model, texts, 1)):
+  for insn, want, preds in zip(insns, targets, mask_predictions.predict(model, texts, 1)):
     if len(preds) < len(want):  # the mnemonic lies past seq_len: not evaluated
       continue
     got = [p[0]["id"] for p in preds]
@@ -124,7 +85,7 @@ def main(argv=None) -> int:
   def go() -> int:
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
     if a.text is not None:
-      preds = fill_text(model, a.text, a.top_k)
+      preds = mask_predictions.fill_text(model, a.text, a.top_k)
       print(json.dumps(preds)) if a.json else show_text(preds)
     else:
       r = fill_function(model, a.elf, a.function)

@@ -33,6 +33,8 @@ GROUPS = (
         ("index", "lmscale_jax.cli.index", "an on-disk function index of ELF binaries"),
         ("search", "lmscale_jax.cli.search",
          "the indexed functions most like a function or text"),
+        ("serve", "lmscale_jax.cli.serve",
+         "an HTTP API and a web page: fill-mask, embed and search"),
         ("export-hf", "lmscale_jax.cli.export_hf", "a checkpoint as a Hugging Face directory"),
         ("import-hf", "lmscale_jax.cli.import_hf", "a Hugging Face BERT as a start model"),
     ]),

@@ -1,0 +1,100 @@
+"""The model and a function index as an HTTP API and a web page.
+
+  lmscale serve (--workdir RUN [--step N] | --hf DIR) [--index INDEX_DIR]
+      [--host 127.0.0.1] [--port 8000] [--token TOKEN (or env LMSCALE_SERVE_TOKEN)]
+      [--max-upload-mb 32] [--max-functions 256] [--max-texts 256] [--max-k 100]
+
+Endpoints (JSON; every error is {"error": one line}): GET /api/info, POST /api/fill-mask,
+POST /api/embed, POST /api/search (an ELF upload or a text), GET /api/function; GET / is the
+page. Bound to 127.0.0.1 unless --host says otherwise; another host needs --token, and then
+every /api/ request needs "Authorization: Bearer TOKEN" (the page: open /#token=TOKEN). The
+model and the index are loaded once, before the server listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+
+from lmscale_jax.cli import args
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import trained_model
+from lmscale_jax.serve import app as serve_app
+from lmscale_jax.serve import served as served_lib
+
+TOKEN_ENV = "LMSCALE_SERVE_TOKEN"
+
+
+def parser() -> argparse.ArgumentParser:
+  p = args.Parser(prog="lmscale serve", description=__doc__.splitlines()[0])
+  args.add_model_source(p)
+  p.add_argument("--index", default=None, metavar="INDEX_DIR", help="what lmscale index wrote")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+  p.add_argument("--port", type=args.number(int, 0, 65535), default=8000, help="0: any free")
+  p.add_argument("--token", default=None, help=f"access token (default: ${TOKEN_ENV})")
+  p.add_argument("--max-upload-mb", type=args.number(float, 1e-3, 4096), default=32)
+  p.add_argument("--max-functions", type=args.number(int, 1, 1 << 20), default=256,
+                 help="functions of an uploaded ELF file per search (more: 413)")
+  p.add_argument("--max-texts", type=args.number(int, 1, 1 << 20), default=256,
+                 help="texts per /api/embed request")
+  p.add_argument("--max-k", type=args.number(int, 1, 1 << 20), default=100)
+  return p
+
+
+def is_loopback(host: str) -> bool:
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
+
+
+def listen(host: str, port: int) -> socket.socket:
+  """The bound socket, or one line naming why not (a port in use, an unknown address)."""
+  try:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+  except OSError as e:
+    raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); "
+                    "choose another port or host") from None
+  return sock
+
+
+def main(argv=None) -> int:
+  parser_ = parser()
+  a = parser_.parse_args(argv)
+  token = a.token if a.token is not None else os.environ.get(TOKEN_ENV) or None
+  if not is_loopback(a.host) and not token:
+    parser_.error(f"--host {a.host} opens the server beyond this machine: give --token TOKEN "
+                  f"(or set {TOKEN_ENV}), or leave --host out (127.0.0.1)")
+  limits = served_lib.Limits(int(a.max_upload_mb * (1 << 20)), a.max_functions, a.max_texts,
+                             a.max_k)
+
+  def go() -> int:
+    import uvicorn
+
+    model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
+    served = served_lib.load(model, limits, token, a.index)
+    sock = listen(a.host, a.port)
+    port = sock.getsockname()[1]
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    functions = len(served.corpus.names) if served.corpus is not None else 0
+    print(f"serving http://{a.host}:{port}/ (model {model.source}, "
+          + (f"index {a.index}: {functions} functions" if a.index else "no index") + ")",
+          flush=True)
+    config = uvicorn.Config(serve_app.create_app(served), log_level="info", timeout_keep_alive=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+  return args.guarded(go, "the server stopped")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,101 @@
+"""A request's inputs as the API reads them: JSON bodies, k, addresses, texts and uploaded ELF
+files, each bad one an :class:`ApiError` with the status the contract gives it (400 bad input,
+404 no such function, 413 over a limit) and one line naming what was expected."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+
+from lmscale_jax.errors import UserError
+from lmscale_jax.search import index, query
+from lmscale_jax.serve.guard import ApiError
+from lmscale_jax.serve.served import Limits
+
+
+def json_object(body: bytes, expected: str) -> dict:
+  try:
+    doc = json.loads(body)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ApiError(400, f"request body: not JSON ({e}); expected {expected}") from None
+  if not isinstance(doc, dict):
+    raise ApiError(400, f"request body: a JSON {type(doc).__name__}; expected {expected}")
+  return doc
+
+
+def k_of(value, default: int, limits: Limits) -> int:
+  """k from JSON (an int) or a form field (its digits); 1..max_k."""
+  if value is None or value == "":
+    return min(default, limits.max_k)
+  if isinstance(value, str) and value.strip().isdigit():
+    value = int(value)
+  if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limits.max_k:
+    raise ApiError(400, f"k: {value!r} is out of range; expected an integer in 1..{limits.max_k}"
+                   " (lmscale serve --max-k)")
+  return value
+
+
+def address_of(value: str | None) -> int | None:
+  """An address field: hexadecimal with 0x (0x1139) or decimal (4409)."""
+  if value is None or not value.strip():
+    return None
+  text = value.strip().lower()
+  try:
+    return int(text, 16) if text.startswith("0x") else int(text, 10)
+  except ValueError:
+    raise ApiError(400, f"address: {value!r}; expected hexadecimal like 0x1139 or decimal") \
+        from None
+
+
+def text_of(doc: dict, key: str = "text") -> str:
+  text = doc.get(key)
+  if not isinstance(text, str) or not text.strip():
+    raise ApiError(400, f"{key}: expected a non-empty string of normalised instructions "
+                   "([NEXT] between them), got " + (repr(text)[:40] if text is not None
+                                                    else "none"))
+  return text
+
+
+def texts_of(doc: dict, limits: Limits) -> list[str]:
+  texts = doc.get("texts")
+  if not isinstance(texts, list) or not texts:
+    raise ApiError(400, "texts: expected a non-empty list of strings")
+  if len(texts) > limits.max_texts:
+    raise ApiError(413, f"texts: {len(texts)} texts, over the server's limit of "
+                   f"{limits.max_texts} per request (lmscale serve --max-texts); send fewer")
+  for i, t in enumerate(texts):
+    if not isinstance(t, str) or not t.strip():
+      raise ApiError(400, f"texts[{i}]: expected a non-empty string, got {repr(t)[:40]}")
+  return texts
+
+
+def shown_name(filename: str | None) -> str:
+  """The upload's own file name (no directories), for its file on disk and its messages."""
+  name = re.sub(r"[^A-Za-z0-9._+-]", "_", os.path.basename(filename or ""))[:100]
+  return name if name.strip(".") else "upload"
+
+
+def elf_queries(data: bytes, filename: str | None, name: str | None, address: int | None,
+                limits: Limits) -> list[tuple[str, int | None, str]]:
+  """(name, address, text) of the query functions of an uploaded ELF file, read from a copy in
+  a private temp directory (mode 0700) deleted after."""
+  shown = shown_name(filename)
+  with tempfile.TemporaryDirectory(prefix="lmscale-serve-") as where:
+    path = os.path.join(where, shown)
+    with open(path, "wb") as f:
+      f.write(data)
+    try:
+      fns = index.elf_functions_of(path)
+    except UserError as e:
+      raise ApiError(400, str(e).replace(path, shown)) from None
+    try:
+      fns = query.pick(fns, shown, name, address)
+    except UserError as e:
+      raise ApiError(404, str(e)) from None
+  if len(fns) > limits.max_functions:
+    raise ApiError(413, f"{shown}: {len(fns)} functions, over the server's limit of "
+                   f"{limits.max_functions} per search (lmscale serve --max-functions); "
+                   "pick one with the field function or address")
+  return [(f.name, f.address, f.text) for f in fns]
