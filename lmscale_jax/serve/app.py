@@ -137,8 +137,9 @@ def search_answers(served: Served, queries: list, k: int) -> dict:
   answers = query.search(served.model, served.corpus, queries, k)
   for a, (_, _, text) in zip(answers, queries):
     a["text"] = text
-    for r in a["results"]:
-      r["sha256"] = served.by_row[(r["binary"], r["function"], r["address"])].sha256
+    a["results"] = [{"score": r["score"], "binary": r["binary"],
+                     "sha256": served.by_row[(r["binary"], r["function"], r["address"])].sha256,
+                     "function": r["function"], "address": r["address"]} for r in a["results"]]
   return {"k": k, "queries": answers}
 
 
@@ -151,9 +152,9 @@ async def search_queries(request: Request, served: Served) -> tuple[list, int]:
     if not isinstance(upload, UploadFile):
       raise ApiError(400, "field file: expected an uploaded ELF file (multipart/form-data)")
     data, k = await upload.read(), inputs.k_of(form.get("k"), 10, served.limits)
-    name, address = form.get("function") or None, inputs.address_of(form.get("address"))
+    name, address = inputs.field(form, "function"), inputs.field(form, "address")
     queries = await anyio.to_thread.run_sync(inputs.elf_queries, data, upload.filename, name,
-                                             address, served.limits)
+                                             inputs.address_of(address), served.limits)
     return queries, k
   doc = inputs.json_object(await request.body(), '{"text": "push rbp [NEXT] …", "k": 10} or '
                            "multipart/form-data with a field file")

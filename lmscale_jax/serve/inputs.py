@@ -37,6 +37,14 @@ def k_of(value, default: int, limits: Limits) -> int:
   return value
 
 
+def field(form, key: str) -> str | None:
+  """A form's text field (absent or empty: None); a file sent in its place is a 400."""
+  value = form.get(key)
+  if value is not None and not isinstance(value, str):
+    raise ApiError(400, f"field {key}: expected text, got a file")
+  return value or None
+
+
 def address_of(value: str | None) -> int | None:
   """An address field: hexadecimal with 0x (0x1139) or decimal (4409)."""
   if value is None or not value.strip():
