@@ -6,12 +6,16 @@
 
 A query is every named function of an ELF file, one of them, or pretokenised assembly text;
 the answer is, per query, the k best: score (cosine), binary, function name and address, as
-rows and (--json) as a JSON file. The model must be the one that built the index.
+rows and (--json) as a JSON file. The model must be the one that built the index. A query
+longer than the model's sequence length is cut (the model sees its first tokens, as it sees an
+indexed function's): a line above its rows says how many tokens were used and how many dropped,
+and the JSON has "cut", "tokens" (used) and "dropped" per query.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lmscale_jax.cli import args
@@ -25,6 +29,29 @@ def address(text: str) -> int:
     return int(text, 16)
   except ValueError:
     raise argparse.ArgumentTypeError(f"{text!r}: expected a hexadecimal address (0x401000)")
+
+
+def with_dropped(model, answers: list, queries: list) -> list:
+  """Each answer with ``dropped``: the tokens of its query past the model's sequence length
+  (0 where it was not cut); the model saw the first ``tokens`` of ``tokens + dropped``."""
+  for a, (_, _, text) in zip(answers, queries):
+    full = len(model.tokenizer.encode(text).ids) - 2  # [CLS] text [SEP], as encode counts
+    a["dropped"] = full - a["tokens"] if a["cut"] else 0
+  return answers
+
+
+def table(answers: list, seq_len: int) -> str:
+  """The answers as rows: query, rank, score, function @ address, binary; a cut query's line
+  says how much of it the model saw."""
+  lines = [f"{'query':<24} {'rank':>4} {'score':>8}  function @ address  binary"]
+  for a in answers:
+    if a["cut"]:
+      lines.append(f"# {a['query']}: cut to the model's sequence length ({seq_len} tokens): "
+                   f"its first {a['tokens']} tokens used, {a['dropped']} dropped")
+    for rank, r in enumerate(a["results"], 1):
+      lines.append(f"{a['query'][:24]:<24} {rank:>4} {r['score']:>8.4f}  {r['function']} @ "
+                   f"{r['address']:#x}  {os.path.basename(r['binary'])}")
+  return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,14 +79,16 @@ def main(argv=None) -> int:
     parser_.error("--function and --address pick a function of --elf FILE")
 
   def go() -> int:
-    model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
-    corpus = query.load(a.index, model)
+    # The query first: a bad --elf or --function is one line before the model is restored.
     queries = (query.elf_queries(a.elf, a.function, a.address) if a.elf is not None
                else [("text", None, a.text)])
-    answers = query.search(model, corpus, queries, a.k)
-    print(query.table(answers, model.cfg.seq_len))
+    model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
+    corpus = query.load(a.index, model)
+    answers = with_dropped(model, query.search(model, corpus, queries, a.k), queries)
+    print(table(answers, model.cfg.seq_len))
     if a.json:
-      file_io.atomic_write_json(a.json, {"index": a.index, "k": a.k, "queries": answers})
+      file_io.atomic_write_json(a.json, {"index": a.index, "k": a.k,
+                                         "seq_len": model.cfg.seq_len, "queries": answers})
     return 0
 
   return args.guarded(go, "nothing was written")

@@ -199,6 +199,13 @@ def ranks(vectors: np.ndarray, pools: Pools, bar=None,
   return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
+def rank_among(scores, positive: int) -> int:
+  """The rank (1 = first) of ``scores[positive]`` among one query's scores, ties against it as
+  :func:`ranks` counts them: lmscale search's answer over a whole index, scored as a pool."""
+  s = np.asarray(scores, np.float32)
+  return 1 + int((np.delete(s, positive) >= s[positive] - TIE).sum())
+
+
 @dataclasses.dataclass
 class Result:
   method: str
