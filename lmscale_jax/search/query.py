@@ -1,6 +1,7 @@
-"""Exact cosine search over a function index: every shard's vectors in one matrix, one matrix
-product per batch of queries (numpy), the top k by ``argpartition``. A query is every function
-of an ELF file, one of them (by name or address), or pretokenised assembly text."""
+"""Cosine search over a function index: every shard's vectors in one matrix, searched by
+:mod:`vector_search` (exact numpy up to its measured size, an approximate HNSW graph above it,
+exact at every size when asked). A query is every function of an ELF file, one of them (by name
+or address), or pretokenised assembly text."""
 
 from __future__ import annotations
 
@@ -11,18 +12,28 @@ import os
 import numpy as np
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.search import index, index_files
-
-QUERY_BATCH = 1024  # queries per matrix product: [1024, N] float32 scores at a time
+from lmscale_jax.search import index, index_files, vector_search
 
 
 @dataclasses.dataclass
 class Corpus:
-  """The whole index in memory: vectors [N, dim] and, per row, (binary path, name, address)."""
+  """The whole index in memory: vectors [N, dim] and, per row, (binary path, name, address).
+  ``exact``: search exactly at every size (``lmscale search --exact``); ``index_dir``: where
+  the approximate graph is kept (None: built in memory); ``searcher``: built on first use
+  (:meth:`prepared`), or given."""
   vectors: np.ndarray
   binaries: list[str]
   names: list[str]
   addresses: list[int]
+  index_dir: str | None = None
+  exact: bool = False
+  searcher: vector_search.Searcher | None = dataclasses.field(default=None, repr=False)
+
+  def prepared(self) -> vector_search.Searcher:
+    """The searcher, built once (above the exact size: the HNSW graph read or built)."""
+    if self.searcher is None:
+      self.searcher = vector_search.Searcher(self.vectors, self.exact, cache_dir=self.index_dir)
+    return self.searcher
 
 
 def load(index_dir: str, model) -> Corpus:
@@ -38,21 +49,18 @@ def load(index_dir: str, model) -> Corpus:
     names += [r["name"] for r in rows]
     addresses += [int(r["address"]) for r in rows]
   vectors = np.concatenate(parts) if parts else np.zeros((0, doc["dim"]), np.float32)
-  return Corpus(vectors, binaries, names, addresses)
+  return Corpus(vectors, binaries, names, addresses, index_dir=index_dir)
 
 
-def top_k(corpus: Corpus, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-  """(indices [Q, k'], scores [Q, k']) of the k most similar rows, best first (k' = min(k, N))."""
-  k = min(k, len(corpus.vectors))
-  idx, scores = [], []
-  for start in range(0, len(queries), QUERY_BATCH):
-    s = queries[start:start + QUERY_BATCH] @ corpus.vectors.T
-    part = np.argpartition(-s, k - 1, axis=1)[:, :k] if k else np.zeros((len(s), 0), int)
-    order = np.take_along_axis(s, part, 1).argsort(axis=1, kind="stable")[:, ::-1]
-    best = np.take_along_axis(part, order, 1)
-    idx.append(best)
-    scores.append(np.take_along_axis(s, best, 1))
-  return np.concatenate(idx), np.concatenate(scores)
+def top_k(corpus: Corpus, queries: np.ndarray, k: int,
+          exact: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(indices [Q, k'], scores [Q, k']) of the k most similar rows, best first (k' = min(k, N)):
+  exact up to ``vector_search.EXACT_MAX`` (N × dim) or when ``exact`` (default: the corpus's
+  choice), else approximate (recall@10 >= ``vector_search.RECALL_TARGET`` on the index's own
+  rows)."""
+  if corpus.exact if exact is None else exact:
+    return vector_search.exact_top_k(corpus.vectors, queries, k)
+  return corpus.prepared().top_k(queries, k)
 
 
 def pick(fns: list, path: str, name: str | None, address: int | None) -> list:

@@ -1,0 +1,194 @@
+"""Top-k inner-product search over an index's vectors (L2-normalised: the score is the cosine):
+exact numpy below a size, an approximate faiss HNSW graph above it.
+
+Measured (benchmarks/bench_search.py, docs/performance.md "Search: speed and size"): THRESHOLD.
+
+The HNSW graph (``IndexHNSWFlat``, METRIC_INNER_PRODUCT, M 32) is kept in the index directory,
+``INDEX_DIR/ann/hnsw.faiss`` with ``hnsw.json`` naming the rows it holds (their count and the
+sha256 of their vectors): building it is the slow part (BUILD), reading it back takes seconds.
+Binaries added to the index later are rows appended at the end (``index.build`` appends), so
+a graph whose rows are a prefix of the index's gets only the new rows added. A graph that is
+unreadable or of other rows is rebuilt (it is a cache: nothing is lost); an index directory
+that cannot be written keeps the graph in memory. ``efSearch`` is the smallest of EF_SEARCH
+whose recall@10 reaches RECALL_TARGET on the index's own rows (:func:`extend`), measured
+each time rows are added.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from lmscale_jax.store import file_io
+
+# Floats in one [queries, N] score block: 2**26 × 4 bytes = 256 MiB (and argpartition's int64
+# indices twice that). At N <= 65,536 that is 1,024 queries per product, as before; at 1M
+# functions 67 (1,024 would be 4 GiB of scores and 8 GiB of indices).
+SCORES_PER_PRODUCT = 1 << 26
+EXACT_MAX = 200_000 * 768  # N × dim up to which search is exact: see THRESHOLD above
+RECALL_TARGET = 0.99
+EF_SEARCH = (64, 128, 256, 512, 1024)
+HNSW_M = 32
+CALIBRATION = 256
+ANN_DIR = "ann"
+GRAPH = "hnsw.faiss"
+GRAPH_META = "hnsw.json"
+
+
+def queries_per_product(n: int) -> int:
+  return max(1, min(1024, SCORES_PER_PRODUCT // max(n, 1)))
+
+
+def exact_top_k(vectors: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+  """(indices [Q, k'], scores [Q, k']) of the k best rows of ``vectors`` per query, best first
+  (k' = min(k, N)); numpy, exact."""
+  k = min(k, len(vectors))
+  step = queries_per_product(len(vectors))
+  idx, scores = [], []
+  for start in range(0, len(queries), step):
+    s = queries[start:start + step] @ vectors.T
+    part = np.argpartition(-s, k - 1, axis=1)[:, :k] if k else np.zeros((len(s), 0), int)
+    order = np.take_along_axis(s, part, 1).argsort(axis=1, kind="stable")[:, ::-1]
+    best = np.take_along_axis(part, order, 1)
+    idx.append(best)
+    scores.append(np.take_along_axis(s, best, 1))
+  if not idx:
+    return np.zeros((0, k), np.int64), np.zeros((0, k), np.float32)
+  return np.concatenate(idx), np.concatenate(scores)
+
+
+def rows_digest(vectors: np.ndarray) -> str:
+  return hashlib.sha256(np.ascontiguousarray(vectors, np.float32).data).hexdigest()
+
+
+class Searcher:
+  """Search over ``vectors`` [N, dim]: exact where ``exact`` or N × dim <= ``exact_max``, else
+  through an HNSW graph (read from, or built into, ``cache_dir`` when one is given)."""
+
+  def __init__(self, vectors: np.ndarray, exact: bool = False, exact_max: int = EXACT_MAX,
+               cache_dir: str | None = None, recall_target: float = RECALL_TARGET):
+    self.vectors = vectors
+    self.recall_target = recall_target
+    self.graph = None
+    self.recall = 1.0  # recall@10 measured at build (1.0: exact)
+    if not exact and vectors.size > exact_max:
+      self.graph = self._load_or_build(cache_dir)
+
+  @property
+  def approximate(self) -> bool:
+    return self.graph is not None
+
+  def top_k(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """As :func:`exact_top_k`; approximate when a graph was built (recall ~ ``recall``)."""
+    k = min(k, len(self.vectors))
+    if self.graph is None or len(queries) == 0 or k <= 0:
+      return exact_top_k(self.vectors, queries, k)
+    scores, idx = self.graph.search(np.ascontiguousarray(queries, np.float32), k)
+    short = (idx < 0).any(axis=1)  # fewer than k reached: those queries exactly
+    if short.any():
+      idx[short], scores[short] = exact_top_k(self.vectors, queries[short], k)
+    return idx.astype(np.int64), scores
+
+  # ------------------------------------------------------------------------- the graph
+  def _load_or_build(self, cache_dir: str | None):
+    where = os.path.join(cache_dir, ANN_DIR) if cache_dir else None
+    graph, meta = _read_graph(where, self.vectors)
+    if graph is not None and meta["rows"] == len(self.vectors):
+      self.recall = meta["recall_at_10"]
+      graph.hnsw.efSearch = meta["efSearch"]
+      return graph
+    if graph is None:
+      graph = _new_graph(self.vectors.shape[1])
+    ef, self.recall = extend(graph, self.vectors, self.recall_target)
+    _write_graph(where, graph, {"rows": len(self.vectors), "sha256": rows_digest(self.vectors),
+                                "efSearch": ef, "recall_at_10": self.recall, "M": HNSW_M})
+    return graph
+
+
+def _new_graph(dim: int):
+  import faiss
+
+  return faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+
+
+def _read_graph(where: str | None, vectors: np.ndarray):
+  """(graph, meta) of the kept graph when its rows are ``vectors``' first rows; (None, None)
+  otherwise."""
+  import faiss
+
+  if where is None:
+    return None, None
+  try:
+    with open(os.path.join(where, GRAPH_META)) as f:
+      meta = json.load(f)
+    n = int(meta["rows"])
+    if not 0 < n <= len(vectors) or meta["sha256"] != rows_digest(vectors[:n]):
+      return None, None
+    graph = faiss.read_index(os.path.join(where, GRAPH))
+  except (TypeError, OSError, ValueError, KeyError, RuntimeError):  # none, unreadable, foreign
+    return None, None
+  if graph.ntotal != n or graph.d != vectors.shape[1]:
+    return None, None
+  return graph, meta
+
+
+def _write_graph(where: str | None, graph, meta: dict) -> None:
+  """Graph first, then the JSON naming its rows (a crash between leaves a JSON that does not
+  match: rebuilt); a directory that cannot be written keeps the graph in memory only."""
+  import faiss
+
+  if where is None:
+    return
+  path = os.path.join(where, GRAPH)
+  try:
+    os.makedirs(where, exist_ok=True)
+    faiss.write_index(graph, f"{path}.{os.getpid()}.tmp")  # no serialised copy in memory
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+    file_io.atomic_write_json(os.path.join(where, GRAPH_META), meta)
+  except (OSError, RuntimeError):  # faiss reports a failed write as RuntimeError
+    pass
+
+
+def extend(graph, vectors: np.ndarray, target: float) -> tuple[int, float]:
+  """Adds the rows of ``vectors`` the graph lacks; (efSearch, recall@10): the smallest of
+  EF_SEARCH whose recall@10 reaches ``target``, else the largest. Measured on the last
+  CALIBRATION new rows, searched as queries before they are added (a row already in the graph
+  is found more easily than a new query: self-excluded recall 0.99 was 0.98 on new queries);
+  with fewer new rows, on rows in the graph each left out of its own neighbours, and one step
+  of EF_SEARCH more for that ease."""
+  held = len(vectors) - CALIBRATION
+  if held - graph.ntotal >= 0 and held >= CALIBRATION:
+    graph.add(np.ascontiguousarray(vectors[graph.ntotal:held], np.float32))
+    queries = np.ascontiguousarray(vectors[held:], np.float32)
+    truth = [list(r) for r in exact_top_k(vectors[:held], queries, 10)[0]]
+    ef, got = _smallest_ef(graph, queries, truth, target, lambda found: found)
+    graph.add(queries)
+    return ef, got
+  graph.add(np.ascontiguousarray(vectors[graph.ntotal:], np.float32))
+  rows = np.random.default_rng(0).choice(len(vectors), min(CALIBRATION, len(vectors)),
+                                         replace=False)
+  truth = _others(exact_top_k(vectors, vectors[rows], 11)[0], rows)
+  ef, got = _smallest_ef(graph, vectors[rows], truth, target, lambda found: _others(found, rows))
+  ef = EF_SEARCH[min(EF_SEARCH.index(ef) + 1, len(EF_SEARCH) - 1)]
+  graph.hnsw.efSearch = ef
+  return ef, got
+
+
+def _smallest_ef(graph, queries: np.ndarray, truth: list, target: float, keep) -> tuple[int, float]:
+  got = 0.0
+  for ef in EF_SEARCH:
+    graph.hnsw.efSearch = ef
+    found = keep(graph.search(np.ascontiguousarray(queries, np.float32), 11)[1])
+    got = float(np.mean([len(set(f[:10]) & set(t)) / max(len(t), 1)
+                         for f, t in zip(found, truth)]))
+    if got >= target:
+      return ef, round(got, 4)
+  return EF_SEARCH[-1], round(got, 4)
+
+
+def _others(idx: np.ndarray, rows: np.ndarray) -> list[list[int]]:
+  """Each row's first 10 neighbours other than itself."""
+  return [[int(i) for i in found if i != row and i >= 0][:10] for found, row in zip(idx, rows)]
