@@ -23,11 +23,15 @@ from tests.test_hf_tools import exported, run, run_tool  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
+COMPILERS = [cc for cc in ("gcc", "clang") if shutil.which(cc)]
 LEVELS = ("O0", "O1", "O2")
+QUERIES = "gcc-O0"
+POOL_SIDES = [f"{cc}-O2" for cc in COMPILERS]  # the same compiler, and across compilers
 # Every name distinct (the positive is the one query's name), every function distinct (no two
 # texts alike: no tie to break). rk_fnv1a exists at -O1 and up only: -O2 holds one function
 # more than -O0, so a pool of all -O2 functions is drawn for queries at -O0 and not the other
-# way round (-O0 has too few), and eval-similarity's pair cell is that one direction.
+# way round (-O0 has too few), and eval-similarity's pair cell is that one direction (-O1 makes
+# rk_fnv1a a group of two variants, which similarity-build keeps).
 SOURCES = {
     "checks.c": """
 unsigned rk_adler(const unsigned char *p, int n) {
@@ -101,23 +105,24 @@ double rk_mean(const double *x, int n) {
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  """({level: [.so per source]}, the benchmark JSONL lmscale similarity-build writes from the
-  same sources): each .so built as similarity-build builds its objects (function_groups'
+  """({variant: [.so per source]}, the benchmark JSONL lmscale similarity-build writes from
+  the same sources): each .so built as similarity-build builds its objects (function_groups'
   flags, the sources' directory included)."""
   base = tmp_path_factory.mktemp("recall")
   src = base / "src"
   src.mkdir()
-  built = {level: [] for level in LEVELS}
+  built = {f"{cc}-{level}": [] for cc in COMPILERS for level in LEVELS}
   for name, text in SOURCES.items():
     (src / name).write_text(text)
-    for level in LEVELS:
-      so = base / f"{name[:-2]}_{level}.so"
-      subprocess.run(["gcc", f"-{level}", *function_groups.BASE_FLAGS, f"-I{src}", "-o", str(so),
+    for variant, objects in built.items():
+      cc, level = variant.split("-")
+      so = base / f"{name[:-2]}_{variant}.so"
+      subprocess.run([cc, f"-{level}", *function_groups.BASE_FLAGS, f"-I{src}", "-o", str(so),
                       str(src / name)], check=True, timeout=120)
-      built[level].append(str(so))
+      objects.append(str(so))
   bench = base / "bench.jsonl"
-  subprocess.run([*lmscale("similarity_build"), "--sources", str(src), "--compilers", "gcc",
-                  "--opt", ",".join(LEVELS), "--min-instructions", "1", "--no-progress",
+  subprocess.run([*lmscale("similarity_build"), "--sources", str(src), "--compilers",
+                  ",".join(COMPILERS),                  "--opt", ",".join(LEVELS), "--min-instructions", "1", "--no-progress",
                   "--output", str(bench)], check=True, timeout=300, capture_output=True)
   return built, str(bench)
 
@@ -129,53 +134,61 @@ def indexed_names(where) -> dict[str, list[str]]:
           for b in doc["binaries"]}
 
 
+def source_of(binary: str) -> str:
+  """The benchmark's source name of a .so built here (checks_gcc-O2.so → src/checks.c)."""
+  return f"src/{os.path.basename(binary).split('_')[0]}.c"
+
+
+@pytest.mark.parametrize("pool_side", POOL_SIDES)
 def test_search_recall_at_1_equals_eval_similarity_with_the_whole_index_as_the_pool(
-    run, corpus, tmp_path, capsys):
-  """Queries at -O0 against an index of every -O2 function = eval-similarity's gcc-O0→gcc-O2
-  at pool N = that index's size (each pool: the positive and all N−1 other -O2 functions).
-  Ties count against the positive on both sides (retrieval.rank_among over the whole answer,
-  k = N); none occurs here, so the plain top hit gives the same R@1."""
+    run, corpus, pool_side, tmp_path, capsys):
+  """Queries at gcc -O0 against an index of every function at ``pool_side`` (-O2) =
+  eval-similarity's gcc-O0→``pool_side`` at pool N = that index's size (each pool: the positive
+  and all N−1 other functions of that side). Ties count against the positive on both sides
+  (retrieval.rank_among over the whole answer, k = N); none occurs here, so the plain top hit
+  gives the same R@1."""
   built, bench = corpus
   where = tmp_path / "idx"
-  code, _, err = run_tool("index", ["--workdir", run[1], "--elf", *built["O2"], "--output", where],
-                          capsys)
+  code, _, err = run_tool("index", ["--workdir", run[1], "--elf", *built[pool_side], "--output",
+                                    where], capsys)
   assert code == 0, err
   names = indexed_names(where)
   pool = sum(map(len, names.values()))
   _, groups = function_groups.load(bench)
-  at_o2 = {(g["source"], g["name"]): g["variants"]["gcc-O2"]["text"] for g in groups
-           if "gcc-O2" in g["variants"]}
-  # The benchmark's -O2 functions are the index's, name for name and text for text.
-  assert sorted(at_o2) == sorted((f"src/{os.path.basename(p)[:-6]}.c", n)
-                                 for p, ns in names.items() for n in ns)
-  for path in built["O2"]:
+  at_pool = {(g["source"], g["name"]): g["variants"][pool_side]["text"] for g in groups
+             if pool_side in g["variants"]}
+  # The benchmark's functions at that side are the index's, name for name and text for text.
+  assert sorted(at_pool) == sorted((source_of(p), n) for p, ns in names.items() for n in ns)
+  for path in built[pool_side]:
     for fn in elf_functions.functions(path):
-      assert at_o2[f"src/{os.path.basename(path)[:-6]}.c", fn.name] == fn.text
+      assert at_pool[source_of(path), fn.name] == fn.text
 
   ranks, top_hit = [], []
-  for path in built["O0"]:
+  for path in built[QUERIES]:
     out = tmp_path / "answer.json"
     code, _, err = run_tool("search", ["--index", where, "--workdir", run[1], "--elf", path,
                                        "--k", pool, "--json", out], capsys)
     assert code == 0, err
-    pool_side = os.path.abspath(path.replace("_O0.so", "_O2.so"))
+    same_source = os.path.abspath(path.replace(f"_{QUERIES}.so", f"_{pool_side}.so"))
     for q in json.loads(out.read_text())["queries"]:
       hits = [(r["binary"], r["function"]) for r in q["results"]]
       assert len(hits) == pool, q
-      at = hits.index((pool_side, q["query"]))
+      at = hits.index((same_source, q["query"]))
       ranks.append(retrieval.rank_among([r["score"] for r in q["results"]], at))
       top_hit.append(at == 0)
   ranks = np.asarray(ranks)
 
   doc = tmp_path / "eval.json"
   code, _, err = run_tool("eval_similarity", ["--bench", bench, "--workdir", run[1], "--pool", pool,
-                                              "--pairs", "gcc-O0:gcc-O2", "--no-random-init",
+                                              "--pairs", f"{QUERIES}:{pool_side}",
+                                              "--no-random-init",
                                               "--no-progress", "--json", doc], capsys)
   assert code == 0, err
   row, = [r for r in json.loads(doc.read_text())["results"]
-          if r["method"] != "tfidf" and r["pair"] == "gcc-O0↔gcc-O2"]
+          if r["method"] != "tfidf" and r["pair"] == f"{QUERIES}↔{pool_side}"]
   assert len(ranks) == 12 and row["pool"] == pool == 13
-  assert row["directions"] == {"gcc-O0→gcc-O2": 12} and list(row["left_out"]) == ["gcc-O2→gcc-O0"]
+  assert row["directions"] == {f"{QUERIES}→{pool_side}": 12}
+  assert list(row["left_out"]) == [f"{pool_side}→{QUERIES}"]
   assert row["recall_at_1"] == float(np.mean(ranks == 1)), (row, ranks)
   assert row["mrr"] == pytest.approx(float(np.mean(1 / ranks)), abs=1e-12)
   assert top_hit == list(ranks == 1)  # no near-tie: the top hit alone gives the same R@1
@@ -191,8 +204,8 @@ def test_search_command_bad_input_is_one_line_each_and_the_index_is_untouched(
     run, exported, corpus, tmp_path, capsys):
   built, _ = corpus
   where = tmp_path / "idx"
-  assert run_tool("index", ["--workdir", run[1], "--elf", built["O0"][0], "--output", where],
-                  capsys)[0] == 0
+  assert run_tool("index", ["--workdir", run[1], "--elf", built[QUERIES][0], "--output",
+                            where], capsys)[0] == 0
   before = {p: (where / p).read_bytes() for p in ["index.json", *(
       f"shards/{n}" for n in os.listdir(where / "shards"))]}
   notes = tmp_path / "notes.txt"
@@ -204,9 +217,9 @@ def test_search_command_bad_input_is_one_line_each_and_the_index_is_untouched(
   model = ["--workdir", run[1]]
   cases = [
       (["--index", where, *model, "--elf", notes], f"{notes}: not an ELF file"),
-      (["--index", where, *model, "--elf", built["O0"][0], "--function", "rk_adlr"],
+      (["--index", where, *model, "--elf", built[QUERIES][0], "--function", "rk_adlr"],
        "has no function named 'rk_adlr' (closest: rk_adler"),
-      (["--index", where, "--hf", exported, "--elf", built["O0"][0]],
+      (["--index", where, "--hf", exported, "--elf", built[QUERIES][0]],
        "not by the model given"),
       (["--index", tmp_path / "nowhere", *model, "--text", "push rbp"],
        "no index.json (build the index with lmscale index)"),
@@ -223,8 +236,8 @@ def test_a_query_longer_than_the_sequence_length_is_answered_and_says_what_was_c
     run, corpus, tmp_path, capsys):
   built, _ = corpus
   where = tmp_path / "idx"
-  assert run_tool("index", ["--workdir", run[1], "--elf", built["O0"][0], "--output", where],
-                  capsys)[0] == 0
+  assert run_tool("index", ["--workdir", run[1], "--elf", built[QUERIES][0], "--output",
+                            where], capsys)[0] == 0
   text = " [NEXT] ".join(["push rbp", "mov rbp rsp", "sub rsp 0x10"] * 30)
   full = len(Tokenizer.from_file(str(run[0] / dataset.TOKENIZER)).encode(text).ids) - 2
   out = tmp_path / "answer.json"
