@@ -18,5 +18,21 @@ if [ ! -f .venv-hf/.lmscale-installed ]; then
   touch .venv-hf/.lmscale-installed
 fi
 export LMSCALE_HF_PYTHON="$PWD/.venv-hf/bin/python"
+# The page's browser test (tests/test_serve_page.py) drives Debian's Chromium through Playwright,
+# in a venv of its own, .venv-browser (playwright only: its wheel carries its driver; the browser
+# is the system's, never `playwright install`'s download). Chromium is installed when missing
+# and this runs as root with apt-get; otherwise those tests skip, saying how to install it.
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "test: installing chromium (Debian's package) for the page's browser test, once" >&2
+  log="${TMPDIR:-/tmp}/lmscale-apt-chromium.log"
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+    >"$log" 2>&1 || echo "test: apt-get install chromium failed ($log); the browser tests skip" >&2
+fi
+if [ ! -f .venv-browser/.lmscale-installed ]; then
+  "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')" -m venv .venv-browser
+  quiet_pip .venv-browser/bin/python .venv-browser/pip-install.log 'playwright>=1.40,<2'
+  touch .venv-browser/.lmscale-installed
+fi
+export LMSCALE_BROWSER_PYTHON="$PWD/.venv-browser/bin/python"
 export JAX_PLATFORMS=cpu
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"

@@ -1,0 +1,149 @@
+"""Drives lmscale serve's page in a real headless browser (Debian's Chromium through Playwright)
+and writes what it saw as JSON; tests/test_serve_page.py asserts on that report.
+
+  python drive_page.py JOB.json     (in the venv that has playwright: tools/test.sh's .venv-browser)
+
+JOB: {"url": the server's base URL, "token": the access token, "upload": an ELF file (one the
+index holds), "pick": a function of it, "asm": normalised assembly text, "fillmask": a text with
+[MASK], "bad": a file that is not ELF, "report": where the report goes, "screenshot": where the
+page goes (PNG, 1200×800, a query selected and a result compared), "chromium": the browser}.
+
+Runs only the standard library and playwright (no lmscale_jax: this venv has no jax). The
+browser is the system's: Playwright's own download (``playwright install``) is never used.
+README's docs/images/serve-page.png is this script's screenshot, made smaller with Pillow:
+Image.open(p).quantize(64).save(out, optimize=True)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+
+from playwright.sync_api import sync_playwright
+
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+WAIT_MS = 60_000  # one model call on a loaded 2-core machine: seconds; the limit: a hang
+
+
+def texts(page, selector: str) -> list[str]:
+  return page.locator(selector).all_inner_texts()
+
+
+def error_shown(page) -> str | None:
+  """#error's text when it is visible, else None."""
+  return page.inner_text("#error") if page.is_visible("#error") else None
+
+
+def search(page) -> int:
+  """Clicks #search-btn; the HTTP status of its /api/search, once the page has shown it."""
+  with page.expect_response("**/api/search", timeout=WAIT_MS) as answer:
+    page.click("#search-btn")
+  page.wait_for_selector("#search-btn:not([disabled])", timeout=WAIT_MS)
+  return answer.value.status
+
+
+def without_token(browser, job) -> dict:
+  """The page opened without its #token=: what #info and #error say."""
+  page = browser.new_page()
+  page.goto(job["url"] + "/")
+  page.wait_for_selector("#error:not([hidden])", timeout=WAIT_MS)
+  return {"error": error_shown(page), "info": page.inner_text("#info")}
+
+
+def compare(page, job) -> dict:
+  """Upload → the query's functions → pick one → its results → the top result side by side."""
+  page.set_input_files("#file", job["upload"])
+  seen = {"status": search(page)}
+  seen["queries"] = texts(page, ".query-item .name")
+  page.locator(".query-item", has_text=job["pick"]).first.click()
+  page.wait_for_function("document.querySelector('#query-h').textContent.includes("
+                         f"{json.dumps(job['pick'])})", timeout=WAIT_MS)
+  seen["results"] = [page.locator("tr.result-row").nth(i).locator("td").all_inner_texts()
+                     for i in range(page.locator("tr.result-row").count())]
+  page.locator("tr.result-row").first.click()
+  page.wait_for_function("document.querySelector('#result-text').textContent.trim() && "
+                         "!document.querySelector('#result-text .empty')", timeout=WAIT_MS)
+  seen["query_text"] = page.inner_text("#query-text")
+  seen["result_text"] = page.inner_text("#result-text")
+  seen["cut_note_visible"] = page.is_visible("#cut-note")
+  seen["cut_marked"] = page.locator(".query-item[aria-pressed=true] .cut-mark").count() == 1
+  seen["error"] = error_shown(page)
+  return seen
+
+
+def asm_search(page, job) -> dict:
+  page.fill("#asm", job["asm"])
+  seen = {"status": search(page),
+          "file_cleared": page.eval_on_selector("#file", "e => e.files.length == 0")}
+  seen["queries"] = texts(page, ".query-item .name")
+  seen["results"] = page.locator("tr.result-row").count()
+  seen["query_text"] = page.inner_text("#query-text")
+  seen["cut_note_visible"] = page.is_visible("#cut-note")
+  seen["cut_note"] = page.inner_text("#cut-note")
+  seen["error"] = error_shown(page)
+  return seen
+
+
+def fill_mask(page, job) -> dict:
+  page.fill("#fillmask-text", job["fillmask"])
+  with page.expect_response("**/api/fill-mask", timeout=WAIT_MS) as answer:
+    page.click("#fillmask-btn")
+  page.wait_for_selector("#fillmask-btn:not([disabled])", timeout=WAIT_MS)
+  lists = page.locator("#fillmask-out ol")
+  masks = [[[item.locator(".token").inner_text(), item.locator(".score").inner_text()]
+            for item in lists.nth(i).locator("li").all()] for i in range(lists.count())]
+  return {"status": answer.value.status, "error": error_shown(page), "masks": masks}
+
+
+def bad_upload_then_search(page, job) -> dict:
+  """A non-ELF upload shows one error; the next (good) search clears it and answers."""
+  page.set_input_files("#file", job["bad"])
+  seen = {"status": search(page), "error": error_shown(page)}
+  page.set_input_files("#file", job["upload"])
+  seen["after_status"] = search(page)
+  seen["after_error"] = error_shown(page)
+  seen["after_queries"] = texts(page, ".query-item .name")
+  return seen
+
+
+def with_token(browser, job) -> dict:
+  page = browser.new_page()
+  outside, page_errors = [], []
+  page.on("request", lambda r: r.url.startswith(job["url"]) or outside.append(r.url))
+  page.on("pageerror", lambda e: page_errors.append(str(e)))
+  page.goto(f"{job['url']}/#token={job['token']}")
+  page.wait_for_function("document.querySelector('#info').textContent.startsWith('Model ')",
+                         timeout=WAIT_MS)
+  seen = {"info": page.inner_text("#info"), "error_at_load": error_shown(page),
+          "labelled": page.eval_on_selector_all(
+              "input, textarea", "es => es.every(e => document.querySelector("
+              "`label[for='${e.id}']`))")}
+  seen["compare"] = compare(page, job)
+  page.screenshot(path=job["screenshot"])
+  seen["asm"] = asm_search(page, job)
+  seen["fillmask"] = fill_mask(page, job)
+  seen["bad"] = bad_upload_then_search(page, job)
+  seen["outside_requests"], seen["page_errors"] = outside, page_errors
+  return seen
+
+
+def main(job_path: str) -> int:
+  with open(job_path) as f:
+    job = json.load(f)
+  with sync_playwright() as p, tempfile.TemporaryDirectory() as profile:
+    browser = p.chromium.launch_persistent_context(
+        profile, executable_path=job["chromium"], headless=True, args=ARGS,
+        viewport={"width": 1200, "height": 800})
+    try:
+      report = {"without_token": without_token(browser, job),
+                "with_token": with_token(browser, job)}
+    finally:
+      browser.close()
+  with open(job["report"], "w") as f:
+    json.dump(report, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1]))

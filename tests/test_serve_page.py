@@ -1,0 +1,147 @@
+"""lmscale serve's page in a real headless browser: the real server (a subprocess on a free port)
+on a real (short) training run and a real index of gcc-compiled shared libraries, driven by
+tests/browser/drive_page.py (Playwright in its own venv, .venv-browser, and Debian's Chromium;
+tools/test.sh makes both). The script clicks through the page once and reports what it saw;
+each test here asserts on one part of that report."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from lmscale_jax.prep.elf import elf_functions
+from tests.helpers import ROOT
+from tests.test_hf_tools import run  # noqa: F401 (fixture)
+from tests.test_serve_api import (index_dir, libs, post_file, post_json, start,  # noqa: F401
+                                  stop)
+
+TOKEN = "page-token"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+LONG_ASM = "\n".join(["push rbp", "mov rbp rsp"] * 40)  # past the run's seq_len of 64
+FILL_MASK = "push rbp\nmov rbp rsp\n[MASK] rsp 0x10\nmov eax [MASK]"
+
+
+def browser_python() -> str:
+  """$LMSCALE_BROWSER_PYTHON (tools/test.sh exports it), else .venv-browser's if it is there."""
+  python = os.environ.get("LMSCALE_BROWSER_PYTHON")
+  default = os.path.join(ROOT, ".venv-browser", "bin", "python")
+  if python is None and not os.path.exists(default):
+    pytest.skip("no browser venv: run the tests with bash tools/test.sh, which makes "
+                ".venv-browser (playwright) once, or set LMSCALE_BROWSER_PYTHON")
+  python = python or default
+  assert os.path.exists(python), f"LMSCALE_BROWSER_PYTHON={python}: no such interpreter"
+  return python
+
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc"),
+    pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium: apt-get install -y chromium "
+                       "(bash tools/test.sh installs it when run as root)"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(run, index_dir, tmp_path_factory):
+  base = tmp_path_factory.mktemp("page-server")
+  p, url = start(["--workdir", run[1], "--index", index_dir, "--token", TOKEN],
+                 base / "server.log")
+  try:
+    yield url, base
+  finally:
+    stop(p)
+
+
+@pytest.fixture(scope="module")
+def report(server, libs, tmp_path_factory):
+  """What the browser saw (tests/browser/drive_page.py's report) and the server's log."""
+  python = browser_python()
+  base = tmp_path_factory.mktemp("page")
+  (base / "notes.txt").write_text("hello\n" * 100)
+  job = {"url": server[0], "token": TOKEN, "upload": libs["O0"][2], "pick": "power",
+         "asm": LONG_ASM, "fillmask": FILL_MASK, "bad": str(base / "notes.txt"),
+         "report": str(base / "report.json"), "screenshot": str(base / "page.png"),
+         "chromium": CHROMIUM}
+  (base / "job.json").write_text(json.dumps(job))
+  p = subprocess.run([python, os.path.join(ROOT, "tests", "browser", "drive_page.py"),
+                      str(base / "job.json")], capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-4000:]
+  log = (server[1] / "server.log").read_text()
+  return json.loads((base / "report.json").read_text()), log, base
+
+
+def lines(text: str) -> list[str]:
+  return [x.strip() for x in text.replace("[NEXT]", "\n").splitlines() if x.strip()]
+
+
+def test_the_page_shows_the_model_and_the_index_and_labels_every_input(report, run, index_dir):
+  seen = report[0]["with_token"]
+  assert seen["info"].startswith(f"Model {run[1]} step 6 (sequence length 64, mean pooling)")
+  assert f"index {os.path.abspath(index_dir)}: 9 functions of 3 binaries" in seen["info"]
+  assert seen["error_at_load"] is None and seen["labelled"]
+  assert seen["outside_requests"] == [] and seen["page_errors"] == []
+  assert (report[2] / "page.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_uploaded_function_finds_itself_first_in_the_index(report, libs):
+  seen = report[0]["with_token"]["compare"]
+  maths = {f.name: f for f in elf_functions.functions(libs["O0"][2])}
+  assert seen["status"] == 200 and seen["error"] is None
+  assert sorted(seen["queries"]) == sorted(maths)
+  rank, score, function, address, binary = seen["results"][0]
+  assert (rank, function, address, binary) == ("1", "power", hex(maths["power"].address),
+                                               "maths_O0.so")
+  assert float(score) >= 0.9999 and len(seen["results"]) == 9  # k 10 > the index's 9
+
+
+def test_a_selected_result_shows_both_texts_side_by_side(report, libs):
+  seen = report[0]["with_token"]["compare"]
+  text = {f.name: f.text for f in elf_functions.functions(libs["O0"][2])}["power"]
+  assert lines(seen["query_text"]) == lines(text)
+  assert lines(seen["result_text"]) == lines(text)  # the top hit is power itself
+
+
+def test_a_query_past_the_sequence_length_is_marked_cut_in_the_list_and_the_note(report,
+                                                                                 server, libs):
+  """At the run's seq_len of 64 each function of maths.c is cut (the API says so too)."""
+  seen = report[0]["with_token"]["compare"]
+  status, want = post_file(server[0], "/api/search", open(libs["O0"][2], "rb").read(),
+                           "maths_O0.so", token=TOKEN, function="power", k="1")
+  assert status == 200 and want["queries"][0]["cut"], want
+  assert seen["cut_marked"] and seen["cut_note_visible"]
+
+
+def test_pasted_assembly_is_searched_and_the_page_says_it_was_cut(report):
+  seen = report[0]["with_token"]["asm"]
+  assert seen["status"] == 200 and seen["error"] is None and seen["file_cleared"]
+  assert seen["queries"] == ["text"] and seen["results"] == 9
+  assert lines(seen["query_text"]) == LONG_ASM.splitlines()  # one instruction a line
+  assert seen["cut_note_visible"] and "only its first 62 tokens were embedded" in seen["cut_note"]
+
+
+def test_fill_mask_shows_the_apis_predictions_for_each_mask(report, server):
+  seen = report[0]["with_token"]["fillmask"]
+  text = FILL_MASK.replace("\n", " [NEXT] ")
+  status, want = post_json(server[0], "/api/fill-mask", {"text": text, "k": 5}, token=TOKEN)
+  assert status == seen["status"] == 200 and seen["error"] is None
+  assert seen["masks"] == [[[p["token"], f"{p['score']:.4f}"] for p in m["predictions"]]
+                           for m in want["masks"]]
+
+
+def test_a_non_elf_upload_is_one_error_and_the_next_search_works(report):
+  seen = report[0]["with_token"]["bad"]
+  assert seen["status"] == 400
+  assert seen["error"].startswith("400: notes.txt: not an ELF file") and "\n" not in seen["error"]
+  assert seen["after_status"] == 200 and seen["after_error"] is None
+  assert "power" in seen["after_queries"]
+  assert "Traceback" not in report[1]
+
+
+def test_without_the_token_the_page_shows_the_401(report):
+  seen = report[0]["without_token"]
+  assert seen["error"].startswith("401: missing or wrong access token")
+  assert "\n" not in seen["error"]
+  assert seen["info"] == "The model's description could not be read."
