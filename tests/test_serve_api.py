@@ -287,3 +287,37 @@ def test_startup_refusals_are_one_line_and_exit_1(run, exported, index_dir, tmp_
                        cwd=ROOT, env=env, timeout=180)
     assert p.returncode == 1 and words in p.stderr, (argv, p.stderr)
     assert len(p.stderr.strip().splitlines()) == 1 and "serving" not in p.stdout, p.stderr
+
+
+def test_a_bug_in_a_handler_is_a_500_with_one_line_and_the_server_stays_up(run, caplog):
+  """The app on a state whose model lacks what a handler reads (uvicorn in a thread)."""
+  import threading
+
+  import uvicorn
+
+  from lmscale_jax.cli import serve as serve_cli
+  from lmscale_jax.serve import app, served
+
+  class NoModel:
+    source, step = "nothing", None
+
+  state = served.Served(NoModel(), served.Limits())
+  sock = serve_cli.listen("127.0.0.1", 0)
+  base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+  server = uvicorn.Server(uvicorn.Config(app.create_app(state), log_level="warning"))
+  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  try:
+    deadline = time.time() + 30
+    while call(base, "/api/search", b"{}", "application/json")[0] != 404:
+      assert time.time() < deadline, "the app did not start"
+      time.sleep(0.2)
+    for _ in range(2):
+      status, answer = post_json(base, "/api/embed", {"texts": ["push rbp"]})
+      assert status == 500 and list(answer) == ["error"], answer
+      assert answer["error"] == ("internal error (AttributeError) in /api/embed; the server's "
+                                 "log has the traceback")
+    assert "AttributeError" in caplog.text  # the traceback is the server's, not the client's
+  finally:
+    server.should_exit = True
+    thread.join(10)

@@ -32,9 +32,10 @@ async def send_error(send, status: int, message: str, headers: tuple = ()) -> No
   await send({"type": "http.response.body", "body": body})
 
 
-def too_large(size: int, limit: int) -> str:
-  return (f"request body of {size} bytes is over the server's limit of {limit} bytes "
-          "(lmscale serve --max-upload-mb)")
+def too_large(size: int | None, limit: int) -> str:
+  """``size``: the declared length (None: a body sent without one, cut where it passed)."""
+  what = f"request body of {size} bytes is" if size is not None else "request body is"
+  return f"{what} over the server's limit of {limit} bytes (lmscale serve --max-upload-mb)"
 
 
 class Guard:
@@ -74,7 +75,7 @@ class Guard:
       message = await receive()
       received += len(message.get("body", b""))
       if received > self.max_body:
-        raise ApiError(413, too_large(received, self.max_body))
+        raise ApiError(413, too_large(None, self.max_body))
       return message
 
     return receive_capped

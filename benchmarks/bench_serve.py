@@ -1,0 +1,323 @@
+"""lmscale serve under concurrent clients: latency and throughput of the HTTP API, beside the
+same work done by direct function calls (the server's overhead as a ratio).
+
+  python benchmarks/bench_serve.py (--workdir RUN | --hf DIR) --index INDEX_DIR --elf FILE
+      [--clients 50] [--requests 1500] [--seconds 300] [--peer-requests 300] [--out FILE]
+
+The server is the real one (``python -m lmscale_jax.cli.lmscale serve``, its own process, on
+127.0.0.1 and a free port: never another host). ``--clients`` threads (standard library
+http.client, one connection each) share ``--requests`` requests, stopping at ``--seconds``
+whatever is left; the mix is one third each of /api/search with a text (a function of
+``--elf``, k=10), /api/search with an upload of ``--elf`` and one of its functions named
+(k=10), and /api/embed of 8 of its functions' texts. One request of each kind is sent first
+(the model's programs compiled), outside the timing. Meanwhile a probe asks /api/info every
+0.2 s: how the server answers while the model is busy.
+
+Then one client sends ``--peer-requests`` requests of the mix, one after another: the
+server's unloaded latency; and the peer row, the same requests without HTTP in this process:
+the server's own functions (``serve/app.search_answers``, ``serve/app.embed``,
+``serve/inputs.elf_queries``) on the same model and index. The two alternate request by
+request (the machine is shared: its load drifts on both alike). ``overhead_ratio`` = the one
+client's seconds over the peer's (what HTTP, JSON and a second process cost per request);
+``overhead_ratio_loaded`` = the peer's requests/s over the ``--clients`` run's (the server
+overlaps uploads' ELF extraction with the model's calls, which are one at a time: below 1 is
+possible).
+
+Writes one JSON document to ``--out`` (default ``benchmarks/results/<date>-cpu-serve.json``):
+date, device, code version, the load, the server's count, errors (must be 0), statuses,
+p50/p99 latency overall and per kind, throughput, /api/info under load, the peer row and the
+ratios. Exit 1 (one line) if any request failed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import http.client
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import _host  # noqa: E402
+from lmscale_jax.cli.args import Parser, guarded, input_file, number  # noqa: E402
+from lmscale_jax.errors import UserError  # noqa: E402
+
+KINDS = ("search_text", "search_upload", "embed")
+EMBED_TEXTS = 8
+K = 10
+
+
+def parser() -> Parser:
+  p = Parser(description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", default="", help="a training run's --workdir")
+  p.add_argument("--hf", default="", help="a directory lmscale export-hf wrote")
+  p.add_argument("--index", required=True, help="an index lmscale index built with that model")
+  p.add_argument("--elf", required=True, type=input_file, help="the uploaded/queried ELF file")
+  p.add_argument("--clients", type=number(int, 1, 200), default=50)
+  p.add_argument("--requests", type=number(int, 1, 100_000), default=1500)
+  p.add_argument("--seconds", type=number(float, 1, 3600), default=300)
+  p.add_argument("--peer-requests", type=number(int, 1, 100_000), default=300)
+  p.add_argument("--out", default=os.path.join(
+      ROOT, "benchmarks", "results", f"{datetime.date.today().isoformat()}-cpu-serve.json"))
+  return p
+
+
+def percentile(values: list[float], q: float) -> float | None:
+  if not values:
+    return None
+  ordered = sorted(values)
+  return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summary(latencies: list[float]) -> dict:
+  """count, p50/p99/max in milliseconds."""
+  ms = [1000 * s for s in latencies]
+  return {"count": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
+          "max_ms": max(ms) if ms else None}
+
+
+# ------------------------------------------------------------------------------------ requests
+def work(elf: str) -> tuple[list, bytes]:
+  """The mix's inputs: (name, text) of each function of ``elf`` and the file's bytes."""
+  from lmscale_jax.prep.elf import elf_functions
+
+  fns = [(f.name, f.text) for f in elf_functions.functions(elf)]
+  if not fns:
+    raise UserError(f"{elf}: no named x86-64 functions to query with")
+  with open(elf, "rb") as f:
+    return fns, f.read()
+
+
+def request_of(i: int, fns: list, data: bytes, elf: str) -> tuple[str, str, bytes, str]:
+  """(kind, path, body, content type) of request ``i`` of the mix."""
+  kind = KINDS[i % len(KINDS)]
+  name, text = fns[(i // len(KINDS)) % len(fns)]
+  if kind == "search_text":
+    return kind, "/api/search", json.dumps({"text": text, "k": K}).encode(), "application/json"
+  if kind == "embed":
+    texts = [fns[(i + j) % len(fns)][1] for j in range(EMBED_TEXTS)]
+    return kind, "/api/embed", json.dumps({"texts": texts}).encode(), "application/json"
+  boundary = uuid.uuid4().hex
+  fields = {"function": name, "k": str(K)}
+  body = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'
+                  .encode() for k, v in fields.items())
+  body += (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename='
+           f'"{os.path.basename(elf)}"\r\n\r\n'.encode() + data
+           + f"\r\n--{boundary}--\r\n".encode())
+  return kind, "/api/search", body, f"multipart/form-data; boundary={boundary}"
+
+
+class Client:
+  """One keep-alive connection to the server (reopened after an error)."""
+
+  def __init__(self, port: int):
+    self.port, self.conn = port, None
+
+  def send(self, method: str, path: str, body: bytes | None = None, kind: str | None = None):
+    headers = {"Content-Type": kind} if kind else {}
+    try:
+      self.conn = self.conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+      self.conn.request(method, path, body=body, headers=headers)
+      r = self.conn.getresponse()
+      answer = r.read()
+      return r.status, answer
+    except (OSError, http.client.HTTPException) as e:
+      self.conn = None
+      return 0, str(e).encode()
+
+
+# ------------------------------------------------------------------------------------- server
+def start_server(a) -> tuple[subprocess.Popen, int, str]:
+  log = tempfile.NamedTemporaryFile("w", prefix="bench-serve-", suffix=".log", delete=False)
+  model = ["--workdir", a.workdir] if a.workdir else ["--hf", a.hf]
+  p = subprocess.Popen([sys.executable, "-m", "lmscale_jax.cli.lmscale", "serve", *model,
+                        "--index", a.index, "--host", "127.0.0.1", "--port", "0"],
+                       stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and p.poll() is None:
+    found = re.search(r"serving http://127\.0\.0\.1:(\d+)/", open(log.name).read())
+    if found and Client(int(found.group(1))).send("GET", "/api/info")[0] == 200:
+      return p, int(found.group(1)), log.name
+    time.sleep(0.5)
+  stop_server(p)
+  raise UserError(f"the server did not start (its log: {log.name})")
+
+
+def stop_server(p: subprocess.Popen) -> None:
+  if p.poll() is None:
+    os.killpg(p.pid, signal.SIGTERM)
+    try:
+      p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      os.killpg(p.pid, signal.SIGKILL)
+      p.wait()
+
+
+def warm_up(a, port: int, fns: list, data: bytes) -> None:
+  """Each kind once: the model's programs compiled outside the timing."""
+  for i in range(len(KINDS)):  # warm-up: each kind once, compiled outside the timing
+    kind, path, body, ctype = request_of(i, fns, data, a.elf)
+    status, answer = Client(port).send("POST", path, body, ctype)
+    if status != 200:
+      raise UserError(f"warm-up {kind}: HTTP {status} {answer[:200]!r}")
+
+
+def load_server(a, port: int, fns: list, data: bytes, clients: int, requests: int) -> dict:
+  """``clients`` threads sharing ``requests`` requests, and the /api/info probe's run."""
+  lock, next_i, rows = threading.Lock(), [0], []
+  deadline = time.time() + a.seconds
+
+  def client():
+    c = Client(port)
+    while time.time() < deadline:
+      with lock:
+        i, next_i[0] = next_i[0], next_i[0] + 1
+      if i >= requests:
+        return
+      kind, path, body, ctype = request_of(i, fns, data, a.elf)
+      t = time.perf_counter()
+      status, answer = c.send("POST", path, body, ctype)
+      rows.append((kind, status, time.perf_counter() - t, answer[:200]))
+
+  info, done = [], threading.Event()
+
+  def probe():
+    c = Client(port)
+    while not done.wait(0.2):
+      t = time.perf_counter()
+      status, _ = c.send("GET", "/api/info")
+      info.append((status, time.perf_counter() - t))
+
+  prober = threading.Thread(target=probe, daemon=True)
+  prober.start()
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+    for f in [pool.submit(client) for _ in range(clients)]:
+      f.result()
+  elapsed = time.perf_counter() - start
+  done.set()
+  prober.join()
+  return server_row(rows, info, elapsed)
+
+
+def server_row(rows: list, info: list, elapsed: float) -> dict:
+  failed = [r for r in rows if r[1] != 200]
+  statuses = {}
+  for r in rows:
+    statuses[str(r[1])] = statuses.get(str(r[1]), 0) + 1
+  return {"count": len(rows), "errors": len(failed), "statuses": statuses,
+          "first_errors": [f"{k}: {s} {a.decode(errors='replace')}" for k, s, _, a in failed[:3]],
+          "seconds": elapsed, "throughput_rps": len(rows) / elapsed,
+          **summary([r[2] for r in rows]),
+          "per_kind": {k: summary([r[2] for r in rows if r[0] == k]) for k in KINDS},
+          "info_under_load": {"errors": sum(s != 200 for s, _ in info),
+                              **summary([t for _, t in info])}}
+
+
+# --------------------------------------------------------------------------------------- peer
+def direct_calls(a, fns: list, data: bytes):
+  """``call(i)``: request ``i`` of the mix by the server's functions in this process, warmed
+  up; and the number of indexed functions."""
+  from lmscale_jax.inference import trained_model
+  from lmscale_jax.serve import app, inputs, served
+
+  model = trained_model.load(a.workdir, a.hf)
+  state = served.load(model, served.Limits(), None, a.index)
+  name = os.path.basename(a.elf)
+
+  def call(i):
+    kind, _, body, _ = request_of(i, fns, data, a.elf)
+    if kind == "search_text":
+      return app.search_answers(state, [("text", None, json.loads(body)["text"])], K)
+    if kind == "embed":
+      return app.embed(model, json.loads(body)["texts"])
+    fn = fns[(i // len(KINDS)) % len(fns)][0]
+    return app.search_answers(state, inputs.elf_queries(data, name, fn, None, state.limits), K)
+
+  for i in range(len(KINDS)):
+    call(i)
+  return call, len(state.corpus.names)
+
+
+def paired(a, port: int, fns: list, data: bytes, call) -> tuple[dict, dict]:
+  """(one client's row, the peer's row): request i through HTTP and by direct call, in turn
+  (which goes first alternates), so that the shared machine's load drifts on both alike."""
+  client, times = Client(port), {"server": [], "peer": []}
+  for i in range(a.peer_requests):
+    kind, path, body, ctype = request_of(i, fns, data, a.elf)
+    for side in (("server", "peer") if i % 2 == 0 else ("peer", "server")):
+      t = time.perf_counter()
+      status = client.send("POST", path, body, ctype)[0] if side == "server" else call(i)
+      times[side].append((kind, time.perf_counter() - t))
+      if side == "server" and status != 200:
+        raise UserError(f"one-client {kind}: HTTP {status}")
+  return tuple(sequential_row(times[side]) for side in ("server", "peer"))
+
+
+def sequential_row(times: list) -> dict:
+  total = sum(t for _, t in times)
+  return {"count": len(times), "seconds": total, "throughput_rps": len(times) / total,
+          **summary([t for _, t in times]),
+          "per_kind": {k: summary([t for kind, t in times if kind == k]) for k in KINDS}}
+
+
+def main(argv=None) -> int:
+  a = parser().parse_args(argv)
+  if bool(a.workdir) == bool(a.hf):
+    parser().error("give --workdir RUN or --hf DIR (one of them)")
+
+  def go() -> int:
+    fns, data = work(a.elf)
+    p, port, log = start_server(a)
+    try:
+      warm_up(a, port, fns, data)
+      server = load_server(a, port, fns, data, a.clients, a.requests)
+      call, functions = direct_calls(a, fns, data)
+      one, direct = paired(a, port, fns, data, call)
+    finally:
+      stop_server(p)
+    import jax
+
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": f"{_host.host_description(ROOT)}; jax {jax.devices()[0].platform}",
+           "code": _host.code_version(), "model": a.workdir or a.hf, "index": a.index,
+           "index_functions": functions, "elf": a.elf, "elf_functions": len(fns),
+           "load": {"clients": a.clients, "requests": a.requests, "seconds_limit": a.seconds,
+                    "mix": list(KINDS), "k": K, "embed_texts": EMBED_TEXTS, "host": "127.0.0.1"},
+           "server": server, "server_one_client": one, "peer": direct,
+           "overhead_ratio": one["seconds"] / direct["seconds"],
+           "overhead_ratio_loaded": direct["throughput_rps"] / server["throughput_rps"],
+           "loadavg_1m": os.getloadavg()[0]}
+    if server["errors"]:
+      doc["server_log"] = log
+    with open(a.out, "w") as f:
+      json.dump(doc, f, indent=1)
+    print(json.dumps({k: doc[k] for k in ("index_functions", "overhead_ratio",
+                                          "overhead_ratio_loaded")}
+                     | {"server": {k: server[k] for k in ("count", "errors", "p50_ms", "p99_ms",
+                                                         "throughput_rps")},
+                        "info_under_load": server["info_under_load"],
+                        "one_client": {k: one[k] for k in ("p50_ms", "p99_ms", "throughput_rps")},
+                        "peer": {k: direct[k] for k in ("p50_ms", "p99_ms", "throughput_rps")}},
+                     indent=1))
+    if server["errors"]:
+      raise UserError(f"{server['errors']} of {server['count']} requests failed: "
+                      f"{server['first_errors'][0]}")
+    return 0
+
+  return guarded(go, "the benchmark stopped; nothing was written")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
