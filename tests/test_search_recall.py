@@ -5,6 +5,7 @@ search command's bad input, each one line through the installed command (a subpr
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from lmscale_jax.cli import search as search_cli
 from lmscale_jax.evals import retrieval
 from lmscale_jax.prep.elf import elf_functions
 from lmscale_jax.similarity import function_groups
@@ -194,29 +196,41 @@ def test_search_recall_at_1_equals_eval_similarity_with_the_whole_index_as_the_p
   assert top_hit == list(ranks == 1)  # no near-tie: the top hit alone gives the same R@1
 
 
-# --------------------------------------------------------------------------- bad input
+# --------------------------------------------------------------------------- the command
+@pytest.fixture(scope="module")
+def small_index(run, corpus, tmp_path_factory):
+  """An index of one -O0 binary (4 functions), built by lmscale index."""
+  where = tmp_path_factory.mktemp("small") / "idx"
+  r = subprocess.run([*lmscale("index"), "--workdir", str(run[1]), "--elf", corpus[0][QUERIES][0],
+                      "--output", str(where)], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  return where
+
+
 def search_command(argv: list) -> subprocess.CompletedProcess:
   return subprocess.run([*lmscale("search"), *map(str, argv)], capture_output=True, text=True,
                         timeout=300)
 
 
 def test_search_command_bad_input_is_one_line_each_and_the_index_is_untouched(
-    run, exported, corpus, tmp_path, capsys):
+    run, exported, corpus, small_index, tmp_path):
   built, _ = corpus
-  where = tmp_path / "idx"
-  assert run_tool("index", ["--workdir", run[1], "--elf", built[QUERIES][0], "--output",
-                            where], capsys)[0] == 0
+  where = small_index
   before = {p: (where / p).read_bytes() for p in ["index.json", *(
       f"shards/{n}" for n in os.listdir(where / "shards"))]}
   notes = tmp_path / "notes.txt"
   notes.write_text("not a binary\n")
+  (tmp_path / "data.c").write_text("int table[4] = {1, 2, 3, 4};\n")
+  no_code = tmp_path / "data.o"
+  subprocess.run(["gcc", "-c", "-o", str(no_code), str(tmp_path / "data.c")], check=True)
   corrupt = tmp_path / "corrupt"
   shutil.copytree(where, corrupt)
   npz, = (corrupt / "shards").glob("*.npz")
-  npz.write_bytes(npz.read_bytes()[:100])
+  npz.write_bytes(npz.read_bytes()[:100])  # cut short, as by a full disk
   model = ["--workdir", run[1]]
   cases = [
       (["--index", where, *model, "--elf", notes], f"{notes}: not an ELF file"),
+      (["--index", where, *model, "--elf", no_code], "no named x86-64 functions"),
       (["--index", where, *model, "--elf", built[QUERIES][0], "--function", "rk_adlr"],
        "has no function named 'rk_adlr' (closest: rk_adler"),
       (["--index", where, "--hf", exported, "--elf", built[QUERIES][0]],
@@ -225,27 +239,44 @@ def test_search_command_bad_input_is_one_line_each_and_the_index_is_untouched(
        "no index.json (build the index with lmscale index)"),
       (["--index", corrupt, *model, "--text", "push rbp"], "unreadable shard"),
   ]
-  for argv, message in cases:
-    r = search_command(argv)
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:  # a few seconds of imports each
+    done = list(pool.map(search_command, [argv for argv, _ in cases]))
+  for (argv, message), r in zip(cases, done):
     assert r.returncode == 1 and message in r.stderr, (argv, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
   assert before == {p: (where / p).read_bytes() for p in before}
 
 
 def test_a_query_longer_than_the_sequence_length_is_answered_and_says_what_was_cut(
-    run, corpus, tmp_path, capsys):
-  built, _ = corpus
-  where = tmp_path / "idx"
-  assert run_tool("index", ["--workdir", run[1], "--elf", built[QUERIES][0], "--output",
-                            where], capsys)[0] == 0
+    run, small_index, tmp_path):
   text = " [NEXT] ".join(["push rbp", "mov rbp rsp", "sub rsp 0x10"] * 30)
   full = len(Tokenizer.from_file(str(run[0] / dataset.TOKENIZER)).encode(text).ids) - 2
   out = tmp_path / "answer.json"
-  r = search_command(["--index", where, "--workdir", run[1], "--text", text, "--k", 3,
+  r = search_command(["--index", small_index, "--workdir", run[1], "--text", text, "--k", 3,
                       "--json", out])
   assert r.returncode == 0, r.stderr
-  q, = json.loads(out.read_text())["queries"]
+  doc = json.loads(out.read_text())
+  q, = doc["queries"]
   assert (q["cut"], q["tokens"], q["dropped"]) == (True, 62, full - 62) and full > 100, q
-  assert len(q["results"]) == 3
+  assert len(q["results"]) == 3 and doc["seq_len"] == 64
   assert (f"# text: cut to the model's sequence length (64 tokens): its first 62 tokens used, "
           f"{full - 62} dropped") in r.stdout, r.stdout
+
+
+def test_exact_search_of_a_small_index_is_the_default_answer_and_says_it_is_exact(
+    run, corpus, small_index, tmp_path, capsys):
+  """An index this small is searched exactly anyway (vector_search.EXACT_MAX): --exact gives
+  the same answer; an approximate one is said above the rows."""
+  answers = []
+  for extra in ([], ["--exact"]):
+    out = tmp_path / "answer.json"
+    code, text, err = run_tool("search", ["--index", small_index, "--workdir", run[1], "--elf",
+                                          corpus[0][QUERIES][0], "--k", 4, *extra, "--json", out],
+                               capsys)
+    assert code == 0 and "approximate" not in text, err
+    answers.append(json.loads(out.read_text()))
+  assert answers[0] == answers[1] and (answers[0]["exact"], answers[0]["recall_at_10"]) == (
+      True, None)
+  rows = search_cli.table(answers[0]["queries"], 64, recall=0.97)
+  assert rows.splitlines()[0] == ("# approximate search (HNSW graph, recall@10 0.970 measured "
+                                  "on the index's own rows); --exact: the exact answer")

@@ -1,15 +1,18 @@
-"""The functions of an index most like a query function (exact cosine search).
+"""The functions of an index most like a query function (cosine search).
 
   lmscale search --index INDEX_DIR (--workdir RUN [--step N] | --hf DIR)
       (--elf FILE [--function NAME | --address 0xADDR] | --text "push rbp [NEXT] …")
-      [--k 10] [--json OUT]
+      [--k 10] [--exact] [--json OUT]
 
 A query is every named function of an ELF file, one of them, or pretokenised assembly text;
 the answer is, per query, the k best: score (cosine), binary, function name and address, as
 rows and (--json) as a JSON file. The model must be the one that built the index. A query
 longer than the model's sequence length is cut (the model sees its first tokens, as it sees an
 indexed function's): a line above its rows says how many tokens were used and how many dropped,
-and the JSON has "cut", "tokens" (used) and "dropped" per query.
+and the JSON has "cut", "tokens" (used) and "dropped" per query. The search is exact up to
+the index size lmscale_jax/search/vector_search.py names (measured), approximate above it (an
+HNSW graph kept in the index directory; the answer says so, with the recall@10 measured on the
+index's own rows); --exact: exact at every size.
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ def with_dropped(model, answers: list, queries: list) -> list:
   return answers
 
 
-def table(answers: list, seq_len: int) -> str:
+def table(answers: list, seq_len: int, recall: float | None = None) -> str:
   """The answers as rows: query, rank, score, function @ address, binary; a cut query's line
-  says how much of it the model saw."""
+  says how much of it the model saw; ``recall``: the search was approximate, with that
+  recall@10."""
   lines = [f"{'query':<24} {'rank':>4} {'score':>8}  function @ address  binary"]
+  if recall is not None:
+    lines.insert(0, f"# approximate search (HNSW graph, recall@10 {recall:.3f} measured on the "
+                 "index's own rows); --exact: the exact answer")
   for a in answers:
     if a["cut"]:
       lines.append(f"# {a['query']}: cut to the model's sequence length ({seq_len} tokens): "
@@ -66,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--text", default=None, help="pretokenised assembly ([NEXT] between "
                  "instructions)")
   p.add_argument("--k", type=args.number(int, 1, 1 << 20), default=10)
+  p.add_argument("--exact", action="store_true", help="exact search at every index size "
+                 "(default: approximate above a measured size)")
   p.add_argument("--json", default=None, type=args.output_file, metavar="OUT")
   return p
 
@@ -84,11 +93,15 @@ def main(argv=None) -> int:
                else [("text", None, a.text)])
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
     corpus = query.load(a.index, model)
+    corpus.exact = a.exact
     answers = with_dropped(model, query.search(model, corpus, queries, a.k), queries)
-    print(table(answers, model.cfg.seq_len))
+    searcher = corpus.prepared()  # built by the search: whether it was approximate
+    recall = searcher.recall if searcher.approximate else None
+    print(table(answers, model.cfg.seq_len, recall))
     if a.json:
-      file_io.atomic_write_json(a.json, {"index": a.index, "k": a.k,
-                                         "seq_len": model.cfg.seq_len, "queries": answers})
+      file_io.atomic_write_json(a.json, {"index": a.index, "k": a.k, "exact": recall is None,
+                                         "recall_at_10": recall, "seq_len": model.cfg.seq_len,
+                                         "queries": answers})
     return 0
 
   return args.guarded(go, "nothing was written")
