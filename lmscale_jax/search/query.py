@@ -19,7 +19,7 @@ from lmscale_jax.search import index, index_files, vector_search
 class Corpus:
   """The whole index in memory: vectors [N, dim] and, per row, (binary path, name, address).
   ``exact``: search exactly at every size (``lmscale search --exact``); ``index_dir``: where
-  the approximate graph is kept (None: built in memory); ``searcher``: built on first use
+  the approximate graph is kept (None: in memory only); ``searcher``: made on first use
   (:meth:`prepared`), or given."""
   vectors: np.ndarray
   binaries: list[str]
@@ -29,10 +29,13 @@ class Corpus:
   exact: bool = False
   searcher: vector_search.Searcher | None = dataclasses.field(default=None, repr=False)
 
-  def prepared(self) -> vector_search.Searcher:
-    """The searcher, built once (above the exact size: the HNSW graph read or built)."""
-    if self.searcher is None:
-      self.searcher = vector_search.Searcher(self.vectors, self.exact, cache_dir=self.index_dir)
+  def prepared(self, build: bool = False) -> vector_search.Searcher:
+    """The searcher, made once. Above the exact size: the kept HNSW graph of these rows, else
+    (``build``: at a server's start, after ``lmscale index``) the graph extended or built and
+    kept, or (not ``build``: a one-off search) exact search."""
+    if self.searcher is None or (build and not self.searcher.approximate and not self.exact):
+      self.searcher = vector_search.Searcher(self.vectors, self.exact, cache_dir=self.index_dir,
+                                             build=build)
     return self.searcher
 
 
@@ -56,8 +59,8 @@ def top_k(corpus: Corpus, queries: np.ndarray, k: int,
           exact: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(indices [Q, k'], scores [Q, k']) of the k most similar rows, best first (k' = min(k, N)):
   exact up to ``vector_search.EXACT_MAX`` (N × dim) or when ``exact`` (default: the corpus's
-  choice), else approximate (recall@10 >= ``vector_search.RECALL_TARGET`` on the index's own
-  rows)."""
+  choice), else through the kept HNSW graph when there is one (recall@10 >=
+  ``vector_search.RECALL_TARGET`` on the index's own rows; :meth:`Corpus.prepared`)."""
   if corpus.exact if exact is None else exact:
     return vector_search.exact_top_k(corpus.vectors, queries, k)
   return corpus.prepared().top_k(queries, k)

@@ -6,6 +6,10 @@ Measured (benchmarks/bench_search.py, docs/performance.md "Search: speed and siz
 The HNSW graph (``IndexHNSWFlat``, METRIC_INNER_PRODUCT, M 32) is kept in the index directory,
 ``INDEX_DIR/ann/hnsw.faiss`` with ``hnsw.json`` naming the rows it holds (their count and the
 sha256 of their vectors): building it is the slow part (BUILD), reading it back takes seconds.
+So it is built where it pays, once for many queries (``build=True``: after ``lmscale index``,
+at a server's start); a one-off search (``build=False``) uses a kept graph of exactly the
+index's rows, or searches exactly (one query exact costs what building the graph for ~2,000
+would).
 Binaries added to the index later are rows appended at the end (``index.build`` appends), so
 a graph whose rows are a prefix of the index's gets only the new rows added. A graph that is
 unreadable or of other rows is rebuilt (it is a cache: nothing is lost); an index directory
@@ -69,13 +73,14 @@ class Searcher:
   through an HNSW graph (read from, or built into, ``cache_dir`` when one is given)."""
 
   def __init__(self, vectors: np.ndarray, exact: bool = False, exact_max: int = EXACT_MAX,
-               cache_dir: str | None = None, recall_target: float = RECALL_TARGET):
+               cache_dir: str | None = None, recall_target: float = RECALL_TARGET,
+               build: bool = True):
     self.vectors = vectors
     self.recall_target = recall_target
     self.graph = None
     self.recall = 1.0  # recall@10 measured at build (1.0: exact)
     if not exact and vectors.size > exact_max:
-      self.graph = self._load_or_build(cache_dir)
+      self.graph = self._load_or_build(cache_dir, build)
 
   @property
   def approximate(self) -> bool:
@@ -93,13 +98,17 @@ class Searcher:
     return idx.astype(np.int64), scores
 
   # ------------------------------------------------------------------------- the graph
-  def _load_or_build(self, cache_dir: str | None):
+  def _load_or_build(self, cache_dir: str | None, build: bool):
+    """The kept graph of exactly these rows; else (``build``) it extended or a new one built
+    and kept, or (not ``build``) None: exact search."""
     where = os.path.join(cache_dir, ANN_DIR) if cache_dir else None
     graph, meta = _read_graph(where, self.vectors)
     if graph is not None and meta["rows"] == len(self.vectors):
       self.recall = meta["recall_at_10"]
       graph.hnsw.efSearch = meta["efSearch"]
       return graph
+    if not build:
+      return None
     if graph is None:
       graph = _new_graph(self.vectors.shape[1])
     ef, self.recall = extend(graph, self.vectors, self.recall_target)
