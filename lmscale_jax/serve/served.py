@@ -50,6 +50,7 @@ def load(model, limits: Limits, token: str | None, index_dir: str | None) -> Ser
     return served
   served.index_dir = os.path.abspath(index_dir)
   served.corpus = query.load(index_dir, model)
+  served.corpus.prepared(build=True)  # the search structure made once, before listening
   doc = index_files.read(index_dir)
   served.binaries = len(doc["binaries"])
   row = 0  # query.load stacks the binaries' shards in index.json's order
