@@ -1,38 +1,109 @@
 """A function index of ELF binaries on disk, for lmscale search.
 
-  lmscale index (--workdir RUN [--step N] | --hf DIR) --elf FILE [FILE …] --output INDEX_DIR
+  lmscale index (--workdir RUN [--step N] | --hf DIR) (--elf FILE [FILE …] | --elf-list LIST)
+                --output INDEX_DIR [--task I --tasks N]
+  lmscale index finish --output INDEX_DIR
 
 Every named function of each binary is embedded as lmscale embed embeds it and kept with its
 name, address, size, instruction and token counts (lmscale_jax/search/index_files.py: the
 layout). Incremental: a binary already in the index (by sha256) is skipped; a rerun after a
-crash continues. An index built by another model is refused.
+crash continues. An index built by another model is refused. Every file is checked (an x86-64
+ELF file) before anything is written.
+
+A Slurm job array (launch/index.sbatch): --task/--tasks default to SLURM_ARRAY_TASK_ID /
+SLURM_ARRAY_TASK_COUNT (else 0 of 1); with N > 1 each task embeds a contiguous share of the
+binaries and leaves completion markers (a rerun redoes only what lacks one), and `finish`, run
+once after all tasks, writes index.json: the index one node builds, byte for byte.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lmscale_jax.cli import args
+from lmscale_jax.errors import UserError
 from lmscale_jax.inference import trained_model
-from lmscale_jax.search import index
+from lmscale_jax.search import index, index_array
+
+
+def _env_int(name: str, default: int) -> int:
+  try:
+    return int(os.environ.get(name, default))
+  except ValueError:
+    return default
 
 
 def parser() -> argparse.ArgumentParser:
-  p = args.Parser(prog="lmscale index", description=__doc__.splitlines()[0])
+  p = args.Parser(prog="lmscale index", description=__doc__.splitlines()[0],
+                  epilog="lmscale index finish --output INDEX_DIR: merge an array's tasks")
   args.add_model_source(p)
-  p.add_argument("--elf", nargs="+", required=True, type=args.input_file, metavar="FILE",
-                 help="x86-64 ELF files")
+  which = p.add_mutually_exclusive_group(required=True)
+  which.add_argument("--elf", nargs="+", type=args.input_file, metavar="FILE",
+                     help="x86-64 ELF files")
+  which.add_argument("--elf-list", type=args.input_file, metavar="LIST",
+                     help="a text file of ELF paths, one a line (a corpus too long for a "
+                     "command line)")
   p.add_argument("--output", required=True, type=args.output_dir, metavar="INDEX_DIR")
+  p.add_argument("--task", type=args.number(int, 0, 1 << 20),
+                 default=_env_int("SLURM_ARRAY_TASK_ID", 0), help="this array task, 0-based (default: SLURM_ARRAY_TASK_ID, else 0)")
+  p.add_argument("--tasks", type=args.number(int, 1, 1 << 20),
+                 default=_env_int("SLURM_ARRAY_TASK_COUNT", 1),
+                 help="array tasks (default: SLURM_ARRAY_TASK_COUNT, else 1); > 1: this "
+                 "task's share of the binaries, then lmscale index finish once")
   return p
 
 
-def main(argv=None) -> int:
-  a = parser().parse_args(argv)
+def listed(path: str) -> list[str]:
+  """The paths of an --elf-list file (blank lines skipped), each checked as --elf checks it."""
+  with open(path) as f:
+    names = [line.strip() for line in f if line.strip()]
+  if not names:
+    raise UserError(f"--elf-list {path}: no paths in it (expected one ELF path a line)")
+  for name in names:
+    try:
+      args.input_file(name)
+    except argparse.ArgumentTypeError as e:
+      raise UserError(f"--elf-list {path}: {e}") from None
+  return names
+
+
+def finish_parser() -> argparse.ArgumentParser:
+  p = args.Parser(prog="lmscale index finish",
+                  description="Merge the tasks of an index job array into index.json.")
+  p.add_argument("--output", required=True, metavar="INDEX_DIR")
+  return p
+
+
+def finish(argv) -> int:
+  a = finish_parser().parse_args(argv)
 
   def go() -> int:
+    done = index_array.finish(a.output)
+    print(f"{a.output}: added {done['added']} binaries ({done['functions']} functions)")
+    return 0
+
+  return args.guarded(go, "rerun lmscale index finish")
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] == "finish":
+    return finish(argv[1:])
+  a = parser().parse_args(argv)
+  if a.task >= a.tasks:
+    parser().error(f"--task {a.task}: expected 0 .. {a.tasks - 1} (--tasks {a.tasks})")
+
+  def go() -> int:
+    elf = a.elf or listed(a.elf_list)
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
-    done = index.build(model, a.elf, a.output)
+    if a.tasks > 1:
+      part = index_array.run_task(model, elf, a.output, a.task, a.tasks)
+      print(f"{a.output}: task {a.task} of {a.tasks} embedded {len(part['binaries'])} binaries; "
+            "lmscale index finish --output … once every task is done")
+      return 0
+    done = index.build(model, elf, a.output)
     print(f"{a.output}: added {len(done['added'])} binaries ({done['functions']} functions), "
           f"{len(done['skipped'])} already indexed")
     return 0

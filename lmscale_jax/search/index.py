@@ -66,6 +66,26 @@ def function_sizes(path: str) -> dict[int, int]:
     return {a: int(s) for a, (s, _) in elf_corpus.function_symbols(shdrs, data).items()}
 
 
+def check_elf(path: str) -> None:
+  """What elf_functions.functions refuses that the ELF header alone shows (not an ELF file,
+  another machine): every input is checked before anything is written, so a wrong file in a list
+  of thousands is one line at the start, not after hours of embedding."""
+  from elftools.common.exceptions import ELFError
+  from elftools.elf.elffile import ELFFile
+
+  try:
+    with open(path, "rb") as fh:
+      magic = fh.read(4)
+      fh.seek(0)
+      machine = ELFFile(fh)["e_machine"] if magic == elf_corpus.ELF_MAGIC else None
+  except (ELFError, ValueError, IndexError, OSError) as e:
+    raise UserError(f"{path}: unreadable ELF file ({file_io.error_reason(e)})") from None
+  if magic != elf_corpus.ELF_MAGIC:
+    raise UserError(f"{path}: not an ELF file (the index takes x86-64 ELF binaries)")
+  if machine != "EM_X86_64":
+    raise UserError(f"{path}: machine {machine}; the model reads x86-64 code")
+
+
 def elf_functions_of(path: str) -> list:
   """The named functions of an x86-64 ELF file; none is one line."""
   fns = elf_functions.functions(path)
@@ -95,39 +115,71 @@ def binary_shard(model, path: str) -> tuple[np.ndarray, list[dict]]:
   return vectors, rows
 
 
+def add_binary(model, index_dir: str, path: str, digest: str) -> dict:
+  """Embeds one binary into its shard files → its index.json entry (the one place an entry is
+  made: a one-node build and an array task write the same)."""
+  vectors, rows = binary_shard(model, path)
+  stem = index_files.shard_stem(digest)
+  index_files.write_shard(index_dir, stem, vectors, rows)
+  return {"path": os.path.abspath(path), "sha256": digest, "size": os.path.getsize(path),
+          "functions": len(rows), "shard": stem}
+
+
+def model_dim(model) -> int:
+  return int(model.head["projection"]["kernel"].shape[-1]) if model.head else model.cfg.hidden
+
+
 def open_index(index_dir: str, model) -> dict:
-  """index.json for ``model``: the existing one (checked: the same model), or a new one."""
+  """index.json for ``model``: the existing one (checked: the same model, every shard file
+  present), or a new one (not yet written)."""
   ident = identity(model)
   doc = index_files.read(index_dir)
   if doc is None:
-    dim = int(model.head["projection"]["kernel"].shape[-1]) if model.head else model.cfg.hidden
-    return index_files.new(ident, function_vectors.resolve_pool(model, None), dim)
+    return index_files.new(ident, function_vectors.resolve_pool(model, None), model_dim(model))
   check_model(doc, ident, index_dir)
+  index_files.check_present(index_dir, doc)
   return doc
+
+
+def to_add(elf_paths: list[str], doc: dict) -> list[tuple[int, str]]:
+  """(position in ``elf_paths``, sha256) of the binaries to embed, in order: the first path of
+  each sha256 that ``doc`` does not hold yet. Every input is checked (check_elf) first."""
+  first: dict[str, int] = {}
+  for i, path in enumerate(elf_paths):
+    check_elf(path)
+    first.setdefault(file_io.sha256_file(path), i)
+  have = {b["sha256"] for b in doc["binaries"]}
+  return [(i, digest) for digest, i in first.items() if digest not in have]
 
 
 def build(model, elf_paths: list[str], index_dir: str, say=print) -> dict:
   """Adds the binaries of ``elf_paths`` not yet in the index at ``index_dir`` (created if
-  needed). Returns {"added": [paths], "skipped": [paths], "functions": functions embedded}."""
-  os.makedirs(index_dir, exist_ok=True)
+  needed). Returns {"added": [paths], "skipped": [paths], "functions": functions embedded}.
+  A binary that fails leaves those before it in the index (the error says how many)."""
   doc = open_index(index_dir, model)
+  todo = to_add(elf_paths, doc)  # every input checked before anything is written
+  os.makedirs(index_dir, exist_ok=True)
   index_files.clear_partial(index_dir)
-  have = {b["sha256"] for b in doc["binaries"]}
-  added, skipped, count = [], [], 0
-  for path in elf_paths:
-    digest = file_io.sha256_file(path)
-    if digest in have:
-      skipped.append(path)
-      continue
-    vectors, rows = binary_shard(model, path)
-    stem = index_files.shard_stem(digest)
-    index_files.write_shard(index_dir, stem, vectors, rows)
-    doc["binaries"].append({"path": os.path.abspath(path), "sha256": digest,
-                            "size": os.path.getsize(path), "functions": len(rows),
-                            "shard": stem})
+  added, count = [], 0
+  for i, digest in todo:
+    entry = kept_so_far(lambda: add_binary(model, index_dir, elf_paths[i], digest), added,
+                        index_dir)
+    doc["binaries"].append(entry)
     index_files.write(index_dir, doc)  # the binary is in the index from here on
-    have.add(digest)
-    added.append(path)
-    count += len(rows)
-    say(f"indexed {len(rows)} functions of {path}")
-  return {"added": added, "skipped": skipped, "functions": count}
+    added.append(i)
+    count += entry["functions"]
+    say(f"indexed {entry['functions']} functions of {elf_paths[i]}")
+  done = set(added)
+  return {"added": [elf_paths[i] for i in added], "functions": count,
+          "skipped": [p for i, p in enumerate(elf_paths) if i not in done]}
+
+
+def kept_so_far(step, added: list, index_dir: str):
+  """``step()``; its one-line error says what was kept: nothing is lost by a bad binary."""
+  try:
+    return step()
+  except UserError as e:
+    if not added:
+      raise
+    raise UserError(f"{e} ({len(added)} binaries before it are in {index_dir}; rerun without it "
+                    "to add the rest)") from None

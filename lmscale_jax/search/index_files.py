@@ -7,6 +7,8 @@
 A shard is written under a temp name and renamed, then index.json is rewritten atomically: a
 binary is in the index only once both its shard files are complete (a crash loses at most the
 binary in flight; a shard not named in index.json is ignored and rewritten by the next build).
+A shard's bytes depend only on the binary and the model (the .npz carries no time stamp), so an
+index built as a Slurm job array (:mod:`index_array`) is byte for byte the one-node index.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import zipfile
 
 import numpy as np
 
@@ -52,7 +55,8 @@ def _check(doc, path: str) -> None:
                 for b in doc["binaries"]))
   if not ok:
     raise IndexFileError(f"{path}: not an index of format {FORMAT} (format, model, dim and "
-                      "binaries with path, sha256, size, functions, shard expected)")
+                         "binaries with path, sha256, size, functions, shard expected); delete "
+                         "the index directory and build it again")
 
 
 def write(index_dir: str, doc: dict) -> None:
@@ -63,19 +67,30 @@ def shard_stem(sha256: str) -> str:
   return f"{SHARDS}/{sha256}"
 
 
-def clear_partial(index_dir: str) -> None:
-  """Temp files of a shard write a crash interrupted (nothing names them)."""
+def clear_partial(index_dir: str, sha256s=None) -> None:
+  """Temp files of a shard write a crash interrupted (nothing names them): all of them, or
+  (an array task, while other tasks write theirs) those of the binaries ``sha256s``."""
   folder = os.path.join(index_dir, SHARDS)
+  mine = None if sha256s is None else tuple(f".{d}." for d in sha256s)
   for name in os.listdir(folder) if os.path.isdir(folder) else ():
-    if name.endswith(".tmp"):
+    if name.endswith(".tmp") and (mine is None or name.startswith(mine)):
       os.unlink(os.path.join(folder, name))
+
+
+def npz_bytes(vectors: np.ndarray) -> bytes:
+  """``np.savez(vectors=…)``'s file, reproducible: np.savez stamps its member with the current
+  time, so two builds of one binary would differ in two bytes."""
+  buf = io.BytesIO()
+  with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+    member = zipfile.ZipInfo("vectors.npy", date_time=(1980, 1, 1, 0, 0, 0))
+    with z.open(member, "w", force_zip64=True) as f:
+      np.lib.format.write_array(f, np.ascontiguousarray(vectors, np.float32), allow_pickle=False)
+  return buf.getvalue()
 
 
 def write_shard(index_dir: str, stem: str, vectors: np.ndarray, rows: list[dict]) -> None:
   os.makedirs(os.path.join(index_dir, SHARDS), exist_ok=True)
-  buf = io.BytesIO()
-  np.savez(buf, vectors=vectors.astype(np.float32))
-  file_io.atomic_write_bytes(os.path.join(index_dir, stem + ".npz"), buf.getvalue())
+  file_io.atomic_write_bytes(os.path.join(index_dir, stem + ".npz"), npz_bytes(vectors))
   text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
   file_io.atomic_write_bytes(os.path.join(index_dir, stem + ".jsonl"), text.encode())
 
@@ -87,13 +102,29 @@ def read_shard(index_dir: str, binary: dict, dim: int) -> tuple[np.ndarray, list
   try:
     with np.load(path) as z:
       vectors = z["vectors"]
-  except (OSError, ValueError, KeyError, EOFError) as e:
-    raise IndexFileError(f"{path}: unreadable shard ({file_io.error_reason(e)}); delete "
-                      f"{binary['path']}'s entry or rebuild the index") from None
+  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+    raise IndexFileError(f"{path}: unreadable shard ({file_io.error_reason(e)}); "
+                         f"{rebuild(index_dir, binary)}") from None
   if vectors.dtype != np.float32 or vectors.shape != (n, dim):
     raise IndexFileError(f"{path}: vectors {vectors.dtype} {list(vectors.shape)}, index.json "
-                      f"expects float32 [{n}, {dim}]")
+                         f"expects float32 [{n}, {dim}]; {rebuild(index_dir, binary)}")
   return vectors, _read_rows(index_dir, binary)
+
+
+def rebuild(index_dir: str, binary: dict) -> str:
+  """The fix of a damaged shard: lmscale index re-embeds a binary index.json does not name."""
+  return (f"remove {binary['path']}'s entry from {os.path.join(index_dir, INDEX)} and rerun "
+          "lmscale index (it re-embeds only that binary)")
+
+
+def check_present(index_dir: str, doc: dict) -> None:
+  """Every shard file index.json names exists (a stat each: what adding binaries checks before
+  it writes, so it never extends an index with holes; the contents are checked as read)."""
+  for b in doc["binaries"]:
+    for ext in (".npz", ".jsonl"):
+      path = os.path.join(index_dir, b["shard"] + ext)
+      if not os.path.isfile(path):
+        raise IndexFileError(f"{path}: missing (index.json names it); {rebuild(index_dir, b)}")
 
 
 def _read_rows(index_dir: str, binary: dict) -> list[dict]:
@@ -102,9 +133,10 @@ def _read_rows(index_dir: str, binary: dict) -> list[dict]:
     with open(path) as f:
       rows = [json.loads(line) for line in f]
   except (OSError, ValueError) as e:
-    raise IndexFileError(f"{path}: unreadable shard metadata ({file_io.error_reason(e)})") from None
+    raise IndexFileError(f"{path}: unreadable shard metadata ({file_io.error_reason(e)}); "
+                         f"{rebuild(index_dir, binary)}") from None
   if len(rows) != binary["functions"] or not all(
       isinstance(r, dict) and set(ROW_KEYS) <= set(r) for r in rows):
     raise IndexFileError(f"{path}: {len(rows)} rows, index.json expects {binary['functions']} "
-                      f"each with {', '.join(ROW_KEYS)}")
+                         f"each with {', '.join(ROW_KEYS)}; {rebuild(index_dir, binary)}")
   return rows
