@@ -108,6 +108,27 @@ def test_a_rerun_task_redoes_only_what_lacks_a_marker(model, paths, one_node, tm
   assert_same_index(one_node, where)
 
 
+def test_an_index_over_the_exact_size_gets_its_search_graph_once(model, run, paths, tmp_path,
+                                                                capsys, monkeypatch):
+  """vector_search.EXACT_MAX (measured: 200k functions × 768) set to 0 here, so these few
+  functions are "over" it: lmscale index and an array's finish keep the HNSW graph."""
+  from lmscale_jax.search import vector_search
+
+  monkeypatch.setattr(vector_search, "EXACT_MAX", 0)
+  functions = sum(len(index.elf_functions_of(p)) for p in paths[:6])
+  code, text, err = run_tool("index", ["--workdir", run[1], "--elf", *paths, "--output",
+                                       tmp_path / "one"], capsys)
+  assert code == 0 and f"search graph of {functions} functions kept" in text, err
+  for i in range(2):
+    index_array.run_task(model, paths, str(tmp_path / "two"), i, 2, say=lambda _: None)
+  code, text, err = run_tool("index", ["finish", "--output", tmp_path / "two"], capsys)
+  assert code == 0 and f"search graph of {functions} functions kept" in text, err
+  for where in ("one", "two"):
+    kept = json.loads((tmp_path / where / vector_search.ANN_DIR /
+                       vector_search.GRAPH_META).read_text())
+    assert kept["rows"] == functions and kept["recall_at_10"] >= 0.99, kept
+
+
 FOUR_DEVICES = r"""
 import json, sys
 import jax, numpy as np

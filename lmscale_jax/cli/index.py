@@ -13,7 +13,9 @@ ELF file) before anything is written.
 A Slurm job array (launch/index.sbatch): --task/--tasks default to SLURM_ARRAY_TASK_ID /
 SLURM_ARRAY_TASK_COUNT (else 0 of 1); with N > 1 each task embeds a contiguous share of the
 binaries and leaves completion markers (a rerun redoes only what lacks one), and `finish`, run
-once after all tasks, writes index.json: the index one node builds, byte for byte.
+once after all tasks, writes index.json: the index one node builds, byte for byte. An index over
+the exact-search size (lmscale_jax/search/vector_search.py) gets its HNSW graph built at the
+end, once, rather than by the first search.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def finish(argv) -> int:
   def go() -> int:
     done = index_array.finish(a.output)
     print(f"{a.output}: added {done['added']} binaries ({done['functions']} functions)")
+    index.prepare_search(a.output)
     return 0
 
   return args.guarded(go, "rerun lmscale index finish")
@@ -106,6 +109,8 @@ def main(argv=None) -> int:
     done = index.build(model, elf, a.output)
     print(f"{a.output}: added {len(done['added'])} binaries ({done['functions']} functions), "
           f"{len(done['skipped'])} already indexed")
+    if done["added"]:
+      index.prepare_search(a.output)
     return 0
 
   return args.guarded(go, f"{a.output} holds every binary indexed so far; rerun to continue")

@@ -20,7 +20,7 @@ import numpy as np
 from lmscale_jax.errors import UserError
 from lmscale_jax.inference import function_vectors, trained_model
 from lmscale_jax.prep.elf import elf_corpus, elf_functions
-from lmscale_jax.search import index_files
+from lmscale_jax.search import index_files, vector_search
 from lmscale_jax.store import file_io
 from lmscale_jax.train import checkpoint, checkpoint_manifest
 
@@ -183,3 +183,19 @@ def kept_so_far(step, added: list, index_dir: str):
       raise
     raise UserError(f"{e} ({len(added)} binaries before it are in {index_dir}; rerun without it "
                     "to add the rest)") from None
+
+
+def prepare_search(index_dir: str, say=print) -> None:
+  """The approximate-search graph (search/vector_search.py) built and kept now where the index
+  is over vector_search's exact size: lmscale index (or its array's finish) pays for it once,
+  so a later lmscale search finds it instead of searching exactly."""
+  doc = index_files.read(index_dir)
+  functions = sum(b["functions"] for b in doc["binaries"]) if doc else 0
+  if functions * (doc or {}).get("dim", 0) <= vector_search.EXACT_MAX:
+    return
+  vectors = np.concatenate([index_files.read_shard(index_dir, b, doc["dim"])[0]
+                            for b in doc["binaries"]])
+  searcher = vector_search.Searcher(vectors, exact_max=vector_search.EXACT_MAX,
+                                    cache_dir=index_dir, build=True)
+  say(f"{index_dir}: search graph of {functions} functions kept (recall@10 "
+      f"{searcher.recall:.3f} on its own rows)")
