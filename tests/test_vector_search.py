@@ -49,7 +49,7 @@ def test_below_the_threshold_search_is_exact_and_as_before():
   vectors = clustered(3000)
   queries = clustered(40, seed=1)
   c = corpus(vectors)
-  assert vectors.size <= vector_search.EXACT_MAX and not c.prepared().approximate
+  assert len(vectors) <= vector_search.EXACT_MAX and not c.prepared().approximate
   for k in (1, 10, 3000, 5000):  # k past N: all N rows, best first
     idx, scores = query.top_k(c, queries, k)
     want_idx, want_scores = before(vectors, queries, k)

@@ -191,7 +191,7 @@ def prepare_search(index_dir: str, say=print) -> None:
   so a later lmscale search finds it instead of searching exactly."""
   doc = index_files.read(index_dir)
   functions = sum(b["functions"] for b in doc["binaries"]) if doc else 0
-  if functions * (doc or {}).get("dim", 0) <= vector_search.EXACT_MAX:
+  if functions <= vector_search.EXACT_MAX:
     return
   vectors = np.concatenate([index_files.read_shard(index_dir, b, doc["dim"])[0]
                             for b in doc["binaries"]])

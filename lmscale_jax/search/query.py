@@ -58,7 +58,7 @@ def load(index_dir: str, model) -> Corpus:
 def top_k(corpus: Corpus, queries: np.ndarray, k: int,
           exact: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(indices [Q, k'], scores [Q, k']) of the k most similar rows, best first (k' = min(k, N)):
-  exact up to ``vector_search.EXACT_MAX`` (N × dim) or when ``exact`` (default: the corpus's
+  exact up to ``vector_search.EXACT_MAX`` rows or when ``exact`` (default: the corpus's
   choice), else through the kept HNSW graph when there is one (recall@10 >=
   ``vector_search.RECALL_TARGET`` on the index's own rows; :meth:`Corpus.prepared`)."""
   if corpus.exact if exact is None else exact:

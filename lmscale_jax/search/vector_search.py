@@ -32,7 +32,7 @@ from lmscale_jax.store import file_io
 # indices twice that). At N <= 65,536 that is 1,024 queries per product, as before; at 1M
 # functions 67 (1,024 would be 4 GiB of scores and 8 GiB of indices).
 SCORES_PER_PRODUCT = 1 << 26
-EXACT_MAX = 200_000 * 768  # N × dim up to which search is exact: see THRESHOLD above
+EXACT_MAX = 100_000  # rows up to which search is exact (see above)
 RECALL_TARGET = 0.99
 EF_SEARCH = (64, 128, 256, 512, 1024)
 HNSW_M = 32
@@ -69,17 +69,18 @@ def rows_digest(vectors: np.ndarray) -> str:
 
 
 class Searcher:
-  """Search over ``vectors`` [N, dim]: exact where ``exact`` or N × dim <= ``exact_max``, else
-  through an HNSW graph (read from, or built into, ``cache_dir`` when one is given)."""
+  """Search over ``vectors`` [N, dim]: exact where ``exact`` or N <= ``exact_max`` (default
+  EXACT_MAX), else through an HNSW graph (read from, or built into, ``cache_dir`` when one is
+  given)."""
 
-  def __init__(self, vectors: np.ndarray, exact: bool = False, exact_max: int = EXACT_MAX,
+  def __init__(self, vectors: np.ndarray, exact: bool = False, exact_max: int | None = None,
                cache_dir: str | None = None, recall_target: float = RECALL_TARGET,
                build: bool = True):
     self.vectors = vectors
     self.recall_target = recall_target
     self.graph = None
     self.recall = 1.0  # recall@10 measured at build (1.0: exact)
-    if not exact and vectors.size > exact_max:
+    if not exact and len(vectors) > (EXACT_MAX if exact_max is None else exact_max):
       self.graph = self._load_or_build(cache_dir, build)
 
   @property
