@@ -147,6 +147,23 @@ def test_info_names_the_model_the_index_and_the_limits(server, run, index_dir, l
                             "max_texts": 4, "max_k": 20}
 
 
+def listening_addresses(port: int) -> set[str]:
+  """The local addresses a socket listens on at ``port`` (/proc/net/tcp and tcp6)."""
+  found = set()
+  for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:] if os.path.exists(table) else ():
+      local, state = line.split()[1], line.split()[3]
+      address, hex_port = local.split(":")
+      if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+        found.add(address)
+  return found
+
+
+def test_the_server_listens_on_the_loopback_address_only_by_default(server):
+  port = int(server[0].rsplit(":", 1)[1])
+  assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+
+
 def test_fill_mask_equals_the_fill_mask_command(server, run, capsys):
   text = "push rbp [NEXT] [MASK] rbp rsp [NEXT] [MASK] rsp 0x10"
   status, got = post_json(server[0], "/api/fill-mask", {"text": text, "k": 3})

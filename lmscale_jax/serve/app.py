@@ -147,13 +147,14 @@ async def search_queries(request: Request, served: Served) -> tuple[list, int]:
   """(queries, k) of a search request: a multipart upload or a JSON text."""
   kind = request.headers.get("content-type", "")
   if kind.startswith("multipart/form-data"):
-    form = await request.form(max_files=1, max_fields=8)
-    upload = form.get("file")
-    if not isinstance(upload, UploadFile):
-      raise ApiError(400, "field file: expected an uploaded ELF file (multipart/form-data)")
-    data, k = await upload.read(), inputs.k_of(form.get("k"), 10, served.limits)
-    name, address = inputs.field(form, "function"), inputs.field(form, "address")
-    queries = await anyio.to_thread.run_sync(inputs.elf_queries, data, upload.filename, name,
+    async with request.form(max_files=1, max_fields=8) as form:  # closed: its spooled file
+      upload = form.get("file")
+      if not isinstance(upload, UploadFile):
+        raise ApiError(400, "field file: expected an uploaded ELF file (multipart/form-data)")
+      data, filename = await upload.read(), upload.filename
+      k = inputs.k_of(inputs.field(form, "k"), 10, served.limits)
+      name, address = inputs.field(form, "function"), inputs.field(form, "address")
+    queries = await anyio.to_thread.run_sync(inputs.elf_queries, data, filename, name,
                                              inputs.address_of(address), served.limits)
     return queries, k
   doc = inputs.json_object(await request.body(), '{"text": "push rbp [NEXT] …", "k": 10} or '
