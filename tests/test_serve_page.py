@@ -102,6 +102,11 @@ def test_a_selected_result_shows_both_texts_side_by_side(report, libs):
   text = {f.name: f.text for f in elf_functions.functions(libs["O0"][2])}["power"]
   assert lines(seen["query_text"]) == lines(text)
   assert lines(seen["result_text"]) == lines(text)  # the top hit is power itself
+  assert seen["differing_lines"] == [0, 0]  # the lines only one side has are marked: none
+  other = report[0]["with_token"]["second_result"]  # another function: some lines differ
+  assert other["heading"].startswith(f"Result: {seen['results'][1][2]} @ {seen['results'][1][3]}")
+  assert other["error"] is None and min(other["differing_lines"]) > 0
+  assert lines(other["query_text"]) == lines(text)
 
 
 def test_a_query_past_the_sequence_length_is_marked_cut_in_the_list_and_the_note(report,
@@ -119,7 +124,8 @@ def test_pasted_assembly_is_searched_and_the_page_says_it_was_cut(report):
   assert seen["status"] == 200 and seen["error"] is None and seen["file_cleared"]
   assert seen["queries"] == ["text"] and seen["results"] == 9
   assert lines(seen["query_text"]) == LONG_ASM.splitlines()  # one instruction a line
-  assert seen["cut_note_visible"] and "only its first 62 tokens were embedded" in seen["cut_note"]
+  assert seen["cut_note_visible"]
+  assert "only the first 62 tokens of this query were embedded" in seen["cut_note"]
 
 
 def test_fill_mask_shows_the_apis_predictions_for_each_mask(report, server):

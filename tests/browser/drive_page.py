@@ -6,12 +6,15 @@ and writes what it saw as JSON; tests/test_serve_page.py asserts on that report.
 JOB: {"url": the server's base URL, "token": the access token, "upload": an ELF file (one the
 index holds), "pick": a function of it, "asm": normalised assembly text, "fillmask": a text with
 [MASK], "bad": a file that is not ELF, "report": where the report goes, "screenshot": where the
-page goes (PNG, 1200×800, a query selected and a result compared), "chromium": the browser}.
+page goes (PNG, 1200×800, a query selected and a result compared), "chromium": the browser,
+optionally "k": results per query (the page's default: 10)}.
 
 Runs only the standard library and playwright (no lmscale_jax: this venv has no jax). The
 browser is the system's: Playwright's own download (``playwright install``) is never used.
-README's docs/images/serve-page.png is this script's screenshot, made smaller with Pillow:
-Image.open(p).quantize(64).save(out, optimize=True)."""
+README's docs/images/serve-page.png is this script's screenshot (the demo's 200-step run, an
+index of three small -O0 libraries and libz; numbers.so's ipow selected, "k": 5), made smaller
+with Pillow: Image.open(p).convert("RGB").quantize(128, method=Image.Quantize.FASTOCTREE)
+.save(out, optimize=True): 150 → 46 KB."""
 
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ from playwright.sync_api import sync_playwright
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 WAIT_MS = 60_000  # one model call on a loaded 2-core machine: seconds; the limit: a hang
+ERROR_SHOWN = "!document.querySelector('#error').hidden"  # a wait ends on an error too
+SHOWN = ("document.querySelector('#result-text').textContent.trim() && "
+         "!document.querySelector('#result-text .empty')")  # a result's text is in
 
 
 def texts(page, selector: str) -> list[str]:
@@ -54,6 +60,8 @@ def without_token(browser, job) -> dict:
 def compare(page, job) -> dict:
   """Upload → the query's functions → pick one → its results → the top result side by side."""
   page.set_input_files("#file", job["upload"])
+  if job.get("k"):
+    page.fill("#k", str(job["k"]))
   seen = {"status": search(page)}
   seen["queries"] = texts(page, ".query-item .name")
   page.locator(".query-item", has_text=job["pick"]).first.click()
@@ -62,14 +70,27 @@ def compare(page, job) -> dict:
   seen["results"] = [page.locator("tr.result-row").nth(i).locator("td").all_inner_texts()
                      for i in range(page.locator("tr.result-row").count())]
   page.locator("tr.result-row").first.click()
-  page.wait_for_function("document.querySelector('#result-text').textContent.trim() && "
-                         "!document.querySelector('#result-text .empty')", timeout=WAIT_MS)
+  page.wait_for_function(f"({SHOWN}) || {ERROR_SHOWN}", timeout=WAIT_MS)
   seen["query_text"] = page.inner_text("#query-text")
   seen["result_text"] = page.inner_text("#result-text")
+  seen["differing_lines"] = [page.locator(f"{pre} .differs").count()
+                             for pre in ("#query-text", "#result-text")]
   seen["cut_note_visible"] = page.is_visible("#cut-note")
   seen["cut_marked"] = page.locator(".query-item[aria-pressed=true] .cut-mark").count() == 1
   seen["error"] = error_shown(page)
   return seen
+
+
+def second_result(page) -> dict:
+  """The second result of the same query, compared: the lines only one side has marked."""
+  name = page.locator("tr.result-row").nth(1).locator("td").nth(2).inner_text()
+  page.locator("tr.result-row").nth(1).click()
+  page.wait_for_function(f"document.querySelector('#pair-note').textContent.trim() || "
+                         f"{ERROR_SHOWN}", timeout=WAIT_MS)
+  return {"name": name, "heading": page.inner_text("#result-h"), "error": error_shown(page),
+          "query_text": page.inner_text("#query-text"),
+          "differing_lines": [page.locator(f"{pre} .differs").count()
+                              for pre in ("#query-text", "#result-text")]}
 
 
 def asm_search(page, job) -> dict:
@@ -120,7 +141,9 @@ def with_token(browser, job) -> dict:
               "input, textarea", "es => es.every(e => document.querySelector("
               "`label[for='${e.id}']`))")}
   seen["compare"] = compare(page, job)
+  page.evaluate("window.scrollTo(0, 0)")
   page.screenshot(path=job["screenshot"])
+  seen["second_result"] = second_result(page)
   seen["asm"] = asm_search(page, job)
   seen["fillmask"] = fill_mask(page, job)
   seen["bad"] = bad_upload_then_search(page, job)
