@@ -248,6 +248,20 @@ def test_function_gives_the_text_of_a_result_and_404_for_an_unknown_binary(serve
   assert status == 404 and "in the index" in err["error"]
 
 
+def damaged(path: str) -> bytes:
+  """The ELF file with its .symtab's section type overwritten (PROGBITS): a fuzzed upload that
+  pyelftools fails on with an AttributeError."""
+  from elftools.elf.elffile import ELFFile
+
+  with open(path, "rb") as f:
+    elf = ELFFile(f)
+    where = (elf["e_shoff"] + elf.get_section_index(".symtab") * elf["e_shentsize"]
+             + 4)  # Elf64_Shdr.sh_type
+  data = bytearray(open(path, "rb").read())
+  data[where:where + 4] = (1).to_bytes(4, "little")
+  return bytes(data)
+
+
 def bad_requests(base, libs):
   """(what, (status, answer), expected status, words of the message)."""
   so = open(libs["O0"][0], "rb").read()
@@ -258,6 +272,8 @@ def bad_requests(base, libs):
        "notes.txt: not an ELF file"),
       ("no x86-64 code", post_file(base, "/api/search", bytes(arm), "arm.so"), 400,
        "arm.so: machine EM_AARCH64; the model reads x86-64 code"),
+      ("damaged ELF", post_file(base, "/api/search", damaged(libs["O0"][0]), "bad.so"), 400,
+       "bad.so: unreadable ELF file ("),
       ("upload over the limit", post_file(base, "/api/search", b"\x7fELF" + bytes(200_000),
                                           "big.so"), 413, "over the server's limit of 104857"),
       ("too many functions", post_file(base, "/api/search", open(libs["all"], "rb").read(),

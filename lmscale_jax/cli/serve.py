@@ -3,6 +3,7 @@
   lmscale serve (--workdir RUN [--step N] | --hf DIR) [--index INDEX_DIR]
       [--host 127.0.0.1] [--port 8000] [--token TOKEN (or env LMSCALE_SERVE_TOKEN)]
       [--max-upload-mb 32] [--max-functions 256] [--max-texts 256] [--max-k 100]
+      [--log-level info]
 
 Endpoints (JSON; every error is {"error": one line}): GET /api/info, POST /api/fill-mask,
 POST /api/embed, POST /api/search (an ELF upload or a text), GET /api/function; GET / is the
@@ -42,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--max-texts", type=args.number(int, 1, 1 << 20), default=256,
                  help="texts per /api/embed request")
   p.add_argument("--max-k", type=args.number(int, 1, 1 << 20), default=100)
+  p.add_argument("--log-level", choices=["debug", "info", "warning"], default="info",
+                 help="the server's log on stderr (debug: tracebacks of rejected uploads too)")
   return p
 
 
@@ -84,12 +87,13 @@ def main(argv=None) -> int:
     served = served_lib.load(model, limits, token, a.index)
     sock = listen(a.host, a.port)
     port = sock.getsockname()[1]
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s: %(message)s")
     functions = len(served.corpus.names) if served.corpus is not None else 0
     print(f"serving http://{a.host}:{port}/ (model {model.source}, "
           + (f"index {a.index}: {functions} functions" if a.index else "no index") + ")",
           flush=True)
-    config = uvicorn.Config(serve_app.create_app(served), log_level="info", timeout_keep_alive=5)
+    config = uvicorn.Config(serve_app.create_app(served), log_level=a.log_level,
+                            timeout_keep_alive=5)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

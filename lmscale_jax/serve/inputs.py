@@ -5,6 +5,7 @@ files, each bad one an :class:`ApiError` with the status the contract gives it (
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -13,6 +14,8 @@ from lmscale_jax.errors import UserError
 from lmscale_jax.search import index, query
 from lmscale_jax.serve.guard import ApiError
 from lmscale_jax.serve.served import Limits
+
+log = logging.getLogger("lmscale.serve")
 
 
 def json_object(body: bytes, expected: str) -> dict:
@@ -98,6 +101,14 @@ def elf_queries(data: bytes, filename: str | None, name: str | None, address: in
       fns = index.elf_functions_of(path)
     except UserError as e:
       raise ApiError(400, str(e).replace(path, shown)) from None
+    except Exception as e:  # noqa: BLE001 — the parser on a damaged upload (fuzzed: a
+      # section's type overwritten is an AttributeError in pyelftools, a symbol table past the
+      # end a BufferError from the mmap): the file's fault, a 400, and a line in the log
+      # (--log-level debug: its traceback) in case the fault is ours.
+      reason = f"{type(e).__name__}: {str(e).replace(path, shown)}"
+      log.warning("%s: extraction failed (%s)", shown, reason)
+      log.debug("%s: extraction failed", shown, exc_info=True)
+      raise ApiError(400, f"{shown}: unreadable ELF file ({reason})") from None
     try:
       fns = query.pick(fns, shown, name, address)
     except UserError as e:
