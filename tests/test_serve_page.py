@@ -25,29 +25,27 @@ LONG_ASM = "\n".join(["push rbp", "mov rbp rsp"] * 40)  # past the run's seq_len
 FILL_MASK = "push rbp\nmov rbp rsp\n[MASK] rsp 0x10\nmov eax [MASK]"
 
 
-def browser_python() -> str:
+def browser_python() -> str | None:
   """$LMSCALE_BROWSER_PYTHON (tools/test.sh exports it), else .venv-browser's if it is there."""
-  python = os.environ.get("LMSCALE_BROWSER_PYTHON")
   default = os.path.join(ROOT, ".venv-browser", "bin", "python")
-  if python is None and not os.path.exists(default):
-    pytest.skip("no browser venv: run the tests with bash tools/test.sh, which makes "
-                ".venv-browser (playwright) once, or set LMSCALE_BROWSER_PYTHON")
-  python = python or default
-  assert os.path.exists(python), f"LMSCALE_BROWSER_PYTHON={python}: no such interpreter"
-  return python
+  return os.environ.get("LMSCALE_BROWSER_PYTHON") or (default if os.path.exists(default) else None)
 
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc"),
     pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium: apt-get install -y chromium "
                        "(bash tools/test.sh installs it when run as root)"),
+    pytest.mark.skipif(browser_python() is None, reason="no browser venv: run the tests with "
+                       "bash tools/test.sh, which makes .venv-browser (playwright) once, or set "
+                       "LMSCALE_BROWSER_PYTHON"),
 ]
 
 
 @pytest.fixture(scope="module")
 def server(run, index_dir, tmp_path_factory):
   base = tmp_path_factory.mktemp("page-server")
-  p, url = start(["--workdir", run[1], "--index", index_dir, "--token", TOKEN],
+  p, url = start(["--workdir", run[1], "--index", index_dir, "--token", TOKEN,
+                  "--max-upload-mb", 1],
                  base / "server.log")
   try:
     yield url, base
@@ -59,10 +57,13 @@ def server(run, index_dir, tmp_path_factory):
 def report(server, libs, tmp_path_factory):
   """What the browser saw (tests/browser/drive_page.py's report) and the server's log."""
   python = browser_python()
+  assert os.path.exists(python), f"LMSCALE_BROWSER_PYTHON={python}: no such interpreter"
   base = tmp_path_factory.mktemp("page")
   (base / "notes.txt").write_text("hello\n" * 100)
+  (base / "big.so").write_bytes(b"\x7fELF" + bytes(3 << 20))
   job = {"url": server[0], "token": TOKEN, "upload": libs["O0"][2], "pick": "power",
          "asm": LONG_ASM, "fillmask": FILL_MASK, "bad": str(base / "notes.txt"),
+         "big": str(base / "big.so"),
          "report": str(base / "report.json"), "screenshot": str(base / "page.png"),
          "chromium": CHROMIUM}
   (base / "job.json").write_text(json.dumps(job))
@@ -144,6 +145,13 @@ def test_a_non_elf_upload_is_one_error_and_the_next_search_works(report):
   assert seen["after_status"] == 200 and seen["after_error"] is None
   assert "power" in seen["after_queries"]
   assert "Traceback" not in report[1]
+
+
+def test_an_upload_over_the_limit_is_refused_by_the_page_before_it_is_sent(report):
+  seen = report[0]["with_token"]["too_big"]
+  assert seen["error"] == ("big.so: 3.0 MB, over the server's limit of 1.0 MB "
+                           "(lmscale serve --max-upload-mb)")
+  assert seen["requests"] == []
 
 
 def test_without_the_token_the_page_shows_the_401(report):

@@ -5,9 +5,9 @@ and writes what it saw as JSON; tests/test_serve_page.py asserts on that report.
 
 JOB: {"url": the server's base URL, "token": the access token, "upload": an ELF file (one the
 index holds), "pick": a function of it, "asm": normalised assembly text, "fillmask": a text with
-[MASK], "bad": a file that is not ELF, "report": where the report goes, "screenshot": where the
-page goes (PNG, 1200×800, a query selected and a result compared), "chromium": the browser,
-optionally "k": results per query (the page's default: 10)}.
+[MASK], "bad": a file that is not ELF, "big": one over the server's upload limit, "report":
+where the report goes, "screenshot": where the page goes (PNG, 1200×800, a query selected and a
+result compared), "chromium": the browser, optionally "k": results per query (default 10)}.
 
 Runs only the standard library and playwright (no lmscale_jax: this venv has no jax). The
 browser is the system's: Playwright's own download (``playwright install``) is never used.
@@ -128,10 +128,20 @@ def bad_upload_then_search(page, job) -> dict:
   return seen
 
 
+def too_big_upload(page, job, requests: list) -> dict:
+  """A file over the server's upload limit: refused by the page, before it is sent."""
+  page.set_input_files("#file", job["big"])
+  sent = len(requests)
+  page.click("#search-btn")
+  page.wait_for_selector("#error:not([hidden])", timeout=WAIT_MS)
+  return {"error": error_shown(page), "requests": requests[sent:]}
+
+
 def with_token(browser, job) -> dict:
   page = browser.new_page()
-  outside, page_errors = [], []
+  outside, page_errors, requests = [], [], []
   page.on("request", lambda r: r.url.startswith(job["url"]) or outside.append(r.url))
+  page.on("request", lambda r: requests.append(r.url))
   page.on("pageerror", lambda e: page_errors.append(str(e)))
   page.goto(f"{job['url']}/#token={job['token']}")
   page.wait_for_function("document.querySelector('#info').textContent.startsWith('Model ')",
@@ -146,6 +156,7 @@ def with_token(browser, job) -> dict:
   seen["second_result"] = second_result(page)
   seen["asm"] = asm_search(page, job)
   seen["fillmask"] = fill_mask(page, job)
+  seen["too_big"] = too_big_upload(page, job, requests)
   seen["bad"] = bad_upload_then_search(page, job)
   seen["outside_requests"], seen["page_errors"] = outside, page_errors
   return seen
