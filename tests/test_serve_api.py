@@ -354,3 +354,29 @@ def test_a_bug_in_a_handler_is_a_500_with_one_line_and_the_server_stays_up(run, 
   finally:
     server.should_exit = True
     thread.join(10)
+
+
+def test_function_of_a_binary_changed_or_gone_since_indexing_is_409(run, libs, tmp_path):
+  """app.indexed_text, the handler's work, on an index of a copy that is then changed."""
+  from lmscale_jax.inference import trained_model
+  from lmscale_jax.serve import app, served
+  from lmscale_jax.serve.guard import ApiError
+
+  copy = tmp_path / "maths.so"
+  shutil.copy(libs["O0"][2], copy)
+  assert index_cli.main(["--workdir", str(run[1]), "--elf", str(copy), "--output",
+                         str(tmp_path / "idx")]) == 0
+  state = served.load(trained_model.load(workdir=str(run[1])), served.Limits(), None,
+                      str(tmp_path / "idx"))
+  sha256, (_, first, _) = next(iter(state.rows.items()))
+  fn = state.function(sha256, state.corpus.addresses[first])
+  assert app.indexed_text(state, fn.sha256, fn.address)["function"] == fn.function
+  with open(copy, "ab") as f:
+    f.write(b"\0")
+  with pytest.raises(ApiError, match=r"maths.so: changed since it was indexed") as e:
+    app.indexed_text(state, fn.sha256, fn.address)
+  assert e.value.status == 409
+  os.unlink(copy)
+  with pytest.raises(ApiError, match=r"maths.so: unreadable since it was indexed \(") as e:
+    app.indexed_text(state, fn.sha256, fn.address)
+  assert e.value.status == 409

@@ -84,7 +84,7 @@ def add_page(app: FastAPI) -> None:
 def info(served: Served) -> dict:
   where = None
   if served.corpus is not None:
-    where = {"path": served.index_dir, "binaries": served.binaries,
+    where = {"path": served.index_dir, "binaries": len(served.rows),
              "functions": len(served.corpus.names)}
   model = served.model
   return {"model": model.source + (f" step {model.step}" if model.step is not None else ""),
@@ -138,7 +138,7 @@ def search_answers(served: Served, queries: list, k: int) -> dict:
   for a, (_, _, text) in zip(answers, queries):
     a["text"] = text
     a["results"] = [{"score": r["score"], "binary": r["binary"],
-                     "sha256": served.by_row[(r["binary"], r["function"], r["address"])].sha256,
+                     "sha256": served.sha256_of(r["binary"], r["function"], r["address"]),
                      "function": r["function"], "address": r["address"]} for r in a["results"]]
   return {"k": k, "queries": answers}
 
@@ -173,7 +173,7 @@ def add_search(app: FastAPI, served: Served, gate: ModelGate) -> None:
 
 def indexed_text(served: Served, sha256: str, address: int) -> dict:
   """The normalised text of an indexed function, re-read from its binary (checked unchanged)."""
-  fn = served.by_address.get((sha256, address))
+  fn = served.function(sha256, address)
   if fn is None:
     raise ApiError(404, f"no function at address {address} of a binary with sha256 {sha256} "
                    "in the index")

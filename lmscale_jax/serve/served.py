@@ -29,18 +29,36 @@ class Indexed:
 
 @dataclasses.dataclass
 class Served:
+  """``rows``: sha256 → (path, first row, end row) of each indexed binary in ``corpus``;
+  ``shas``: path → the sha256s indexed from it (two where a file was changed and indexed
+  again). Per binary, not per function: an index of 1M functions adds no 1M objects."""
   model: trained_model.TrainedModel
   limits: Limits
   token: str | None = None
   index_dir: str | None = None
   corpus: query.Corpus | None = None
-  binaries: int = 0
-  by_row: dict = dataclasses.field(default_factory=dict)      # (path, name, address) → Indexed
-  by_address: dict = dataclasses.field(default_factory=dict)  # (sha256, address) → Indexed
+  rows: dict = dataclasses.field(default_factory=dict)
+  shas: dict = dataclasses.field(default_factory=dict)
 
   @property
   def pool(self) -> str:
     return function_vectors.resolve_pool(self.model, None)
+
+  def function(self, sha256: str, address: int) -> Indexed | None:
+    """The indexed function at ``address`` of the binary ``sha256``."""
+    path, lo, hi = self.rows.get(sha256, (None, 0, 0))
+    for i in range(lo, hi):
+      if self.corpus.addresses[i] == address:
+        return Indexed(path, sha256, self.corpus.names[i], address)
+    return None
+
+  def sha256_of(self, path: str, name: str, address: int) -> str:
+    """The sha256 of the binary a search result (path, function, address) came from (a path
+    indexed twice with that function in both versions: the newer)."""
+    shas = self.shas[path]
+    if len(shas) > 1:
+      shas = [s for s in shas if (f := self.function(s, address)) and f.function == name]
+    return shas[-1]
 
 
 def load(model, limits: Limits, token: str | None, index_dir: str | None) -> Served:
@@ -51,13 +69,9 @@ def load(model, limits: Limits, token: str | None, index_dir: str | None) -> Ser
   served.index_dir = os.path.abspath(index_dir)
   served.corpus = query.load(index_dir, model)
   served.corpus.prepared(build=True)  # the search structure made once, before listening
-  doc = index_files.read(index_dir)
-  served.binaries = len(doc["binaries"])
   row = 0  # query.load stacks the binaries' shards in index.json's order
-  for b in doc["binaries"]:
-    for i in range(row, row + b["functions"]):
-      fn = Indexed(b["path"], b["sha256"], served.corpus.names[i], served.corpus.addresses[i])
-      served.by_row[(fn.binary, fn.function, fn.address)] = fn
-      served.by_address[(fn.sha256, fn.address)] = fn
+  for b in index_files.read(index_dir)["binaries"]:
+    served.rows[b["sha256"]] = (b["path"], row, row + b["functions"])
+    served.shas.setdefault(b["path"], []).append(b["sha256"])
     row += b["functions"]
   return served
