@@ -154,8 +154,9 @@ def test_an_upload_over_the_limit_is_refused_by_the_page_before_it_is_sent(repor
   assert seen["requests"] == []
 
 
-def test_without_the_token_the_page_shows_the_401(report):
+def test_without_the_token_the_page_shows_the_401_until_it_is_given(report):
   seen = report[0]["without_token"]
   assert seen["error"].startswith("401: missing or wrong access token")
   assert "\n" not in seen["error"]
   assert seen["info"] == "The model's description could not be read."
+  assert seen["error_after_token"] is None  # #token= added to the open page: answered

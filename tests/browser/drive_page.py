@@ -50,11 +50,16 @@ def search(page) -> int:
 
 
 def without_token(browser, job) -> dict:
-  """The page opened without its #token=: what #info and #error say."""
+  """The page opened without its #token=: what #info and #error say, then with it added."""
   page = browser.new_page()
   page.goto(job["url"] + "/")
   page.wait_for_selector("#error:not([hidden])", timeout=WAIT_MS)
-  return {"error": error_shown(page), "info": page.inner_text("#info")}
+  seen = {"error": error_shown(page), "info": page.inner_text("#info")}
+  page.evaluate(f"location.hash = {json.dumps('token=' + job['token'])}")  # given later
+  page.wait_for_function("document.querySelector('#info').textContent.startsWith('Model ')",
+                         timeout=WAIT_MS)
+  seen["error_after_token"] = error_shown(page)
+  return seen
 
 
 def compare(page, job) -> dict:
