@@ -16,7 +16,7 @@ from tests.helpers import ROOT
 # The order of docs/design.md's "lmscale" table: data, training, using the model, similarity,
 # the scaling study, the cluster.
 SUBCOMMANDS = ["prepare", "inspect-data", "stage", "gpu-check", "max-batch", "train",
-               "evaluate", "inspect", "fill-mask", "embed", "index", "search", "export-hf",
+               "evaluate", "inspect", "fill-mask", "embed", "index", "search", "serve", "export-hf",
                "import-hf", "similarity-sources", "similarity-build", "similarity-leakage",
                "finetune", "classify", "eval-similarity", "provenance-build", "sweep", "report",
                "scaling-model", "storage-model", "run-state"]
