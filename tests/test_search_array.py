@@ -90,15 +90,18 @@ def test_a_rerun_task_redoes_only_what_lacks_a_marker(model, paths, one_node, tm
   kept = {n: os.stat(where / "shards" / n).st_mtime_ns for n in os.listdir(where / "shards")}
   lost = mine[1]  # its marker and the task's file gone: a task killed after its first binary
   os.unlink(parts / f"binary-{lost['sha256']}.json"), os.unlink(task0)
+  gone = mine[2]  # its marker kept but a shard file lost: embedded again too
+  os.unlink(where / (gone["shard"] + ".npz"))
+  del kept[f"{gone['sha256']}.npz"]
   with pytest.raises(Exception, match=r"parts: no task files \(run the array's tasks first"):
     index_array.finish(str(where))
   said.clear()
   index_array.run_task(model, paths, str(where), 0, 2, say=said.append)
   assert said == [f"already embedded: {paths[0]}", f"indexed {lost['functions']} functions of "
-                  f"{paths[1]}", f"already embedded: {paths[2]}"]
+                  f"{paths[1]}", f"indexed {gone['functions']} functions of {paths[2]}"]
   for name, mtime in kept.items():
-    assert (os.stat(where / "shards" / name).st_mtime_ns == mtime) == (lost["sha256"] not in
-                                                                       name), name
+    redone = lost["sha256"] in name or gone["sha256"] in name
+    assert (os.stat(where / "shards" / name).st_mtime_ns == mtime) != redone, name
   with pytest.raises(Exception, match=r"task\(s\) 1 of 2 have not finished \(no parts/task-"
                      r"00001-of-00002.json\)"):
     index_array.finish(str(where))
@@ -221,6 +224,10 @@ def test_bad_files_are_one_line_before_anything_is_written(run, binaries, tmp_pa
   one_line("index", [*model_args, "--elf", good[0], "--output", tmp_path / "x", "--task", 3,
                      "--tasks", 3], capsys, "--task 3: expected 0 .. 2 (--tasks 3)")
   one_line("index", ["finish", "--output", tmp_path / "x"], capsys, "no task files")
+  (tmp_path / "list.txt").write_text(f"{good[0]}\n\n{tmp_path / 'gone.so'}\n")
+  one_line("index", [*model_args, "--elf-list", tmp_path / "list.txt", "--output",
+                     tmp_path / "x"], capsys, f"list.txt: '{tmp_path / 'gone.so'}': no such file")
+  assert not (tmp_path / "x").exists()
 
 
 def test_a_binary_that_fails_midway_keeps_the_ones_before_it(model, run, binaries, tmp_path,

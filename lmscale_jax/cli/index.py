@@ -28,6 +28,7 @@ from lmscale_jax.cli import args
 from lmscale_jax.errors import UserError
 from lmscale_jax.inference import trained_model
 from lmscale_jax.search import index, index_array
+from lmscale_jax.store import file_io
 
 
 def _env_int(name: str, default: int) -> int:
@@ -49,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
                      "command line)")
   p.add_argument("--output", required=True, type=args.output_dir, metavar="INDEX_DIR")
   p.add_argument("--task", type=args.number(int, 0, 1 << 20),
-                 default=_env_int("SLURM_ARRAY_TASK_ID", 0), help="this array task, 0-based (default: SLURM_ARRAY_TASK_ID, else 0)")
+                 default=_env_int("SLURM_ARRAY_TASK_ID", 0),
+                 help="this array task, 0-based (default: SLURM_ARRAY_TASK_ID, else 0)")
   p.add_argument("--tasks", type=args.number(int, 1, 1 << 20),
                  default=_env_int("SLURM_ARRAY_TASK_COUNT", 1),
                  help="array tasks (default: SLURM_ARRAY_TASK_COUNT, else 1); > 1: this "
@@ -59,8 +61,12 @@ def parser() -> argparse.ArgumentParser:
 
 def listed(path: str) -> list[str]:
   """The paths of an --elf-list file (blank lines skipped), each checked as --elf checks it."""
-  with open(path) as f:
-    names = [line.strip() for line in f if line.strip()]
+  try:
+    with open(path) as f:
+      names = [line.strip() for line in f if line.strip()]
+  except (OSError, ValueError) as e:  # UnicodeDecodeError: a binary given as the list
+    raise UserError(f"--elf-list {path}: unreadable ({file_io.error_reason(e)}); expected a "
+                    "text file, one ELF path a line") from None
   if not names:
     raise UserError(f"--elf-list {path}: no paths in it (expected one ELF path a line)")
   for name in names:

@@ -28,6 +28,7 @@ from lmscale_jax.search import index, index_files
 from lmscale_jax.store import file_io
 
 PARTS = "parts"
+PART_KEYS = {"task", "tasks", "plan", "model", "pool", "dim", "binaries"}
 
 
 def share(count: int, task: int, tasks: int) -> range:
@@ -70,14 +71,23 @@ def _marked(model, index_dir, path, digest, ident, done, say) -> dict:
   if os.path.exists(marker):
     kept = file_io.read_json(marker, "a binary's completion marker", "delete it (the binary is "
                              "embedded again)", index_files.IndexFileError)
-    if kept.get("model", {}).get("sha256") == ident["sha256"] and "entry" in kept:
+    if _still_good(kept, ident, index_dir):
       say(f"already embedded: {path}")
-      return kept["entry"]
+      return {**kept["entry"], "path": os.path.abspath(path)}  # the path this run gives
   entry = index.kept_so_far(lambda: index.add_binary(model, index_dir, path, digest), done,
                             os.path.join(index_dir, PARTS))
   file_io.atomic_write_json(marker, {"model": ident, "entry": entry})
   say(f"indexed {entry['functions']} functions of {path}")
   return entry
+
+
+def _still_good(kept, ident: dict, index_dir: str) -> bool:
+  """A marker of this model whose shard files are still there."""
+  ok = (isinstance(kept, dict) and isinstance(kept.get("model"), dict)
+        and isinstance(kept.get("entry"), dict) and "shard" in kept["entry"]
+        and kept["model"].get("sha256") == ident["sha256"])
+  return ok and all(os.path.isfile(os.path.join(index_dir, kept["entry"]["shard"] + ext))
+                    for ext in (".npz", ".jsonl"))
 
 
 def read_parts(index_dir: str) -> list[dict]:
@@ -87,10 +97,8 @@ def read_parts(index_dir: str) -> list[dict]:
   if not paths:
     raise UserError(f"{folder}: no task files (run the array's tasks first: lmscale index … "
                     "--task I --tasks N)")
-  parts = [file_io.read_json(p, "an index task's file", "rerun that task",
-                             index_files.IndexFileError) for p in paths]
-  keys = {(p.get("tasks"), p.get("plan"), p.get("model", {}).get("sha256")) for p in parts}
-  if len(keys) != 1:
+  parts = [_read_part(p) for p in paths]
+  if len({(p["tasks"], p["plan"], p["model"].get("sha256")) for p in parts}) != 1:
     raise UserError(f"{folder}: task files of different runs (another file list, model or "
                     "--tasks); delete the folder and run the array again")
   tasks = parts[0]["tasks"]
@@ -102,6 +110,16 @@ def read_parts(index_dir: str) -> list[dict]:
   return sorted(parts, key=lambda p: p["task"])
 
 
+def _read_part(path: str) -> dict:
+  part = file_io.read_json(path, "an index task's file", "delete it and rerun that task",
+                           index_files.IndexFileError)
+  if not (isinstance(part, dict) and PART_KEYS <= set(part) and isinstance(part["model"], dict)):
+    raise index_files.IndexFileError(f"{path}: not an index task's file (expected the keys "
+                                     f"{', '.join(sorted(PART_KEYS))}); delete it and rerun "
+                                     "that task")
+  return part
+
+
 def finish(index_dir: str) -> dict:
   """Merges the tasks' entries into index.json → {"added": binaries, "functions": count}."""
   parts = read_parts(index_dir)
@@ -111,6 +129,7 @@ def finish(index_dir: str) -> dict:
   index.check_model(doc, first["model"], index_dir)
   have = {b["sha256"] for b in doc["binaries"]}
   added = [e for p in parts for e in p["binaries"] if e["sha256"] not in have]
+  index_files.check_present(index_dir, {"binaries": added})
   doc["binaries"] += added
   index_files.write(index_dir, doc)
   shutil.rmtree(os.path.join(index_dir, PARTS))  # after index.json: a rerun merges nothing twice
