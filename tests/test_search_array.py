@@ -80,6 +80,35 @@ def test_a_3_task_array_then_finish_writes_the_one_node_index_byte_for_byte(run,
   assert_same_index(one_node, out)
 
 
+def test_the_sbatch_script_answers_help_checks_its_arguments_and_runs_one_job(run, binaries,
+                                                                              tmp_path):
+  """bash -n; --help prints its header and does nothing else; no --output or a bad INDEX_TASKS
+  is one line; INDEX_TASKS=1 submits one plain lmscale index job (no finish)."""
+  assert subprocess.run(["bash", "-n", SBATCH]).returncode == 0
+  env, slurm = fake_slurm(tmp_path)
+  r = subprocess.run(["bash", SBATCH, "--help"], env=dict(env, PYTHON="/bin/false"),
+                     cwd=tmp_path, capture_output=True, text=True, timeout=30)
+  assert r.returncode == 0 and r.stdout.startswith("A function index on a Slurm cluster")
+  assert "lmscale index finish --output INDEX_DIR" in r.stdout
+  assert not (slurm / "calls.log").exists()
+  for extra, argv, message in (
+      ({}, ["--workdir", run[1], "--elf", binaries["O0"][0]], "error: give --output INDEX_DIR"),
+      ({"INDEX_TASKS": "0"}, ["--output", tmp_path / "i"], "error: INDEX_TASKS=0: expected a")):
+    r = subprocess.run(["bash", SBATCH, *map(str, argv)], env=dict(env, **extra), cwd=ROOT,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert r.stderr.startswith(message), r.stderr
+  out = tmp_path / "plain"
+  r = subprocess.run(["bash", SBATCH, "--workdir", str(run[1]), "--elf", binaries["O0"][0],
+                      "--output", str(out)], env=dict(env, INDEX_TASKS="1"), cwd=ROOT,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0 and "submitted: index 101 (one job)" in r.stdout, r.stderr
+  calls = (slurm / "calls.log").read_text().splitlines()
+  assert len(calls) == 1 and "--array" not in calls[0], calls
+  doc = json.loads((out / "index.json").read_text())
+  assert [b["path"] for b in doc["binaries"]] == [binaries["O0"][0]]
+
+
 def test_a_rerun_task_redoes_only_what_lacks_a_marker(model, paths, one_node, tmp_path):
   where, said = tmp_path / "idx", []
   index_array.run_task(model, paths, str(where), 0, 2, say=said.append)
