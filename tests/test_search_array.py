@@ -142,7 +142,7 @@ def test_a_rerun_task_redoes_only_what_lacks_a_marker(model, paths, one_node, tm
 
 def test_an_index_over_the_exact_size_gets_its_search_graph_once(model, run, paths, tmp_path,
                                                                 capsys, monkeypatch):
-  """vector_search.EXACT_MAX (measured: 200k functions × 768) set to 0 here, so these few
+  """vector_search.EXACT_MAX (rows; measured: 100,000) set to 0 here, so these few
   functions are "over" it: lmscale index and an array's finish keep the HNSW graph."""
   from lmscale_jax.search import vector_search
 
