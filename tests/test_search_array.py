@@ -298,13 +298,19 @@ def test_a_damaged_index_is_one_line_naming_the_file_and_the_fix(model, run, pat
     rows = (where / (first["shard"] + ".jsonl")).read_text().splitlines(keepends=True)
     (where / (first["shard"] + ".jsonl")).write_text("".join(rows[1:]))
 
+  def foreign_shard(where, first):
+    doc = json.loads((where / "index.json").read_text())
+    doc["binaries"][0]["shard"] = "../../elsewhere"  # a reader opens only shards/<sha256>
+    (where / "index.json").write_text(json.dumps(doc))
+
   def drop_shard(where, first):
     os.unlink(where / (first["shard"] + ".npz"))
 
   search = ["--workdir", run[1], "--text", "push rbp"]
   cases = [(truncate, "index.json: not a JSON file", "delete the index directory and build it"),
            (garble_npz, ".npz: unreadable shard", "entry from "),
-           (drop_row, "rows, index.json expects", "rerun lmscale index (it re-embeds only")]
+           (drop_row, "rows, index.json expects", "rerun lmscale index (it re-embeds only"),
+           (foreign_shard, "index.json: not an index of format", "build it again")]
   for damage, message, fix in cases:
     where, _ = damaged(one_node, tmp_path, damage.__name__, damage)
     err = one_line("search", ["--index", where, *search], capsys, message)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import zipfile
 
 import numpy as np
@@ -51,12 +52,19 @@ def read(index_dir: str) -> dict | None:
 def _check(doc, path: str) -> None:
   ok = (isinstance(doc, dict) and doc.get("format") == FORMAT and isinstance(doc.get("model"), dict)
         and isinstance(doc.get("dim"), int) and isinstance(doc.get("binaries"), list)
-        and all(isinstance(b, dict) and {"path", "sha256", "size", "functions", "shard"} <= set(b)
-                for b in doc["binaries"]))
+        and all(_entry_ok(b) for b in doc["binaries"]))
   if not ok:
     raise IndexFileError(f"{path}: not an index of format {FORMAT} (format, model, dim and "
                          "binaries with path, sha256, size, functions, shard expected); delete "
                          "the index directory and build it again")
+
+
+def _entry_ok(b) -> bool:
+  """A binary's entry; its shard is ``shards/<its sha256>`` (a reader opens no other file)."""
+  return (isinstance(b, dict) and {"path", "sha256", "size", "functions", "shard"} <= set(b)
+          and isinstance(b["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", b["sha256"])
+          is not None and b["shard"] == shard_stem(b["sha256"])
+          and isinstance(b["functions"], int) and b["functions"] >= 0)
 
 
 def write(index_dir: str, doc: dict) -> None:
