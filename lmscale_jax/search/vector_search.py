@@ -180,10 +180,10 @@ def _write_graph(where: str | None, graph, meta: dict) -> None:
 def extend(graph, vectors: np.ndarray, target: float) -> tuple[int, float]:
   """Adds the rows of ``vectors`` the graph lacks; (efSearch, recall@10): the smallest of
   EF_SEARCH whose recall@10 reaches ``target``, else the largest. Measured on the last
-  CALIBRATION new rows, searched as queries before they are added (a row already in the graph
-  is found more easily than a new query: self-excluded recall 0.99 was 0.98 on new queries);
-  with fewer new rows, on rows in the graph each left out of its own neighbours, and one step
-  of EF_SEARCH more for that ease."""
+  CALIBRATION new rows, searched as queries before they are added: new queries, as a search's
+  are (bench_search: 0.993 / 0.994 here, 0.994 / 0.990 on its queries, 100k × 768 / 1M × 64).
+  With fewer new rows, on rows already in the graph, each left out of its own neighbours (a
+  row in the graph is found more easily than a new query), and one step of EF_SEARCH more."""
   held = len(vectors) - CALIBRATION
   if held - graph.ntotal >= 0 and held >= CALIBRATION:
     graph.add(np.ascontiguousarray(vectors[graph.ntotal:held], np.float32))
