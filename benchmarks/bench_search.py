@@ -297,6 +297,8 @@ def tiny_run(where: str) -> str:
 
 def index_main(a) -> dict:
   from lmscale_jax.inference import trained_model
+  import jax
+
   from lmscale_jax.search import index
 
   a.workdir = a.workdir or tiny_run(a.tiny_run)
@@ -320,7 +322,9 @@ def index_main(a) -> dict:
           "dim": int(model.cfg.hidden), "seq_len": int(model.cfg.seq_len),
           "index_bytes": disk, "bytes_per_function": round(disk / n, 1),
           "bytes_per_million_functions_extrapolated": int(disk / n * 1e6),
-          "peak_rss_gb": round(peak_rss_gb(), 2)}
+          "peak_rss_gb": round(peak_rss_gb(), 2),
+          # the embedding runs data-parallel over these (function_vectors): per device = / len
+          "jax_devices": [str(d) for d in jax.local_devices()]}
 
 
 def main() -> None:

@@ -524,7 +524,7 @@ def test_prepare_binary_counts_named_non_regular_inputs(tmp_path, capfd):
 # ----------------------------------------------------------------------------- case 10: --help
 SCRIPTS = ["tools/bench_gpu.sh", "tools/demo.sh", "tools/fetch_gpu_wheels.sh", "tools/setup.sh",
            "tools/test.sh", "tools/repeat_tests.sh", "launch/local.sh", "launch/node.sh",
-           "launch/slurm.sbatch", "launch/prepare.sbatch"]
+           "launch/slurm.sbatch", "launch/prepare.sbatch", "launch/index.sbatch"]
 
 
 def _sandbox(tmp_path):

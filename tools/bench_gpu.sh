@@ -14,7 +14,7 @@
 # (the paper's recipe); 4. A/B variants while time remains (Hopper XLA flags, the earlier
 # cuDNN bias mask, rbg dropout); 5. the loader: a real 120M training run on a generated
 # dataset with data.autotune, its input-wait fraction; 6. lmscale max-batch for 350M on the
-# GPU. Results: OUTDIR/gpu_check.json (the self-check's report),
+# GPU; 7. lmscale index's embedding throughput (OUTDIR/index_throughput.json). Results: OUTDIR/gpu_check.json (the self-check's report),
 # OUTDIR/<date>-gpu-bench.jsonl (one object per measurement: system, model, batch, seq,
 # samples_per_sec, mfu, peak_mem_gb, device, …, the 350M step's top device ops
 # from its jax.profiler trace), OUTDIR/summary.{json,md} (the table, also on stdout),
@@ -246,6 +246,18 @@ if [ "$(left)" -gt 60 ]; then
     --budget-gb $MAXB_BUDGET --seq $SEQ --vocab $VOCAB --json "$OUT/max_batch_gpu.jsonl" \
     ${SHAPE350[@]+"${SHAPE350[@]}"}
   sed -n '/^| model/,$p' "$OUT/logs/max_batch_350m.log"
+fi
+
+# --- 7. lmscale index on the GPU: the data-parallel embedding (function_vectors, NamedSharding
+# over the local devices) of real system libraries, functions/s with the tests' tiny model, the
+# same command as the CPU row of docs/performance.md "Search: speed and size" -------------------
+if [ "$(left)" -gt 60 ]; then
+  ELFS=$(ls /usr/lib/x86_64-linux-gnu/{libz.so.1,libbz2.so.1.0,libexpat.so.1,liblzma.so.5,libzstd.so.1,libsqlite3.so.0} 2>/dev/null || true)
+  if [ -n "$ELFS" ]; then
+    # shellcheck disable=SC2086  # one ELF path a word
+    run index_throughput 150 "$PY" benchmarks/bench_search.py index --tiny-run "$WORK/tiny_run" \
+      --elf $ELFS --out "$OUT/index_throughput.json"
+  fi
 fi
 
 # --- table --------------------------------------------------------------------------------
