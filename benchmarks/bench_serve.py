@@ -37,7 +37,6 @@ import http.client
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import _host  # noqa: E402
 from lmscale_jax.cli.args import Parser, guarded, input_file, number  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
+from tests.helpers import stop_process_group  # noqa: E402
 
 KINDS = ("search_text", "search_upload", "embed")
 EMBED_TEXTS = 8
@@ -150,18 +150,10 @@ def start_server(a) -> tuple[subprocess.Popen, int, str]:
     if found and Client(int(found.group(1))).send("GET", "/api/info")[0] == 200:
       return p, int(found.group(1)), log.name
     time.sleep(0.5)
-  stop_server(p)
+  stop_process_group(p)
   raise UserError(f"the server did not start (its log: {log.name})")
 
 
-def stop_server(p: subprocess.Popen) -> None:
-  if p.poll() is None:
-    os.killpg(p.pid, signal.SIGTERM)
-    try:
-      p.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-      os.killpg(p.pid, signal.SIGKILL)
-      p.wait()
 
 
 def warm_up(a, port: int, fns: list, data: bytes) -> None:
@@ -286,7 +278,7 @@ def main(argv=None) -> int:
       call, functions = direct_calls(a, fns, data)
       one, direct = paired(a, port, fns, data, call)
     finally:
-      stop_server(p)
+      stop_process_group(p)
     import jax
 
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -44,6 +44,18 @@ def communicate(p: subprocess.Popen, timeout: float = 180) -> tuple[str, str]:
     raise AssertionError(f"timed out after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
 
 
+
+def stop_process_group(p: subprocess.Popen, grace_s: float = 30) -> None:
+  """Ends a child started with start_new_session=True (a server and what it started): SIGTERM to
+  its group, SIGKILL after ``grace_s``."""
+  if p.poll() is None:
+    os.killpg(p.pid, signal.SIGTERM)
+    try:
+      p.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+      os.killpg(p.pid, signal.SIGKILL)
+      p.wait()
+
 def make_config(data_path="", **sections) -> ml_collections.ConfigDict:
   """The default config (``config_defaults.get_base_config``) with ``data.path`` set and
   overrides per section: ``make_config(path, train=dict(batch_size=8), data=dict(workers=1))``.

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import pytest
 
 from lmscale_jax.cli import index as index_cli
 from lmscale_jax.prep.elf import elf_functions
-from tests.helpers import ROOT
+from tests.helpers import ROOT, stop_process_group
 from tests.test_hf_tools import exported, run, run_tool  # noqa: F401 (fixtures)
 from tests.test_search_index import SOURCES
 
@@ -53,14 +52,7 @@ def start(argv, log_path, env=None) -> tuple[subprocess.Popen, str]:
   raise AssertionError(f"the server did not start:\n{open(log_path).read()[-3000:]}")
 
 
-def stop(p: subprocess.Popen) -> None:
-  if p.poll() is None:
-    os.killpg(p.pid, signal.SIGTERM)
-    try:
-      p.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-      os.killpg(p.pid, signal.SIGKILL)
-      p.wait()
+stop = stop_process_group  # tests/test_serve_page.py imports it under this name
 
 
 def call(base, path, body=None, kind=None, token=TOKEN, method=None):
