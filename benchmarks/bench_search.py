@@ -31,7 +31,6 @@ the index's bytes on disk per function × 1e6 (extrapolated from this index).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -49,6 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
+from lmscale_jax.cli.args import Parser  # noqa: E402
 from lmscale_jax.search import vector_search  # noqa: E402
 
 RECALL_TARGET = vector_search.RECALL_TARGET
@@ -328,8 +328,8 @@ def index_main(a) -> dict:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  sub = p.add_subparsers(dest="what", required=True)
+  p = Parser(description=__doc__.splitlines()[0])  # a bad argument: one line, exit 1
+  sub = p.add_subparsers(dest="what", required=True, parser_class=Parser)
   v = sub.add_parser("vectors")
   v.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
                  default=[10_000, 100_000, 1_000_000])

@@ -227,6 +227,26 @@ def test_search_by_text_says_when_the_query_was_cut(server, index_dir):
   assert len(q["results"]) == 9  # k past the index's size: all of it
 
 
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_search_by_an_objdump_listing_finds_each_pasted_function(server, libs):
+  path = libs["O0"][0]
+
+  def listing(*only):
+    return subprocess.run(["objdump", "-d", "-M", "intel", *only, path], check=True, text=True,
+                          capture_output=True, timeout=60).stdout
+
+  for f in elf_functions.functions(path):
+    status, got = post_json(server[0], "/api/search", {"text": listing(f"--disassemble={f.name}"),
+                                                       "k": 1})
+    top = got["queries"][0]["results"][0]
+    assert status == 200 and (top["function"], top["address"]) == (f.name, f.address), got
+  status, got = post_json(server[0], "/api/search", {"text": listing(), "k": 1})  # .plt, _init …
+  assert status == 413 and "over the server's limit of 3 per search" in got["error"], got
+  status, got = post_json(server[0], "/api/search", {"text": "0000000000001139 <bad>:\n"
+                                                     "    1139:\tff ff\n", "k": 1})
+  assert status == 400 and "do not decode as x86-64" in got["error"], got
+
+
 def test_function_gives_the_text_of_a_result_and_404_for_an_unknown_binary(server, libs):
   status, got = post_json(server[0], "/api/search", {"text": "push rbp [NEXT] mov rbp rsp"})
   best = got["queries"][0]["results"][0]

@@ -4,7 +4,9 @@
       (--elf FILE [--function NAME | --address 0xADDR] | --text "push rbp [NEXT] …")
       [--k 10] [--exact] [--json OUT]
 
-A query is every named function of an ELF file, one of them, or pretokenised assembly text;
+A query is every named function of an ELF file, one of them, or text: normalised instructions,
+or an objdump -d listing (`objdump -d bin | lmscale search … --text -`: each function in it,
+re-decoded from its bytes as preparation decodes them; search/listing.py);
 the answer is, per query, the k best: score (cosine), binary, function name and address, as
 rows and (--json) as a JSON file. The model must be the one that built the index. A query
 longer than the model's sequence length is cut (the model sees its first tokens, as it sees an
@@ -23,7 +25,7 @@ import sys
 
 from lmscale_jax.cli import args
 from lmscale_jax.inference import trained_model
-from lmscale_jax.search import query
+from lmscale_jax.search import listing, query
 from lmscale_jax.store import file_io
 
 
@@ -70,8 +72,9 @@ def parser() -> argparse.ArgumentParser:
   which.add_argument("--function", default=None, metavar="NAME", help="(--elf) one function")
   which.add_argument("--address", default=None, type=address, metavar="0xADDR",
                      help="(--elf) the function at this address")
-  p.add_argument("--text", default=None, help="pretokenised assembly ([NEXT] between "
-                 "instructions)")
+  p.add_argument("--text", default=None, help="normalised instructions ([NEXT] between them, "
+                 "or one a line), or an objdump -d listing (its functions, re-decoded from "
+                 "its bytes); - reads it from standard input")
   p.add_argument("--k", type=args.number(int, 1, 1 << 20), default=10)
   p.add_argument("--exact", action="store_true", help="exact search at every index size "
                  "(default: approximate above a measured size)")
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
   def go() -> int:
     # The query first: a bad --elf or --function is one line before the model is restored.
     queries = (query.elf_queries(a.elf, a.function, a.address) if a.elf is not None
-               else [("text", None, a.text)])
+               else listing.queries(sys.stdin.read() if a.text == "-" else a.text))
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
     corpus = query.load(a.index, model)
     corpus.exact = a.exact

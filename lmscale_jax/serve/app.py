@@ -159,7 +159,8 @@ async def search_queries(request: Request, served: Served) -> tuple[list, int]:
     return queries, k
   doc = inputs.json_object(await request.body(), '{"text": "push rbp [NEXT] …", "k": 10} or '
                            "multipart/form-data with a field file")
-  return [("text", None, inputs.text_of(doc))], inputs.k_of(doc.get("k"), 10, served.limits)
+  k = inputs.k_of(doc.get("k"), 10, served.limits)
+  return inputs.text_queries(inputs.text_of(doc), served.limits), k
 
 
 def add_search(app: FastAPI, served: Served, gate: ModelGate) -> None:

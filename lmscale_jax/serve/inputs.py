@@ -11,7 +11,7 @@ import re
 import tempfile
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.search import index, query
+from lmscale_jax.search import index, listing, query
 from lmscale_jax.serve.guard import ApiError
 from lmscale_jax.serve.served import Limits
 
@@ -118,3 +118,16 @@ def elf_queries(data: bytes, filename: str | None, name: str | None, address: in
                    f"{limits.max_functions} per search (lmscale serve --max-functions); "
                    "pick one with the field function or address")
   return [(f.name, f.address, f.text) for f in fns]
+
+
+def text_queries(text: str, limits: Limits) -> list[tuple[str, int | None, str]]:
+  """(name, address, text) of a pasted text: an objdump -d listing's functions re-decoded from
+  their bytes, or normalised instructions as they are (search/listing.py)."""
+  try:
+    found = listing.queries(text)
+  except UserError as e:
+    raise ApiError(400, str(e)) from None
+  if len(found) > limits.max_functions:
+    raise ApiError(413, f"the pasted listing: {len(found)} functions, over the server's limit "
+                   f"of {limits.max_functions} per search (lmscale serve --max-functions)")
+  return found
