@@ -25,7 +25,7 @@ from lmscale_jax.cli import index as index_cli
 from lmscale_jax.prep.elf import elf_functions
 from tests.helpers import ROOT, stop_process_group
 from tests.test_hf_tools import exported, run, run_tool  # noqa: F401 (fixtures)
-from tests.test_search_index import SOURCES
+from tests.test_search_index import SOURCES, binaries  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
@@ -88,17 +88,11 @@ def post_file(base, path, data: bytes, filename: str, token=TOKEN, **fields):
 
 
 @pytest.fixture(scope="module")
-def libs(tmp_path_factory):
-  """{"O0": [.so …], "O2": [.so …], "all": one .so of every source (9 functions)}."""
+def libs(binaries, tmp_path_factory):
+  """{"O0": [.so …], "O2": [.so …] (tests/test_search_index.py's), "all": one .so of every
+  source (9 functions)}."""
   base = tmp_path_factory.mktemp("elf")
-  out = {"O0": [], "O2": []}
-  for name, text in SOURCES.items():
-    (base / name).write_text(text)
-    for level in out:
-      so = base / f"{name[:-2]}_{level}.so"
-      subprocess.run(["gcc", f"-{level}", "-shared", "-fPIC", "-o", str(so), str(base / name)],
-                     check=True, timeout=120)
-      out[level].append(str(so))
+  out = dict(binaries)
   (base / "all.c").write_text("".join(SOURCES.values()))
   subprocess.run(["gcc", "-O0", "-shared", "-fPIC", "-o", str(base / "all.so"),
                   str(base / "all.c")], check=True, timeout=120)

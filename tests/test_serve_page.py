@@ -16,6 +16,7 @@ import pytest
 from lmscale_jax.prep.elf import elf_functions
 from tests.helpers import ROOT
 from tests.test_hf_tools import run  # noqa: F401 (fixture)
+from tests.test_search_index import binaries  # noqa: F401 (fixture: libs uses it)
 from tests.test_serve_api import (index_dir, libs, post_file, post_json, start,  # noqa: F401
                                   stop)
 
