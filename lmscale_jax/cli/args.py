@@ -31,6 +31,24 @@ class Parser(argparse.ArgumentParser):
     self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 
+def env_int(name: str, default: int) -> int:
+  """An integer from the environment (Slurm's SLURM_ARRAY_TASK_ID …), else ``default``."""
+  try:
+    return int(os.environ.get(name, default))
+  except ValueError:
+    return default
+
+
+def add_array_task(p: argparse.ArgumentParser, what: str = "") -> None:
+  """--task/--tasks of a Slurm job array's task (lmscale prepare cluster, lmscale index):
+  defaults from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, else 0 of 1."""
+  p.add_argument("--task", type=number(int, 0, 1 << 20), default=env_int("SLURM_ARRAY_TASK_ID", 0),
+                 help="this array task, 0-based (default: SLURM_ARRAY_TASK_ID, else 0)")
+  p.add_argument("--tasks", type=number(int, 1, 1 << 20),
+                 default=env_int("SLURM_ARRAY_TASK_COUNT", 1),
+                 help="array tasks (default: SLURM_ARRAY_TASK_COUNT, else 1)" + what)
+
+
 def number(kind, lo, hi):
   """An argparse type: an int or float in lo..hi (never inf/nan, whatever float() accepts)."""
 

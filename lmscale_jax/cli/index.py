@@ -21,7 +21,6 @@ end, once, rather than by the first search.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from lmscale_jax.cli import args
@@ -29,13 +28,6 @@ from lmscale_jax.errors import UserError
 from lmscale_jax.inference import trained_model
 from lmscale_jax.search import index, index_array
 from lmscale_jax.store import file_io
-
-
-def _env_int(name: str, default: int) -> int:
-  try:
-    return int(os.environ.get(name, default))
-  except ValueError:
-    return default
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,13 +41,8 @@ def parser() -> argparse.ArgumentParser:
                      help="a text file of ELF paths, one a line (a corpus too long for a "
                      "command line)")
   p.add_argument("--output", required=True, type=args.output_dir, metavar="INDEX_DIR")
-  p.add_argument("--task", type=args.number(int, 0, 1 << 20),
-                 default=_env_int("SLURM_ARRAY_TASK_ID", 0),
-                 help="this array task, 0-based (default: SLURM_ARRAY_TASK_ID, else 0)")
-  p.add_argument("--tasks", type=args.number(int, 1, 1 << 20),
-                 default=_env_int("SLURM_ARRAY_TASK_COUNT", 1),
-                 help="array tasks (default: SLURM_ARRAY_TASK_COUNT, else 1); > 1: this "
-                 "task's share of the binaries, then lmscale index finish once")
+  args.add_array_task(p, "; > 1: this task's share of the binaries, then lmscale index "
+                      "finish once")
   return p
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from lmscale_jax.cli import args
@@ -109,13 +108,6 @@ def run(kind: str, argv=None) -> int:
 ARRAY_STAGES = ("extract", "dedup", "pack", "shards")
 
 
-def _env_int(name: str, default: int) -> int:
-  try:
-    return int(os.environ.get(name, default))
-  except ValueError:
-    return default
-
-
 def _plan(argv) -> int:
   kind = "text" if "--kind=text" in argv or "--kind text" in " ".join(argv) else "binary"
   p = parser(kind)
@@ -141,12 +133,9 @@ def _stage(stage: str, argv) -> int:
   p = args.Parser(prog=f"lmscale prepare cluster {stage}")
   p.add_argument("--output", required=True, metavar="DIR")
   if stage in ARRAY_STAGES:
-    p.add_argument("--task", type=args.number(int, 0, 1 << 20),
-                   default=_env_int("SLURM_ARRAY_TASK_ID", 0))
-    p.add_argument("--tasks", type=args.number(int, 1, 1 << 20),
-                   default=_env_int("SLURM_ARRAY_TASK_COUNT", 1))
+    args.add_array_task(p)
   p.add_argument("--workers", type=args.number(int, 0, prep_options.MAX_WORKERS),
-                 default=_env_int("SLURM_CPUS_PER_TASK", 0), help="processes (0 = all cores)")
+                 default=args.env_int("SLURM_CPUS_PER_TASK", 0), help="processes (0 = all cores)")
   a = p.parse_args(argv)
   workers = worker_pool.usable_workers(a.workers)
 
