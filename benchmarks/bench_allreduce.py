@@ -1,6 +1,6 @@
 """All-reduce time vs message size between JAX processes on this machine, and the α–β fit of it.
 
-  python benchmarks/bench_allreduce.py                      # 2 and 4 processes, 1…256 MB
+  python benchmarks/bench_allreduce.py                      # 2 and 4 processes, 4 KB…256 MB
   python benchmarks/bench_allreduce.py --processes 2 --sizes-mb 8,64 --repeats 5 --out F
 
 Each process count starts that many processes over localhost, exactly as training does
@@ -24,9 +24,15 @@ squares in relative error) of the ring model ``t = 2(p−1)·α + 2(p−1)/p · 
   is on an oversubscribed machine);
 * one per process count: this machine's effective link at that load.
 
-Prints the table of every point against every fit; appends one JSON line per point and per fit
-to ``--out`` (default ``benchmarks/results/<date>-cpu-allreduce.jsonl``); ``--refit FILE`` fits
-a file's last run again. ``--train-check DATASET`` instead measures real 1- and 2-process
+Then the transport efficiency e(m) of every point against fit ``all``, its β taken as the line
+rate: ``e = [2(p−1)/p·m·s/β] / (t − 2(p−1)·α)`` (the share of the link's bandwidth the
+transport reaches at m bytes; the latency term stays α per ring step), one ``transport`` row
+per point and one ``transport-curve`` row (per size, the median e over process counts).
+
+Prints the table of every point against every fit; appends one JSON line per point, per fit,
+per transport point and the curve to ``--out`` (default
+``benchmarks/results/<date>-cpu-allreduce.jsonl``); ``--refit FILE`` fits a file's last run
+again (fits and transport rows). ``--train-check DATASET`` instead measures real 1- and 2-process
 training runs (``launch/local.sh``) against the model (see :func:`train_check`), appended to
 ``benchmarks/results/<date>-cpu-allreduce-train-check.jsonl``. The machine is measured as it
 is: other programs' load shows as noise (``loadavg_1m`` is recorded with every line).
@@ -53,7 +59,12 @@ from benchmarks import _host, allreduce_train_check  # noqa: E402
 from lmscale_jax.cli.args import Parser, guarded, number  # noqa: E402
 
 MB = 1_000_000
-DEFAULT_SIZES_MB = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# From 4 KB (where the latency term is all of it) to 256 MB: the transport efficiency curve
+# needs the small sizes, the α–β fit the large ones.
+DEFAULT_SIZES_MB = (0.004, 0.016, 0.064, 0.25, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The transport efficiency e(m) = (bandwidth term at the fitted β) / (measured − latency term):
+# the denominator is clamped at this (a point no slower than its latency term), and e capped.
+_MIN_BANDWIDTH_S, EFFICIENCY_CAP = 1e-7, 1.5
 _WORKER_TIMEOUT_S = 900
 
 
@@ -224,6 +235,37 @@ def fit_rows(points: list[dict], device: str) -> list[dict]:
   return out
 
 
+def transport_rows(points: list[dict], fits: list[dict]) -> list[dict]:
+  """The transport efficiency e(m) of every point against fit ``all`` (β = "line rate"):
+  ``e = [2(p−1)/p·m·s/β] / (t − 2(p−1)·α)``, one ``transport`` row per point (and e in the
+  point's ``fits["all"]``), then one ``transport-curve`` row: per size the median e over the
+  process counts, sizes ascending (the cluster model reads a file's last such row)."""
+  from lmscale_jax.study import cluster_model
+
+  fit = next((f for f in fits if f["fit_of"] == "all"), None)
+  if fit is None:
+    return []
+  alpha, beta, cores = fit["alpha_s"], fit["beta_bytes_per_s"], fit["cores"]
+  rows, by_size = [], {}
+  for r in (r for r in points if r.get("leaves", 1) == 1):
+    p, m, t = r["processes"], r["bytes"], r["median_s"]
+    ideal = 2 * (p - 1) / p * m * cluster_model.shared_cores(p, cores) / beta
+    raw = ideal / max(t - 2 * (p - 1) * alpha, _MIN_BANDWIDTH_S)
+    e = min(raw, EFFICIENCY_CAP)
+    r["fits"]["all"]["efficiency"] = e
+    by_size.setdefault(m, []).append(e)
+    rows.append({"date": r["date"], "device": r["device"], "time": r["time"],
+                 "bench": "allreduce", "kind": "transport", "fit_of": "all", "heap": r["heap"],
+                 "processes": p, "bytes": m, "efficiency": e, "capped": raw > EFFICIENCY_CAP,
+                 "busbw_bytes_per_s": 2 * (p - 1) / p * m / t})
+  rows.append({"date": fit["date"], "device": fit["device"], "time": fit["time"],
+               "bench": "allreduce", "kind": "transport-curve", "fit_of": "all",
+               "heap": fit["heap"], "alpha_s": alpha, "beta_bytes_per_s": beta, "cores": cores,
+               "processes": fit["processes"], "capped": any(r["capped"] for r in rows),
+               "points": [[m, statistics.median(es)] for m, es in sorted(by_size.items())]})
+  return rows
+
+
 # ----------------------------------------------------------------------------- train check
 def last_run(path: str) -> list[dict]:
   """The points of the latest run (``time``) in a results file."""
@@ -259,13 +301,14 @@ def leaves_table(points: list[dict]) -> str:
 def table(points: list[dict], fits: list[dict]) -> str:
   names = [f["fit_of"] for f in fits]
   head = "| processes | MB | measured ms | " + " | ".join(
-      f"fit {n}: ms (err)" for n in names) + " |"
-  lines = [head, "|" + "---|" * (3 + len(names))]
+      f"fit {n}: ms (err)" for n in names) + " | e (fit all) |"
+  lines = [head, "|" + "---|" * (4 + len(names))]
   for r in points:
     cells = [f"{r['fits'][n]['predicted_s'] * 1e3:.1f} ({r['fits'][n]['error']:+.0%})"
              if n in r.get("fits", {}) else "" for n in names]
-    lines.append(f"| {r['processes']} | {r['bytes'] / MB:g} | {r['median_s'] * 1e3:.1f} | "
-                 + " | ".join(cells) + " |")
+    e = r.get("fits", {}).get("all", {}).get("efficiency")
+    lines.append(f"| {r['processes']} | {r['bytes'] / MB:g} | {r['median_s'] * 1e3:.2f} | "
+                 + " | ".join(cells) + f" | {'' if e is None else f'{e:.2f}'} |")
   lines.append("")
   for f in fits:
     worst = f["max_abs_error_ge_8mb"]
@@ -308,7 +351,7 @@ def main(argv=None) -> int:
                          "(gloo), and the fitted alpha (latency) and beta (bytes/s).")
   p.add_argument("--processes", type=counts, default=[2, 4], help="comma-separated (2,4)")
   p.add_argument("--sizes-mb", type=sizes, default=list(DEFAULT_SIZES_MB),
-                 help="comma-separated message sizes in MB (1,2,4,…,256)")
+                 help="comma-separated message sizes in MB (0.004,0.016,0.064,0.25,1,2,4,…,256)")
   p.add_argument("--repeats", type=number(int, 1, 1000), default=7)
   p.add_argument("--leaves", type=leaf_counts, default=[], help="comma-separated: also "
                  "reduce each size split into this many equal arrays in one call (a training "
@@ -359,7 +402,12 @@ def main(argv=None) -> int:
       device = _host.cpu_name() + "; localhost gloo"
       points = measure(a.processes, a.sizes_mb, a.repeats, device, a.heap, a.leaves)
     fits = fit_rows(points, device)
-    print(table([r for r in points if r.get("leaves", 1) == 1], fits))
+    fits += transport_rows(points, fits)
+    if any(f.get("capped") for f in fits):
+      print(f"transport efficiency capped at {EFFICIENCY_CAP} for some points (faster than "
+            "the fitted line rate)", file=sys.stderr)
+    print(table([r for r in points if r.get("leaves", 1) == 1],
+                [f for f in fits if f["kind"] == "fit"]))
     print(leaves_table(points))
     out = a.out or a.refit or os.path.join(ROOT, "benchmarks", "results",
                                            f"{points[0]['date']}-cpu-allreduce.jsonl")
