@@ -16,13 +16,17 @@ import sys
 
 import pytest
 
+from lmscale_jax.study import cluster_collectives as coll
+from lmscale_jax.study import cluster_links as links
 from lmscale_jax.study import cluster_model as cm
+from lmscale_jax.study import cluster_overlap as ov
 from lmscale_jax.study import storage_model as sm
 from tests.helpers import ROOT, lmscale, make_config, make_synthetic_dataset
 
 TOOL = lmscale("scaling_model")
 STORAGE_TOOL = lmscale("storage_model")
 BERT_BASE = 102_949_632  # the H200 anchor's BERT-base (../shared/bench/h200-anchor-*.jsonl)
+NET25 = links.network(links.PRESETS["25gbe"])  # one 25 GbE NIC at line rate
 
 
 def tool(*args, script=TOOL, timeout=120):
@@ -41,51 +45,58 @@ def one_error_line(result) -> str:
 def test_ring_over_128_nodes_of_25gbe_matches_the_issue_example():
   # issue 11: ~0.21 GB of bf16 gradients, 128 nodes x 2 GPUs, 25 GbE: ~0.41 GB per node, ~0.13 s
   grad = BERT_BASE * 2
-  comm = cm.allreduce_s(grad, 128, 2, cm.PRESETS["25gbe"], cm.NVLINK_BRIDGE, "flat")
+  comm = coll.allreduce_s(grad, 128, 2, NET25, links.NVLINK_BRIDGE, "flat")
   per_node_traffic = 2 * 255 / 256 * grad
   assert per_node_traffic == pytest.approx(0.41e9, rel=0.01)
   assert comm == pytest.approx(per_node_traffic / (25e9 / 8) + 2 * 255 * 10e-6)
   assert 0.12 < comm < 0.14
   # without overlap the step doubles: about half the cluster's time is waiting
-  assert cm.efficiency(0.129, comm, 1, "none") == pytest.approx(0.129 / (0.129 + comm))
-  assert cm.efficiency(0.129, comm, 1, "none") < 0.5
+  c = cm.compute(0.129)
+  assert cm.efficiency(c, comm, 1) == pytest.approx(0.129 / (0.129 + comm))
+  assert cm.efficiency(c, comm, 1) < 0.5
 
 
 def test_hierarchical_reduction_saves_latency_not_bandwidth():
-  net, nv = cm.PRESETS["25gbe"], cm.NVLINK_BRIDGE
+  net, nv = NET25, links.NVLINK_BRIDGE
   small, large = 1e6, 4e8
-  flat_small = cm.allreduce_s(small, 256, 8, net, nv, "flat")
-  hier_small = cm.allreduce_s(small, 256, 8, net, nv, "hierarchical")
+  flat_small = coll.allreduce_s(small, 256, 8, net, nv, "flat")
+  hier_small = coll.allreduce_s(small, 256, 8, net, nv, "hierarchical")
   assert hier_small < flat_small / 4  # 2*255 instead of 2*2047 network latencies
   # without latencies the two move the same bytes over the network links (to 1%)
-  net0, nv0 = cm.Link("net", net.bandwidth, 0.0), cm.Link("nv", nv.bandwidth, 0.0)
-  flat_large = cm.allreduce_s(large, 256, 8, net0, nv0, "flat")
-  hier_large = cm.allreduce_s(large, 256, 8, net0, nv0, "hierarchical")
+  net0 = links.network(links.Link("net", net.nic.bandwidth, 0.0))
+  nv0 = links.Link("nv", nv.bandwidth, 0.0)
+  flat_large = coll.allreduce_s(large, 256, 8, net0, nv0, "flat")
+  hier_large = coll.allreduce_s(large, 256, 8, net0, nv0, "hierarchical")
   assert hier_large == pytest.approx(flat_large, rel=0.01)
-  # one node: both are the intra-node ring
-  assert cm.allreduce_s(large, 1, 2, net, nv, "flat") == cm.allreduce_s(
-      large, 1, 2, net, nv, "hierarchical") == cm.ring_allreduce_s(
-          large, 2, nv.latency, nv.bandwidth)
+  # one node: every algorithm is the intra-node ring
+  assert {coll.allreduce_s(large, 1, 2, net, nv, a) for a in coll.ALGORITHMS} == {
+      coll.ring_allreduce_s(large, 2, nv.latency, nv.bandwidth)}
 
 
 def test_overlap_hides_at_most_the_backward_two_thirds_of_a_step():
-  assert cm.step_s(0.3, 0.1, 1, "backward") == 0.3  # fully hidden
-  assert cm.step_s(0.3, 0.5, 1, "backward") == pytest.approx(0.3 + 0.5 - 0.2)
-  assert cm.step_s(0.3, 0.5, 4, "none") == pytest.approx(1.2 + 0.5)
+  def step(t, comm, k, overlap):
+    c = cm.compute(t)
+    _, exposed = ov.exposed_s(lambda m: comm, 1e6, ov.BACKWARD_FRACTION * c.micro, overlap)
+    return cm.step_s(c, exposed, k)
+
+  assert step(0.3, 0.1, 1, "backward") == 0.3  # fully hidden
+  assert step(0.3, 0.5, 1, "backward") == pytest.approx(0.3 + 0.5 - 0.2)
+  assert step(0.3, 0.5, 4, "none") == pytest.approx(1.2 + 0.5)
   with pytest.raises(cm.ModelError, match="overlap 'always'"):
-    cm.step_s(0.3, 0.5, 1, "always")
+    step(0.3, 0.5, 1, "always")
 
 
-@pytest.mark.parametrize("overlap", cm.OVERLAPS)
-def test_recommended_k_is_the_smallest_that_reaches_the_target(overlap):
-  for comm in (0.01, 0.13, 0.27, 2.0):
-    k = cm.smallest_k(0.129, comm, overlap, 0.95)
-    assert cm.efficiency(0.129, comm, k, overlap) >= 0.95
-    assert k == 1 or cm.efficiency(0.129, comm, k - 1, overlap) < 0.95
+@pytest.mark.parametrize("fixed,jitter", [(0.0, 0.0), (0.02, 0.0), (0.02, 0.01)])
+def test_recommended_k_is_the_smallest_that_reaches_the_target(fixed, jitter):
+  c = cm.compute(0.129, fixed, jitter)
+  for exposed in (0.0, 0.01, 0.13, 0.27, 2.0):
+    k = cm.smallest_k(c, exposed, 256, 0.95)
+    assert cm.efficiency(c, exposed, k, cm.straggler_s(c, 256, k)) >= 0.95
+    assert k == 1 or cm.efficiency(c, exposed, k - 1, cm.straggler_s(c, 256, k - 1)) < 0.95
 
 
 def test_recommendation_prefers_the_smaller_k_then_float32():
-  out = cm.predict(0.129, BERT_BASE, cm.Cluster(cm.PRESETS["25gbe"]), nodes=(1, 128))
+  out = cm.predict(0.129, BERT_BASE, cm.Cluster(NET25), nodes=(1, 128))
   rec = {(r["overlap"], r["nodes"]): r for r in out["recommendations"]}
   assert rec["none", 1] == {"overlap": "none", "nodes": 1, "k": 1, "dtype": "float32",
                             "global_batch": None}
@@ -97,7 +108,7 @@ def test_recommendation_prefers_the_smaller_k_then_float32():
 
 def test_fit_recovers_the_link_from_ring_timings():
   alpha, beta = 250e-6, 1.5e9
-  points = [(p, n, cm.ring_allreduce_s(n, p, alpha, beta)) for p in (2, 4)
+  points = [(p, n, coll.ring_allreduce_s(n, p, alpha, beta)) for p in (2, 4)
             for n in (1e6, 8e6, 64e6, 256e6)]
   fitted = cm.fit_alpha_beta(points)
   assert fitted == pytest.approx((alpha, beta), rel=1e-9)
@@ -116,8 +127,9 @@ def test_config_gives_gradient_bytes_comm_and_efficiency_per_node_count():
   model = config_defaults.bert_config(layers=12, hidden=768, heads=12, ffn=3072).model
   model.vocab_size = 8192
   assert out["params"] == flops.count_params_from_config(model)
-  assert sorted({r["nodes"] for r in out["rows"]}) == [2 ** i for i in range(11)]
-  fp32 = [r for r in out["rows"] if r["dtype"] == "float32" and r["overlap"] == "none"]
+  rows = out["batches"][0]["rows"]
+  assert sorted({r["nodes"] for r in rows}) == [2 ** i for i in range(11)]
+  fp32 = [r for r in rows if r["dtype"] == "float32" and r["overlap"] == "none"]
   assert all(r["grad_bytes"] == 4 * out["params"] for r in fp32)
   assert [r["comm_s"] for r in fp32] == sorted(r["comm_s"] for r in fp32)
   text = tool("--config", "configs/bert120m.py", "--step-time", "0.129", "--nodes", "1,128")
@@ -187,7 +199,7 @@ def test_workdir_of_a_real_run_gives_step_time_and_parameters(dataset_dir, tmp_p
   assert got["params"] == flops.count_params_from_config(ml_collections.ConfigDict(shape))
   result = tool("--workdir", workdir, "--network", "hdr", "--nodes", "1,2", "--json")
   assert result.returncode == 0, result.stderr
-  assert json.loads(result.stdout)["step_time_s"] == pytest.approx(got["step_time_s"])
+  assert json.loads(result.stdout)["batches"][0]["step_time_s"] == pytest.approx(got["step_time_s"])
 
 
 def test_calibration_from_a_real_two_process_allreduce(tmp_path):
@@ -212,8 +224,8 @@ def test_calibration_from_a_real_two_process_allreduce(tmp_path):
   assert (link.bandwidth, link.latency) == (fit["beta_bytes_per_s"], fit["alpha_s"])
   result = tool("--step-time", "0.1", "--params", "500000", "--calibration", str(out),
                 "--gpus-per-node", "1", "--nodes", "1,2", "--json")
-  two = [r for r in json.loads(result.stdout)["rows"] if r["nodes"] == 2]
-  assert two[0]["comm_s"] == pytest.approx(cm.ring_allreduce_s(
+  two = [r for r in json.loads(result.stdout)["batches"][0]["rows"] if r["nodes"] == 2]
+  assert two[0]["comm_s"] == pytest.approx(coll.ring_allreduce_s(
       2_000_000, 2, fit["alpha_s"], fit["beta_bytes_per_s"]))  # 500,000 float32 parameters
 
 

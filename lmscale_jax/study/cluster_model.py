@@ -1,47 +1,38 @@
-"""A plain α–β model of data-parallel training on a cluster: is a step waiting on the network?
+"""Data-parallel training on a cluster: is a step waiting on the network? Step time and
+efficiency per node count, from what one GPU does and the cluster it runs on.
 
-Inputs: the time one accelerator takes for one training step (``step_s``, measured: it holds
-forward, backward and the optimizer update at some per-device batch, without communication)
-and the gradient it reduces (``params`` scalars in ``dtype``). Outputs, per node count: the
-all-reduce time, the step time and the weak-scaling efficiency, and the smallest number of
-accumulation steps (and gradient dtype) that keep the efficiency ≥ a target.
+Inputs (:class:`Compute`): one GPU's step time at its per-device batch without communication
+(measured: forward, backward, optimizer update), or a line ``t(b) = t0 + b·t1`` fitted to
+step times at several batches (:class:`StepCurve`: ``lmscale sweep``/``max-batch`` runs,
+``benchmarks/bench_step_profile.py``); the part of a step that does not repeat under
+accumulation (``fixed``: optimizer update, launch, host work); the jitter ``σ`` of one
+microbatch's time; when gradients become ready during backward
+(:mod:`cluster_overlap`). The cluster (:class:`Cluster`): a node's network (NICs × rate,
+latency, transport efficiency by size: :mod:`cluster_links`), GPUs per node and their link,
+the all-reduce algorithm (:mod:`cluster_collectives`).
 
-**Links.** A link moves ``n`` bytes in ``α + n/β`` (α: latency, β: bytes/s per direction).
-Each node has one network link (``inter``) of the preset's line rate, and its GPUs share an
-intra-node link (``intra``: NVLink bridge by default, the paper's H100-NVL pairs).
+**A step** of ``k`` microbatches on ``N`` nodes × ``g`` GPUs::
 
-**Collectives** (``p`` ranks, gradient ``G`` bytes), the textbook bandwidth-optimal ring
-(reduce-scatter then all-gather: ``2(p−1)`` steps of ``G/p`` bytes on every edge)::
+  micro      = t(b) − fixed                           one microbatch's forward + backward
+  step       = fixed + k·micro + exposed + straggler
+  exposed    = the all-reduce not hidden behind the last microbatch's backward
+               (T_b = ⅔·micro; overlap none / bucketed / backward: cluster_overlap)
+  straggler  = σ·√k · E[max of N·g standard normals]  every step waits for the slowest GPU
+               (Blom: E ≈ Φ⁻¹((P − 0.375)/(P + 0.25)); 0 for one GPU; k microbatches' jitter
+               adds up as √k)
+  efficiency = (fixed + k·micro) / step               against one GPU at the same k, with no
+                                                      communication and no one to wait for
+  vs 1 node  = (k_N/step_N) / (k_1/step_1)            per-GPU throughput against one node's
 
-  ring(G, p, α, β)  = 2(p−1)·α + 2(p−1)/p · G/β
-  flat(N, g)        = 2(Ng−1)·(α_inter + G/(Ng)/β_inter)     one ring over all N·g GPUs; every
-                                                             step waits on its slowest edge,
-                                                             a node's network link (N > 1)
-  hierarchical(N,g) = reduce_intra + ring(G, N, α_inter, β_inter) + broadcast_intra
-                      reduce_intra = broadcast_intra = (g−1)·α_intra + (g−1)/g · G/β_intra
+Only the last microbatch's backward can hide the reduction (earlier ones only accumulate);
+lmscale_jax's own accumulation path reduces after its ``lax.scan``: ``none`` models it. The
+accumulation count may differ per node count (``k_by_nodes``). The smallest ``k`` reaching a
+target efficiency is searched directly (the exposed reduction does not depend on ``k``).
 
-On one node both are the intra-node ring. A ring's per-node traffic, 2(p−1)/p·G, barely grows
-with p: the time is almost constant in N, so throughput grows linearly in N even while every
-step waits on the network (the paper's finding 4 needs this model to be read).
-
-**Steps.** With ``k`` accumulation steps a step computes ``k`` microbatches (``k·step_s``) and
-reduces once. Without overlap ``step = k·step_s + comm``. With overlap the reduction runs
-during the backward pass of the last microbatch (earlier microbatches only accumulate):
-``step = k·step_s + max(0, comm − f_b·step_s)``, with ``f_b`` = 2/3 the backward share of a
-step: a matmul costs 2 FLOPs per multiply-add forward and 4 backward (gradients for inputs and
-weights, see ``flops.train_flops_per_sequence``), so backward is 4/6 of the FLOPs. That is the
-best case (it assumes the first gradients are ready at the start of backward, and NCCL
-streams at full speed beside the compute); lmscale_jax's accumulation path reduces after its
-``lax.scan`` (``steps.make_grads_fn``): there ``overlap="none"`` is the right model.
-Efficiency = ``k·step_s / step``: throughput against N·g GPUs that never communicate.
-
-**Left out**: stragglers (every step waits for the slowest GPU: real variance lowers the
-efficiency further), congestion and oversubscribed switches (the model gives every node its
-full line rate at once), NCCL's tree and other algorithms (trees trade bandwidth for
-``O(log p)`` latency: they matter for small messages at large p, not for ~100 MB gradients),
-multiple NICs per node, the optimizer's share of a step not repeating under accumulation
-(``k·step_s`` counts it k times: slightly pessimistic), and the protocol overhead that keeps
-real transfers below line rate (the presets are line rates: an upper bound on efficiency).
+**Left out**: congestion and oversubscribed switches (every node gets its full rate at once),
+the slowdown of compute while NCCL shares the GPU with it, jitter correlated across GPUs
+(a shared file system's hiccup hits all of them: less straggling than independent jitter),
+and memory limits of a batch (``lmscale max-batch`` says what fits).
 """
 
 from __future__ import annotations
@@ -53,160 +44,190 @@ import os
 import statistics
 
 from lmscale_jax.config import legacy
-from lmscale_jax.errors import UserError
+from lmscale_jax.study import cluster_collectives as coll
+from lmscale_jax.study import cluster_overlap as ov
+from lmscale_jax.study.cluster_links import (NVLINK_BRIDGE, Link, ModelError, Network, link,
+                                             positive, read_jsonl)
 
 GRAD_BYTES = {"float32": 4, "bfloat16": 2}
-BACKWARD_FRACTION = 2 / 3
-SCHEMES = ("flat", "hierarchical")
-OVERLAPS = ("none", "backward")
 DEFAULT_NODES = tuple(2 ** i for i in range(11))  # 1 … 1024
+K_MAX = 1024
 
 
-class ModelError(UserError, ValueError):
-  """A bad input of the cluster model: the message names the value and what was expected."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-  """One direction of a link: ``bandwidth`` bytes/s, ``latency`` seconds per message."""
-  name: str
-  bandwidth: float
-  latency: float
-
-  def describe(self) -> str:
-    return (f"{self.name} ({self.bandwidth * 8 / 1e9:g} Gb/s = {self.bandwidth / 1e9:g} GB/s, "
-            f"{self.latency * 1e6:g} us)")
-
-
-# Network presets: the line rate per direction of one port (what a node's link can carry at
-# most) and a typical one-way small-message latency of the transport NCCL uses on it (TCP
-# sockets on plain Ethernet, RDMA on converged Ethernet and InfiniBand).
-PRESETS = {
-    "10gbe": Link("10 GbE", 10e9 / 8, 30e-6),      # TCP sockets
-    "25gbe": Link("25 GbE", 25e9 / 8, 10e-6),      # RoCE (the paper's converged Ethernet)
-    "100gbe": Link("100 GbE", 100e9 / 8, 5e-6),    # RoCE
-    "hdr": Link("HDR InfiniBand", 200e9 / 8, 2e-6),  # 4x HDR, 200 Gb/s
-    "ndr": Link("NDR InfiniBand", 400e9 / 8, 2e-6),  # 4x NDR, 400 Gb/s
-}
-# The two H100 NVL of a TX-GAIN node share an NVLink bridge: 600 GB/s both ways, 300 each.
-NVLINK_BRIDGE = Link("NVLink bridge", 300e9, 2e-6)
-
-
-def preset(name: str) -> Link:
-  try:
-    return PRESETS[name.lower()]
-  except KeyError:
-    raise ModelError(f"unknown network preset {name!r}: expected one of "
-                     f"{', '.join(PRESETS)} (or --bandwidth-gbps/--latency-us)") from None
-
-
-def link(name: str, bandwidth: float, latency: float) -> Link:
-  """A link from user values, checked: bandwidth > 0 bytes/s, latency ≥ 0 s."""
-  if not (isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth > 0):
-    raise ModelError(f"{name} bandwidth {bandwidth!r}: expected a positive number")
-  if not (isinstance(latency, (int, float)) and math.isfinite(latency) and latency >= 0):
-    raise ModelError(f"{name} latency {latency!r}: expected a number >= 0")
-  return Link(name, float(bandwidth), float(latency))
-
-
-def positive(what: str, value) -> float:
-  if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-    raise ModelError(f"{what} {value!r}: expected a positive number")
-  return float(value)
-
-
-# ----------------------------------------------------------------------------- collectives
-def ring_allreduce_s(grad_bytes: float, ranks: int, alpha: float, beta: float) -> float:
-  """Ring all-reduce of ``grad_bytes`` over ``ranks`` ranks on links of (α, β)."""
-  if ranks <= 1:
-    return 0.0
-  return 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * grad_bytes / beta
-
-
-def _intra_half(grad_bytes: float, gpus: int, intra: Link) -> float:
-  """Ring reduce (or broadcast) inside one node: half a ring all-reduce."""
-  if gpus <= 1:
-    return 0.0
-  return (gpus - 1) * intra.latency + (gpus - 1) / gpus * grad_bytes / intra.bandwidth
-
-
-def allreduce_s(grad_bytes: float, nodes: int, gpus: int, inter: Link, intra: Link,
-                scheme: str = "flat") -> float:
-  """All-reduce time of ``grad_bytes`` over ``nodes`` × ``gpus`` GPUs (see module docstring)."""
-  if scheme not in SCHEMES:
-    raise ModelError(f"all-reduce scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
-  if nodes == 1:
-    return ring_allreduce_s(grad_bytes, gpus, intra.latency, intra.bandwidth)
-  if scheme == "flat":
-    ranks = nodes * gpus
-    return 2 * (ranks - 1) * (inter.latency + grad_bytes / ranks / inter.bandwidth)
-  return (2 * _intra_half(grad_bytes, gpus, intra)
-          + ring_allreduce_s(grad_bytes, nodes, inter.latency, inter.bandwidth))
-
-
-# ----------------------------------------------------------------------------- steps
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-  inter: Link
+  network: Network
   intra: Link = NVLINK_BRIDGE
   gpus_per_node: int = 2
-  scheme: str = "flat"
+  algorithm: str = "flat"
+
+  def allreduce_s(self, nbytes: float, nodes: int) -> float:
+    return coll.allreduce_s(nbytes, nodes, self.gpus_per_node, self.network, self.intra,
+                            self.algorithm)
 
 
-def step_s(step_time: float, comm: float, k: int, overlap: str) -> float:
-  """One optimizer step of ``k`` microbatches of ``step_time`` each plus the exposed reduction."""
-  if overlap not in OVERLAPS:
-    raise ModelError(f"overlap {overlap!r}: expected one of {', '.join(OVERLAPS)}")
-  hidden = BACKWARD_FRACTION * step_time if overlap == "backward" else 0.0
-  return k * step_time + max(0.0, comm - hidden)
+@dataclasses.dataclass(frozen=True)
+class StepCurve:
+  """One GPU's step time against its per-device batch: the least-squares line through
+  measured ``(batch, seconds)`` points (one point: proportional to the batch)."""
+  points: tuple[tuple[int, float], ...]
+  source: str = ""
+
+  def line(self) -> tuple[float, float]:
+    """(t0, t1) of ``t(b) = t0 + b·t1``."""
+    if len({b for b, _ in self.points}) < 2:
+      b, t = self.points[0]
+      return 0.0, t / b
+    slope, intercept = statistics.linear_regression([b for b, _ in self.points],
+                                                    [t for _, t in self.points])
+    return intercept, slope
+
+  def at(self, batch: int) -> float:
+    t0, t1 = self.line()
+    t = t0 + t1 * batch
+    if t <= 0:
+      raise ModelError(f"step-time curve {self.source or self.points}: predicts {t:.3g} s at "
+                       f"batch {batch} (outside the measured range?)")
+    return t
 
 
-def efficiency(step_time: float, comm: float, k: int, overlap: str) -> float:
-  return k * step_time / step_s(step_time, comm, k, overlap)
+def step_curve(points, source: str = "") -> StepCurve:
+  pts = tuple(sorted((int(b), positive(f"step time at batch {b}", t)) for b, t in points))
+  if not pts or any(b < 1 for b, _ in pts):
+    raise ModelError(f"step times {source or list(points)}: expected batch:seconds pairs, "
+                     "batch >= 1")
+  return StepCurve(pts, source)
 
 
-def smallest_k(step_time: float, comm: float, overlap: str, target: float,
-               k_max: int = 1024) -> int | None:
-  """The smallest accumulation count with efficiency ≥ ``target`` (None beyond ``k_max``)."""
-  exposed = step_s(step_time, comm, 1, overlap) - step_time  # the same for every k
-  if exposed <= 0:
-    return 1
-  k = max(1, math.ceil(target / (1 - target) * exposed / step_time - 1e-9))
-  while efficiency(step_time, comm, k, overlap) < target:  # float rounding at the boundary
-    k += 1
-  return k if k <= k_max else None
+@dataclasses.dataclass(frozen=True)
+class Compute:
+  """What one GPU does in one step at k = 1 with no communication."""
+  step_time: float
+  fixed: float = 0.0
+  jitter: float = 0.0
+  profile: ov.GradientProfile = ov.UNIFORM
+
+  @property
+  def micro(self) -> float:
+    return self.step_time - self.fixed
 
 
-def predict(step_time: float, params: int, cluster: Cluster, *, nodes=DEFAULT_NODES,
-            dtypes=("float32", "bfloat16"), overlaps=OVERLAPS, k: int = 1,
-            target: float = 0.95, per_device_batch: int = 0) -> dict:
-  """The model's table: one row per (dtype, overlap, node count), plus recommendations."""
+def compute(step_time: float, fixed: float = 0.0, jitter: float = 0.0,
+            profile: ov.GradientProfile = ov.UNIFORM) -> Compute:
   positive("step time (s)", step_time)
+  for what, value in (("fixed per-step cost", fixed), ("jitter", jitter)):
+    if not (math.isfinite(value) and value >= 0):
+      raise ModelError(f"{what} {value!r} s: expected a number >= 0")
+  if fixed >= step_time:
+    raise ModelError(f"fixed per-step cost {fixed:g} s: must be below the step time "
+                     f"{step_time:g} s (it is part of it)")
+  return Compute(step_time, fixed, jitter, profile)
+
+
+# ----------------------------------------------------------------------------- one step
+def expected_max_normal(ranks: int) -> float:
+  """E[max of ``ranks`` independent standard normals] (Blom's approximation; exact 0 and
+  1/√π = 0.564 at 1 and 2 ranks, Blom gives 0 and 0.589)."""
+  if ranks <= 1:
+    return 0.0
+  return statistics.NormalDist().inv_cdf((ranks - 0.375) / (ranks + 0.25))
+
+
+def straggler_s(c: Compute, ranks: int, k: int) -> float:
+  return c.jitter * math.sqrt(k) * expected_max_normal(ranks)
+
+
+def step_s(c: Compute, exposed: float, k: int, straggler: float = 0.0) -> float:
+  """One optimizer step of ``k`` microbatches plus the exposed reduction and the wait."""
+  return c.fixed + k * c.micro + exposed + straggler
+
+
+def efficiency(c: Compute, exposed: float, k: int, straggler: float = 0.0) -> float:
+  """Throughput against GPUs that never communicate nor wait, at the same ``k``."""
+  return (c.fixed + k * c.micro) / step_s(c, exposed, k, straggler)
+
+
+def smallest_k(c: Compute, exposed: float, ranks: int, target: float,
+               k_max: int = K_MAX) -> int | None:
+  """The smallest accumulation count with efficiency ≥ ``target`` (None beyond ``k_max``)."""
+  for k in range(1, k_max + 1):
+    if efficiency(c, exposed, k, straggler_s(c, ranks, k)) >= target:
+      return k
+  return None
+
+
+def reduction(c: Compute, cluster: Cluster, grad_bytes: float, nodes: int, overlap: str,
+              bucket_bytes: float) -> tuple[float, float]:
+  """(all-reduce seconds issued, seconds exposed) of one step's gradient on ``nodes``."""
+  return ov.exposed_s(lambda m: cluster.allreduce_s(m, nodes), grad_bytes,
+                      ov.BACKWARD_FRACTION * c.micro, overlap, c.profile, bucket_bytes)
+
+
+# ----------------------------------------------------------------------------- the table
+def k_for(k_by_nodes: dict[int, int], nodes: int) -> int:
+  """The accumulation count at ``nodes``: that of the largest listed node count ≤ ``nodes``
+  (the smallest listed one below all of them)."""
+  listed = sorted(k_by_nodes)
+  below = [n for n in listed if n <= nodes]
+  return k_by_nodes[below[-1] if below else listed[0]]
+
+
+def predict(c: Compute | float, params: int, cluster: Cluster, *, nodes=DEFAULT_NODES,
+            dtypes=("float32", "bfloat16"), overlaps=ov.OVERLAPS, k: int | dict = 1,
+            target: float = 0.95, per_device_batch: int = 0,
+            bucket_bytes: float = ov.DDP_BUCKET_BYTES) -> dict:
+  """The model's table: one row per (dtype, overlap, node count), plus recommendations."""
+  c = c if isinstance(c, Compute) else compute(c)
   positive("parameter count", params)
   if not 0 < target < 1:
     raise ModelError(f"target efficiency {target!r}: expected a number in (0, 1)")
-  rows = []
-  for dtype in dtypes:
-    grad = params * GRAD_BYTES[dtype]
-    for overlap in overlaps:
-      for n in nodes:
-        comm = allreduce_s(grad, n, cluster.gpus_per_node, cluster.inter, cluster.intra,
-                           cluster.scheme)
-        kk = smallest_k(step_time, comm, overlap, target)
-        rows.append({
-            "dtype": dtype, "overlap": overlap, "nodes": n, "gpus": n * cluster.gpus_per_node,
-            "grad_bytes": grad, "comm_s": comm, "k": k,
-            "step_s": step_s(step_time, comm, k, overlap),
-            "efficiency": efficiency(step_time, comm, k, overlap),
-            "k_for_target": kk,
-            "global_batch_at_k_for_target": (n * cluster.gpus_per_node * per_device_batch * kk
-                                             if per_device_batch and kk else None)})
-  return {"step_time_s": step_time, "params": params, "target": target,
-          "cluster": {"inter": dataclasses.asdict(cluster.inter),
-                      "intra": dataclasses.asdict(cluster.intra),
-                      "gpus_per_node": cluster.gpus_per_node, "scheme": cluster.scheme},
-          "backward_fraction": BACKWARD_FRACTION, "rows": rows,
+  k_by_nodes = k if isinstance(k, dict) else {1: k}
+  rows = [row(c, cluster, params, dtype, overlap, n, k_for(k_by_nodes, n), target,
+              per_device_batch, bucket_bytes)
+          for dtype in dtypes for overlap in overlaps for n in nodes]
+  per_node_reference(rows)
+  return {"step_time_s": c.step_time, "fixed_s": c.fixed, "jitter_s": c.jitter,
+          "gradient_profile": c.profile.name, "params": params, "target": target,
+          "per_device_batch": per_device_batch or None, "bucket_bytes": bucket_bytes,
+          "cluster": describe_cluster(cluster),
+          "backward_fraction": ov.BACKWARD_FRACTION, "rows": rows,
           "recommendations": recommend(rows, dtypes, overlaps)}
+
+
+def row(c: Compute, cluster: Cluster, params: int, dtype: str, overlap: str, n: int, k: int,
+        target: float, per_device_batch: int, bucket_bytes: float) -> dict:
+  grad = params * GRAD_BYTES[dtype]
+  ranks = n * cluster.gpus_per_node
+  comm, exposed = reduction(c, cluster, grad, n, overlap, bucket_bytes)
+  wait = straggler_s(c, ranks, k)
+  kk = smallest_k(c, exposed, ranks, target)
+  return {"dtype": dtype, "overlap": overlap, "nodes": n, "gpus": ranks, "grad_bytes": grad,
+          "k": k, "comm_s": comm, "network_s": coll.network_s(
+              grad, n, cluster.gpus_per_node, cluster.network, cluster.intra,
+              cluster.algorithm),
+          "exposed_s": exposed, "straggler_s": wait, "step_s": step_s(c, exposed, k, wait),
+          "efficiency": efficiency(c, exposed, k, wait), "k_for_target": kk,
+          "global_batch": ranks * per_device_batch * k if per_device_batch else None,
+          "global_batch_at_k_for_target": (ranks * per_device_batch * kk
+                                           if per_device_batch and kk else None)}
+
+
+def per_node_reference(rows: list[dict]) -> None:
+  """Adds ``efficiency_vs_node``: per-GPU throughput against the same dtype/overlap's 1 node
+  (or the smallest node count in the table)."""
+  for r in rows:
+    same = [x for x in rows if (x["dtype"], x["overlap"]) == (r["dtype"], r["overlap"])]
+    base = min(same, key=lambda x: x["nodes"])
+    r["efficiency_vs_node"] = (r["k"] / r["step_s"]) / (base["k"] / base["step_s"])
+    r["reference_nodes"] = base["nodes"]
+
+
+def describe_cluster(cluster: Cluster) -> dict:
+  return {"network": cluster.network.describe(), "nic": dataclasses.asdict(cluster.network.nic),
+          "nics_per_node": cluster.network.nics, "transport": cluster.network.transport.name,
+          "transport_source": cluster.network.transport.source,
+          "intra": dataclasses.asdict(cluster.intra), "gpus_per_node": cluster.gpus_per_node,
+          "algorithm": cluster.algorithm}
 
 
 def recommend(rows: list[dict], dtypes, overlaps) -> list[dict]:
@@ -271,20 +292,9 @@ def calibration_fit(path: str, fit_of: str = "all") -> dict:
   """The last ``fit`` line of ``fit_of`` ("all" = every process count at once, or "2", "4",
   …) that ``benchmarks/bench_allreduce.py`` wrote to ``path``, from a run that kept freed
   memory in the heap (``heap: keep``: the transport's time, not page faults)."""
-  try:
-    with open(path) as f:
-      lines = f.read().splitlines()
-  except OSError as e:
-    raise ModelError(f"--calibration {path}: cannot read it ({e.strerror})") from None
-  fits = []
-  for i, line in enumerate(lines, 1):
-    try:
-      row = json.loads(line)
-    except ValueError:
-      raise ModelError(f"--calibration {path}: line {i} is not JSON") from None
-    if (row.get("kind") == "fit" and row.get("fit_of") == fit_of
-        and row.get("heap", "keep") == "keep"):
-      fits.append(row)
+  fits = [row for row in read_jsonl(path, "--calibration")
+          if row.get("kind") == "fit" and row.get("fit_of") == fit_of
+          and row.get("heap", "keep") == "keep"]
   if not fits:
     raise ModelError(f"--calibration {path}: no fit line with fit_of={fit_of!r} of a "
                      "heap=keep run (expected the output of benchmarks/bench_allreduce.py)")
@@ -327,7 +337,8 @@ def workdir_step(workdir: str, skip_windows: int = 1) -> dict:
   try:
     with open(config_path) as f:
       cfg = json.load(f)
-    shape, train = cfg["model"], legacy.complete(cfg["config"])["train"]
+    full = legacy.complete(cfg["config"])
+    shape, train, data = cfg["model"], full["train"], full["data"]
   except (OSError, ValueError, KeyError) as e:
     raise ModelError(f"--workdir {workdir}: {config_path} is missing or not a run's config "
                      f"({type(e).__name__}: {e})") from None
@@ -335,9 +346,44 @@ def workdir_step(workdir: str, skip_windows: int = 1) -> dict:
 
   from lmscale_jax.model import flops
 
-  params = flops.count_params_from_config(ml_collections.ConfigDict(shape))
+  model = ml_collections.ConfigDict(shape)
+  params = flops.count_params_from_config(model)
   k = int(train["grad_accum_steps"])
+  predictions = int(data.get("max_predictions") or math.ceil(
+      float(data.get("mask_prob", 0.15)) * model.seq_len))
   return {"step_time_s": statistics.median(times[skip_windows:]) / k, "params": params,
+          "profile": ov.bert_profile(model, model.seq_len, predictions),
           "windows": len(times) - skip_windows, "grad_accum_steps": k,
           "grad_dtype": train["grad_allreduce_dtype"],
           "batch_size": int(train["batch_size"])}
+
+
+# ----------------------------------------------------------------------------- measured compute
+def load_step_profile(path: str) -> dict:
+  """The last ``fit`` row of ``benchmarks/bench_step_profile.py``'s output: ``fixed_s``,
+  ``jitter_s`` and ``batch_points`` ([[batch, seconds], …]) of one process."""
+  rows = [r for r in read_jsonl(path, "--step-profile")
+          if r.get("bench") == "step-profile" and r.get("kind") == "fit"]
+  if not rows:
+    raise ModelError(f"--step-profile {path}: no step-profile fit row (expected the output "
+                     "of benchmarks/bench_step_profile.py)")
+  return rows[-1]
+
+
+def sweep_step_points(path: str, model: str = "") -> list[tuple[int, float]]:
+  """(per-device batch, median step time) of a ``lmscale sweep`` results file's finished
+  one-process, no-accumulation rows (of ``model`` when the file has several)."""
+  rows = [r for r in read_jsonl(path, "--step-times-from")
+          if r.get("status") == "ok" and r.get("processes") == 1 and r.get("accum") == 1
+          and isinstance(r.get("step_time"), (int, float))]
+  models = sorted({r.get("model", "") for r in rows})
+  if len(models) > 1 and not model:
+    raise ModelError(f"--step-times-from {path}: rows of several models ({', '.join(models)}): "
+                     "choose one with --sweep-model")
+  points = [(int(r["batch"]) // int(r.get("devices") or 1), float(r["step_time"]))
+            for r in rows if not model or r.get("model") == model]
+  if not points:
+    raise ModelError(f"--step-times-from {path}: no finished 1-process rows with accum 1"
+                     + (f" of model {model!r}" if model else ""))
+  return points
+
