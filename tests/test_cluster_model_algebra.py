@@ -221,3 +221,35 @@ def test_bad_new_values_are_one_line(args, match):
   import re
 
   assert re.search(match, one_error_line(tool("--step-time", "0.1", "--params", "1000", *args)))
+
+
+# ----------------------------------------------------------------------------- validation
+PUBLISHED = "benchmarks/published/multinode_tables.json"
+
+
+def test_published_tables_are_predicted_within_15_percent_or_the_error_is_stated():
+  from lmscale_jax.study import cluster_validation as v
+
+  result = v.validate(PUBLISHED)
+  rows = result["rows"]
+  families = {next(p for p in v.SETUPS if r["source"].startswith(p)) for r in rows}
+  assert len({f.split("-")[0] + f.split("-")[1] for f in families}) >= 3  # nvidia, tf, horovod
+  ethernet = [r for r in rows if r["setup"]["network"].endswith(("10gbe", "25gbe"))]
+  assert ethernet and any(r["nodes"] > 1 for r in ethernet)
+  for r in rows:
+    assert r["ratio"] == pytest.approx(r["predicted"] / r["published"])
+    assert r["within_tolerance"] == (abs(r["ratio"] - 1) <= 0.15)
+    assert r["within_tolerance"] or r["stated_error"].startswith(f"model {r['ratio'] - 1:+.0%}")
+    if r.get("reference_nodes") == r["nodes"]:
+      assert r["ratio"] == pytest.approx(1.0)  # the one node the model is given
+  assert sum(r["within_tolerance"] for r in rows) >= 0.9 * len(rows)
+  out = tool("--validate", PUBLISHED)
+  assert out.returncode == 0 and "| horovod-docs-512gpu-vgg16 | 128 | 512 |" in out.stdout
+  assert "not validated: horovod-docs-512gpu-resnet101" in out.stdout
+
+
+def test_a_file_that_is_not_published_tables_is_one_line(tmp_path):
+  bad = tmp_path / "t.json"
+  bad.write_text("[1, 2]")
+  assert f"--validate {bad}: not a published-tables file" in one_error_line(
+      tool("--validate", str(bad)))

@@ -29,6 +29,7 @@ from lmscale_jax.cli import scaling_inputs as inp
 from lmscale_jax.study import cluster_links as links
 from lmscale_jax.study import cluster_model as cm
 from lmscale_jax.study import cluster_overlap as ov
+from lmscale_jax.study import cluster_validation
 
 
 def parser() -> args.Parser:
@@ -60,8 +61,26 @@ def parser() -> args.Parser:
                    help="efficiency the recommended k must keep (default 0.95)")
   run.add_argument("--nodes", type=inp.csv(int, what="node counts"),
                    default=list(cm.DEFAULT_NODES), help="node counts (1,2,4,…,1024)")
+  p.add_argument("--validate", metavar="TABLES.json", help="instead: the model against "
+                 "published multi-node tables (benchmarks/published/multinode_tables.json), "
+                 "predicted vs published with the ratio")
   p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
   return p
+
+
+def render_validation(result: dict) -> str:
+  lines = [f"the model against {result['file']} (given one node's published throughput, it "
+           "predicts the other rows; ratio = predicted / published)", "",
+           "| source | nodes | GPUs | k | what | published | predicted | ratio | at line rate |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in result["rows"]:
+    lines.append(f"| {r['source']} | {r['nodes']} | {r['gpus']} | {r['k']} | {r['what']} | "
+                 f"{r['published']:,.4g} | {r['predicted']:,.4g} | {r['ratio']:.3f}"
+                 f"{'' if r['within_tolerance'] else ' (!)'} | {r['ratio_at_line_rate']:.3f} |")
+  lines += [""] + [f"(!) {r['source']} at {r['nodes']} nodes: {r['stated_error']}"
+                   for r in result["rows"] if r["stated_error"]]
+  lines += [f"not validated: {s['source']}: {s['why']}" for s in result["skipped"]]
+  return "\n".join(lines)
 
 
 def ms(x: float) -> str:
@@ -136,6 +155,10 @@ def main(argv=None) -> int:
   a = parser().parse_args(argv)
 
   def go() -> int:
+    if a.validate:
+      result = cluster_validation.validate(a.validate)
+      print(json.dumps(result, indent=1) if a.json else render_validation(result))
+      return 0
     result = run(a)
     print(json.dumps(result, indent=1) if a.json else render(result, a.overlap))
     return 0

@@ -108,7 +108,32 @@ def transport_curve(name: str, points, source: str = "") -> TransportCurve:
 
 
 LINE_RATE = TransportCurve("line rate", ((1.0, 1.0),), "no transport loss (an upper bound)")
-TRANSPORTS = {"line-rate": LINE_RATE}
+
+# NCCL's all-reduce bus bandwidth against line rate, from published nccl-tests numbers
+# (benchmarks/published/multinode_tables.json, "transport"; none was measured here):
+# * IB plateau 0.96: 192 GB/s on a DGX A100's 8 x 200 Gb/s (NVIDIA/nccl#1576), "24 GB/s per 200G
+#   NIC (12 GB/s for 100G)" (NVIDIA/nccl-tests#119, NVIDIA/nccl#307);
+# * its fall below ~32 MB: a 2-node sweep on 4 NICs (NVIDIA/nccl-tests#232, IB verbs with
+#   GID index 3, so probably RoCE): 18.5, 27.2, 36.2, 39.9, 41.3 GB/s at 2, 4, 8, 16, 32 MiB,
+#   scaled to the plateau. Below 2 MiB the curve stays at its 2 MiB value: the α terms carry
+#   the rest (an optimistic bound for tiny buckets);
+# * RoCE is NCCL's IB verbs transport over Ethernet: the same curve (no sweep at <= 100 Gb/s
+#   was found);
+# * TCP sockets: 4-6 GB/s at 8-128 MB on 100 Gb/s (NVIDIA/nccl#450: 0.32-0.48 of line rate).
+#   Slower links reach more of theirs: 0.97 of 32 Gb/s with one GPU per node, 0.45-0.72 with
+#   eight (NVIDIA/nccl#209); this curve is the pessimistic end.
+_IB_SHAPE = ((2 ** 21, 18.53), (2 ** 22, 27.16), (2 ** 23, 36.24), (2 ** 24, 39.90),
+             (2 ** 25, 41.31))
+_IB = tuple((b, round(0.96 * v / 41.31, 4)) for b, v in _IB_SHAPE)
+TRANSPORTS = {
+    "line-rate": LINE_RATE,
+    "nccl-ib": TransportCurve("NCCL over InfiniBand", _IB, "NVIDIA/nccl#1576, nccl-tests#119 "
+                              "and #232: 0.96 of line rate from 32 MiB, 0.43 at 2 MiB"),
+    "nccl-roce": TransportCurve("NCCL over RoCE", _IB, "as nccl-ib (IB verbs over Ethernet; "
+                                "nccl-tests#232)"),
+    "nccl-socket": TransportCurve("NCCL over TCP sockets", ((8e6, 0.32), (1.28e8, 0.48)),
+                                  "NVIDIA/nccl#450: 4-6 GB/s at 8-128 MB on 100 Gb/s TCP"),
+}
 
 
 def default_transport(nic: Link) -> TransportCurve:
@@ -116,7 +141,10 @@ def default_transport(nic: Link) -> TransportCurve:
   return TRANSPORTS.get(DEFAULT_TRANSPORT.get(nic.name, "line-rate"), LINE_RATE)
 
 
-DEFAULT_TRANSPORT: dict[str, str] = {}  # preset name -> TRANSPORTS key
+# preset -> the transport NCCL uses on it (presets' latencies assume the same)
+DEFAULT_TRANSPORT = {"10 GbE": "nccl-socket", "25 GbE": "nccl-roce", "100 GbE": "nccl-roce",
+                     "EDR InfiniBand": "nccl-ib", "HDR InfiniBand": "nccl-ib",
+                     "NDR InfiniBand": "nccl-ib"}
 
 
 def load_transport(path: str) -> TransportCurve:
