@@ -253,3 +253,40 @@ def test_a_file_that_is_not_published_tables_is_one_line(tmp_path):
   bad.write_text("[1, 2]")
   assert f"--validate {bad}: not a published-tables file" in one_error_line(
       tool("--validate", str(bad)))
+
+
+def test_step_times_come_from_a_sweep_file_of_one_model():
+  sweep = "benchmarks/results/2026-12-01-cpu-sweep-models.jsonl"  # tiny/tiny at batch 4, 8, 16
+  assert "rows of several models (tiny/tiny, tiny/wide): choose one with --sweep-model" in (
+      one_error_line(tool("--step-times-from", sweep, "--params", "526574")))
+  rows = [json.loads(x) for x in open(sweep)]
+  points = [(r["batch"], r["step_time"]) for r in rows
+            if r["model"] == "tiny/tiny" and r["status"] == "ok"]
+  out = tool("--step-times-from", sweep, "--sweep-model", "tiny/tiny", "--params", "526574",
+             "--per-device-batch", "4,16", "--nodes", "1,2", "--json")
+  assert out.returncode == 0, out.stderr
+  result = json.loads(out.stdout)
+  curve = cm.step_curve(points)
+  assert [b["step_time_s"] for b in result["batches"]] == pytest.approx(
+      [curve.at(4), curve.at(16)])
+  assert f"step time: line through {sweep}" in result["given"]
+
+
+def test_fixed_cost_and_jitter_come_from_a_step_profile(tmp_path):
+  profile = tmp_path / "profile.jsonl"
+  profile.write_text(json.dumps({"bench": "step-profile", "kind": "fit", "fixed_s": 0.004,
+                                 "jitter_s": 0.002, "batch_points": [[2, 0.01], [8, 0.031]]})
+                     + "\n")
+  out = tool("--step-profile", str(profile), "--params", "500000", "--per-device-batch", "4",
+             "--nodes", "1,64", "--json")
+  assert out.returncode == 0, out.stderr
+  result = json.loads(out.stdout)
+  part = result["batches"][0]
+  assert (part["fixed_s"], part["jitter_s"]) == (0.004, 0.002)
+  assert part["step_time_s"] == pytest.approx(0.017)  # the line through (2, 0.010), (8, 0.031)
+  assert f"fixed per-step cost: 4 ms (--step-profile {profile})" in result["given"]
+  wait = [r["straggler_s"] for r in part["rows"] if r["nodes"] == 64][0]
+  assert wait == pytest.approx(0.002 * cm.expected_max_normal(128))
+  profile.write_text('{"bench": "allreduce", "kind": "fit"}\n')
+  assert "no step-profile fit row" in one_error_line(
+      tool("--step-profile", str(profile), "--params", "9", "--per-device-batch", "4"))
