@@ -100,14 +100,15 @@ finetune() {  # $1 workdir, then the start
     --steps "$ft_steps" --log-every 50 --learning-rate 3e-4 --warmup-steps 60 \
     --checkpoint-every 200
 }
-# Two at once (each its own log): on 2 cores two runs of this tiny model finish sooner than
+# Two at once (each its own log, appended: a rerun that skips a finished run keeps its log): on
+# 2 cores two runs of this tiny model finish sooner than
 # one after the other.
 runs=(--workdir "$out/pretrain/run")
 for s in $seeds; do
   finetune "$out/ft-pre-s$s" --init-workdir "$out/pretrain/run" --seed "$s" \
-    > "$out/ft-pre-s$s.log" 2>&1 & pre=$!
+    >> "$out/ft-pre-s$s.log" 2>&1 & pre=$!
   finetune "$out/ft-rand-s$s" --init-random "$out/pretrain/run" --seed "$s" \
-    > "$out/ft-rand-s$s.log" 2>&1 & rand=$!
+    >> "$out/ft-rand-s$s.log" 2>&1 & rand=$!
   wait $pre || { tail -3 "$out/ft-pre-s$s.log" >&2; exit 1; }
   wait $rand || { tail -3 "$out/ft-rand-s$s.log" >&2; exit 1; }
   runs+=(--workdir "$out/ft-pre-s$s" --workdir "$out/ft-rand-s$s")
