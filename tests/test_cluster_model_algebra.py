@@ -290,3 +290,21 @@ def test_fixed_cost_and_jitter_come_from_a_step_profile(tmp_path):
   profile.write_text('{"bench": "allreduce", "kind": "fit"}\n')
   assert "no step-profile fit row" in one_error_line(
       tool("--step-profile", str(profile), "--params", "9", "--per-device-batch", "4"))
+
+
+def test_a_measured_transport_curve_is_read_from_bench_allreduce_output(tmp_path):
+  measured = tmp_path / "allreduce.jsonl"
+  row = {"bench": "allreduce", "kind": "transport-curve", "fit_of": "all", "heap": "keep",
+         "date": "2026-12-05", "points": [[2e6, 0.5], [3.2e7, 0.9]]}
+  measured.write_text(json.dumps({**row, "points": [[1e6, 0.1]]}) + "\n" + json.dumps(row) + "\n")
+  curve = links.load_transport(str(measured))  # the last curve of the file
+  assert curve.points == ((2e6, 0.5), (3.2e7, 0.9)) and curve.at(8e6) == pytest.approx(0.7)
+  out = tool("--step-time", "0.1", "--params", "1000000", "--transport", str(measured),
+             "--nodes", "1,4", "--algorithm", "tree", "--json")
+  assert out.returncode == 0, out.stderr
+  result = json.loads(out.stdout)
+  assert f"transport: measured (allreduce.jsonl) (--transport {measured})" in result["given"]
+  assert "all-reduce: tree" in result["given"]
+  measured.write_text(json.dumps({**row, "heap": "default"}) + "\n")
+  assert "no transport-curve row of a heap=keep run" in one_error_line(
+      tool("--step-time", "0.1", "--params", "9", "--transport", str(measured)))
