@@ -214,7 +214,7 @@ def test_labels_say_exactly_what_was_given():
     (["--step-times", "8:x"], "step times '8:x': expected comma-separated pairs"),
     (["--nics", "0"], "NICs per node '0': expected a positive integer"),
     (["--fixed-ms", "200"], "fixed per-step cost 0.2 s: must be below the step time 0.1 s"),
-    (["--transport", "/nonexistent.jsonl"], "--transport /nonexistent.jsonl: cannot read it"),
+    (["--transport", "/nonexistent.jsonl"], "/nonexistent.jsonl: cannot read it .*of --transport"),
     (["--overlap", "sometimes"], "overlap 'sometimes': expected comma-separated one or more of none"),
 ])
 def test_bad_new_values_are_one_line(args, match):

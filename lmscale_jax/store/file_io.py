@@ -50,6 +50,31 @@ def read_json(path: str, what: str, fix: str, error=None):
     raise error(f"{path}: not a JSON file ({error_reason(e)}): expected {what}; {fix}") from None
 
 
+def read_jsonl(path: str, what: str, error=None) -> list[dict]:
+  """Each non-blank line of a JSON-lines results file as a dict; a missing or unreadable file,
+  a line that is not JSON or not an object is one line of ``error`` (UserError by default)
+  naming the file (and the line) and ``what`` was expected."""
+  error = error or UserError
+  if kind := not_regular(path):
+    raise error(f"{path} is {kind}: expected {what}")
+  try:
+    with open(path) as f:
+      lines = f.read().splitlines()
+  except (OSError, ValueError) as e:
+    raise error(f"{path}: cannot read it ({error_reason(e)}): expected {what}") from None
+  rows = []
+  for n, line in enumerate(lines, 1):
+    try:
+      row = json.loads(line) if line.strip() else None
+    except ValueError:
+      raise error(f"{path}:{n}: not a JSON line: expected {what}") from None
+    if line.strip() and not isinstance(row, dict):
+      raise error(f"{path}:{n}: expected a JSON object per line ({what})")
+    if row is not None:
+      rows.append(row)
+  return rows
+
+
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
   h = hashlib.sha256()
   with open(path, "rb") as f:

@@ -18,6 +18,7 @@ import json
 import math
 
 from lmscale_jax.errors import UserError
+from lmscale_jax.store import file_io
 
 
 class ModelError(UserError, ValueError):
@@ -161,20 +162,8 @@ def load_transport(path: str) -> TransportCurve:
 
 
 def read_jsonl(path: str, flag: str) -> list[dict]:
-  """Every line of a JSON-lines results file; an unreadable file or line is one error naming
-  ``flag``, the file and the line."""
-  try:
-    with open(path) as f:
-      lines = f.read().splitlines()
-  except OSError as e:
-    raise ModelError(f"{flag} {path}: cannot read it ({e.strerror})") from None
-  rows = []
-  for i, line in enumerate(lines, 1):
-    try:
-      rows.append(json.loads(line))
-    except ValueError:
-      raise ModelError(f"{flag} {path}: line {i} is not JSON") from None
-  return rows
+  """Every row of a JSON-lines results file given by ``flag`` (``store.file_io.read_jsonl``)."""
+  return file_io.read_jsonl(path, f"the results file of {flag}", ModelError)
 
 
 # ----------------------------------------------------------------------------- a node's network

@@ -12,6 +12,7 @@ import json
 import os
 
 from lmscale_jax.errors import UserError
+from lmscale_jax.store import file_io
 from lmscale_jax.study.host import ROOT
 
 
@@ -24,19 +25,7 @@ class ReportError(UserError):
 
 
 def read_jsonl(path: str) -> list[dict]:
-  if not os.path.isfile(path):
-    raise ReportError(f"{path}: no such results file")
-  rows = []
-  for n, line in enumerate(open(path), 1):
-    if line.strip():
-      try:
-        row = json.loads(line)
-      except ValueError:
-        raise ReportError(f"{path}:{n}: not a JSON line") from None
-      if not isinstance(row, dict):
-        raise ReportError(f"{path}:{n}: expected a JSON object per line")
-      rows.append(row)
-  return rows
+  return file_io.read_jsonl(path, "a results file (lmscale sweep's output)", ReportError)
 
 
 def latest(rows: list[dict]) -> list[dict]:
