@@ -193,15 +193,16 @@ def step_inputs(a, model: dict) -> dict:
   """The step time or curve, fixed cost and jitter, each from the first flag that gives it."""
   profile = cm.load_step_profile(a.step_profile) if a.step_profile else {}
   curve, where = step_curve(a, profile)
-  if curve is None and a.step_time is None and "workdir_step" in model:
+  step_time = a.step_time
+  if curve is None and step_time is None and "workdir_step" in model:
     w = model["workdir_step"]
-    a.step_time, where = w["step_time_s"], f"{a.workdir}'s metrics.jsonl ({w['windows']} windows)"
-  if curve is None and a.step_time is None:
+    step_time, where = w["step_time_s"], f"{a.workdir}'s metrics.jsonl ({w['windows']} windows)"
+  if curve is None and step_time is None:
     raise cm.ModelError("--step-time is required with --params, --grad-mb or --config (or "
                         "give --step-times, --step-times-from, --step-profile or --workdir)")
   fixed = pick(a.fixed_ms, profile, "fixed_s", "--fixed-ms", a.step_profile)
   jitter = pick(a.jitter_ms, profile, "jitter_s", "--jitter-ms", a.step_profile)
-  return {"step_time": a.step_time, "curve": curve, "fixed": fixed[0], "jitter": jitter[0],
+  return {"step_time": step_time, "curve": curve, "fixed": fixed[0], "jitter": jitter[0],
           "given": [f"step time: {where}", f"fixed per-step cost: {fixed[1]}",
                     f"jitter: {jitter[1]}"]}
 

@@ -125,22 +125,26 @@ def node_rows(source: dict) -> list[dict]:
 def throughput_rows(source: dict, setup: Setup) -> list[dict]:
   rows = node_rows(source)
   one = min(rows, key=lambda r: r["nodes"])
+  models = [model_for(source, setup, one, line_rate) for line_rate in (False, True)]
   out = []
   for r in rows:
-    predicted, at_line_rate = (predicted_throughput(source, setup, one, r, line_rate)
-                               for line_rate in (False, True))
+    predicted, at_line_rate = (predicted_throughput(source, setup, r, *m) for m in models)
     out.append(result(source, setup, r, "throughput", r["throughput"], predicted,
                       reference_nodes=one["nodes"],
                       ratio_at_line_rate=at_line_rate / r["throughput"]))
   return out
 
 
-def predicted_throughput(source: dict, setup: Setup, one: dict, r: dict,
-                         line_rate: bool) -> float:
-  cluster, params = cluster_of(source, setup, line_rate), params_of(source)
-  c = one_gpu(source, setup, cluster, params, one)
+def model_for(source: dict, setup: Setup, one: dict, line_rate: bool):
+  """(one GPU's compute, the cluster) the model is given for a table: once per table."""
+  cluster = cluster_of(source, setup, line_rate)
+  return one_gpu(source, setup, cluster, params_of(source), one), cluster
+
+
+def predicted_throughput(source: dict, setup: Setup, r: dict, c: cm.Compute,
+                         cluster: cm.Cluster) -> float:
   k = int(r.get("accumulation", 1))
-  pred = cm.predict(c, params, cluster, nodes=(r["nodes"],), dtypes=("float32",),
+  pred = cm.predict(c, params_of(source), cluster, nodes=(r["nodes"],), dtypes=("float32",),
                     overlaps=(setup.overlap,), k=k, bucket_bytes=setup.bucket_mib * 2 ** 20)
   return r["gpus"] * k * micro_batch(source, r) / pred["rows"][0]["step_s"]
 
