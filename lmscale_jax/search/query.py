@@ -20,7 +20,8 @@ class Corpus:
   """The whole index in memory: vectors [N, dim] and, per row, (binary path, name, address).
   ``exact``: search exactly at every size (``lmscale search --exact``); ``index_dir``: where
   the approximate graph is kept (None: in memory only); ``searcher``: made on first use
-  (:meth:`prepared`), or given."""
+  (:meth:`prepared`), or given; ``entries``: index.json's binaries, in row order (read once,
+  here, so a server does not read index.json again)."""
   vectors: np.ndarray
   binaries: list[str]
   names: list[str]
@@ -28,6 +29,7 @@ class Corpus:
   index_dir: str | None = None
   exact: bool = False
   searcher: vector_search.Searcher | None = dataclasses.field(default=None, repr=False)
+  entries: list[dict] = dataclasses.field(default_factory=list, repr=False)
 
   def prepared(self, build: bool = False) -> vector_search.Searcher:
     """The searcher, made once. Above the exact size: the kept HNSW graph of these rows, else
@@ -52,7 +54,8 @@ def load(index_dir: str, model) -> Corpus:
     names += [r["name"] for r in rows]
     addresses += [int(r["address"]) for r in rows]
   vectors = np.concatenate(parts) if parts else np.zeros((0, doc["dim"]), np.float32)
-  return Corpus(vectors, binaries, names, addresses, index_dir=index_dir)
+  return Corpus(vectors, binaries, names, addresses, index_dir=index_dir,
+                entries=doc["binaries"])
 
 
 def top_k(corpus: Corpus, queries: np.ndarray, k: int,

@@ -73,12 +73,16 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def add_page(app: FastAPI) -> None:
+  html = None  # read once, at the start: the page is part of the installation, not of a request
+  if os.path.exists(PAGE):
+    with open(PAGE, encoding="utf-8") as f:
+      html = f.read()
+
   @app.get("/", include_in_schema=False)
   def page():
-    if not os.path.exists(PAGE):
+    if html is None:
       raise ApiError(404, f"{PAGE}: the page is missing from this installation")
-    with open(PAGE, encoding="utf-8") as f:
-      return HTMLResponse(f.read())
+    return HTMLResponse(html)
 
 
 def info(served: Served) -> dict:

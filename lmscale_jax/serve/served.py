@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from lmscale_jax.inference import function_vectors, trained_model
-from lmscale_jax.search import index_files, query
+from lmscale_jax.search import query
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def load(model, limits: Limits, token: str | None, index_dir: str | None) -> Ser
   served.corpus = query.load(index_dir, model)
   served.corpus.prepared(build=True)  # the search structure made once, before listening
   row = 0  # query.load stacks the binaries' shards in index.json's order
-  for b in index_files.read(index_dir)["binaries"]:
+  for b in served.corpus.entries:
     served.rows[b["sha256"]] = (b["path"], row, row + b["functions"])
     served.shas.setdefault(b["path"], []).append(b["sha256"])
     row += b["functions"]
