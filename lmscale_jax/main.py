@@ -58,11 +58,9 @@ def main(argv):
   if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage or lock
     return startup.run(config, workdir, lambda _: _describe(config), runtime=False,
                        exit_at_once=True)
-  from lmscale_jax.train import preflight
-
   # The checks before any data is read, in order: lmscale_jax/config/checks.py.
   return startup.run(config, workdir, lambda _: _train(config, workdir),
-                     checks=lambda: preflight.check_before_runtime(config), exit_at_once=True)
+                     checks=lambda: startup.check_before_runtime(config), exit_at_once=True)
 
 
 def _describe(config) -> None:

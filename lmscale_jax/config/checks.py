@@ -3,7 +3,7 @@
 ``main`` runs, in this order (each failure is one ``error:`` line; multi-process: raised in
 every process, naming the process and host it concerns):
 
-1. ``train.preflight.check_before_runtime``, before the runtime starts: :func:`check_config`
+1. ``train.startup.check_before_runtime``, before the runtime starts: :func:`check_config`
    (here: each value on its own — every numeric key finite, of its type and in its range;
    known modes (``config.modes``); renamed keys; the model's own rules,
    :func:`check_model_config`), then the start model of ``init_from``. So a typo never waits

@@ -1,7 +1,6 @@
-"""The checks of a run before it reads data, in the order :mod:`lmscale_jax.config.checks`
-describes: :func:`check_before_runtime` (every config value, and the start model of
-``init_from``) before the runtime starts, so a typo never waits for start-up or staging; then,
-with the runtime up, :func:`preflight` across the processes."""
+"""The checks of a run before it reads data that need the runtime, in the order
+:mod:`lmscale_jax.config.checks` describes: :func:`preflight` across the processes, once the
+runtime is up (those that need none run first: ``train.startup.check_before_runtime``)."""
 
 from __future__ import annotations
 
@@ -15,16 +14,7 @@ from lmscale_jax.cluster import distributed
 from lmscale_jax.cluster.topology import DistributedError
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.errors import ConfigError
-from lmscale_jax.model import hf_convert
 from lmscale_jax.train import checkpoint
-
-
-def check_before_runtime(config) -> None:
-  """Step 1 (one ``ConfigError`` line naming the key): every value on its own, then the
-  Hugging Face directory of ``init_from`` holds a BERT of ``config.model``'s shape."""
-  config_checks.check_config(config)
-  if config.init_from:
-    hf_convert.check_matches_model_config(str(config.init_from), config.model)
 
 
 def device_memory() -> tuple[int, str] | None:

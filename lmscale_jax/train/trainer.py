@@ -29,6 +29,7 @@ from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import metrics as metrics_lib
 from lmscale_jax.train import preflight
 from lmscale_jax.train import run_loop
+from lmscale_jax.train import startup
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import workdir as workdir_lib
 
@@ -59,7 +60,7 @@ def build_setup(config: ml_collections.ConfigDict,
                 meta: dataset.DatasetMeta | None = None) -> Setup:
   """Checks the config (config_checks steps 1-3), loads the dataset's metadata once (unless
   given) and resolves the model and its costs."""
-  preflight.check_before_runtime(config)
+  startup.check_before_runtime(config)
   devices = jax.device_count()
   config_checks.check_batch(config.train.batch_size, processes=jax.process_count(),
                             devices_per_process=jax.local_device_count(),
