@@ -35,4 +35,9 @@ if [ ! -f .venv-browser/.lmscale-installed ]; then
 fi
 export LMSCALE_BROWSER_PYTHON="$PWD/.venv-browser/bin/python"
 export JAX_PLATFORMS=cpu
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
+# Two pytest workers (pytest-xdist), each test file on one of them (its module fixtures built
+# once): one worker kept 1.3 of CI's 2 cores busy (/proc/stat, a whole run), waiting on the
+# processes its tests start. More would only take turns on 2 cores. LMSCALE_TEST_WORKERS=0
+# runs in this process (a debugger, -x).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 \
+  -n "${LMSCALE_TEST_WORKERS:-2}" --dist loadfile tests "$@"
