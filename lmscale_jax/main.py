@@ -56,17 +56,17 @@ def main(argv):
              f"{_usage(argv)}")
   config, workdir = _config, FLAGS.workdir
   if FLAGS.dry_run:  # this process only: no runtime to start, nothing to stage or lock
-    return startup.run(config, workdir, lambda _: _describe(config), runtime=False,
+    return startup.run(config, workdir, lambda _: _describe(config, workdir), runtime=False,
                        exit_at_once=True)
   # The checks before any data is read, in order: lmscale_jax/config/checks.py.
   return startup.run(config, workdir, lambda _: _train(config, workdir),
                      checks=lambda: startup.check_before_runtime(config), exit_at_once=True)
 
 
-def _describe(config) -> None:
+def _describe(config, workdir: str) -> None:
   from lmscale_jax.train import trainer
 
-  setup = trainer.build_setup(config)
+  setup = trainer.build_setup(config, workdir=workdir)
   print(config)
   print(trainer.describe(setup))
 

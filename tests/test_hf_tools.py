@@ -41,13 +41,17 @@ def run_tool(name, argv, capsys):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """A binary-code dataset from two system libraries and a 6-step run on it."""
+  """A binary-code dataset from two system libraries and a 6-step run on it, with BERT's
+  position table (segment positions: the model that exports as BertForMaskedLM; the default
+  on binary code, instruction positions, exports with remote code: tests/test_hf_variants.py)."""
   base = tmp_path_factory.mktemp("use")
   data = base / "ds"
   prepare.prepare(prepare.PrepareOptions(kind="binary", inputs=INPUTS, output=str(data), seq_len=64,
                                   vocab_size=400, val_fraction=0.1, workers=1, progress=False))
   workdir = base / "run"
-  train.train_and_evaluate(small_train_config(str(data)), str(workdir))
+  config = small_train_config(str(data))
+  config.model.positions = "segment"
+  train.train_and_evaluate(config, str(workdir))
   return data, workdir
 
 
@@ -152,6 +156,13 @@ def test_import_config_and_init_from_start_at_the_hf_weights(run, exported, tmp_
   state = hf_convert.init_state(config.init_from, steps.init(jax.random.key(0)), steps, setup)
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(state.params),
                          trained_model.from_hf(str(exported)).params)
+  config.model.positions = "auto"  # the start model's: BERT's one position table
+  assert train.build_setup(config).model_cfg.positions == "segment"
+  config.model.positions = "instruction"
+  with pytest.raises(hf_convert.HFError, match="is a BertForMaskedLM .* set "
+                     "--config.model.positions=segment"):
+    train.build_setup(config)
+  config.model.positions = "segment"
   config.model.layers = 3
   with pytest.raises(hf_convert.HFError, match="num_hidden_layers=2 but model.layers=3; set "
                      "--config.model.layers=2"):

@@ -110,7 +110,7 @@ def test_variants_export_with_their_modeling_code(exports):
 
 
 def test_plain_post_ln_run_still_exports_as_bert_without_code(tmp_path):
-  cfg = variant_cfg()  # norm=post, positions=segment: the defaults
+  cfg = variant_cfg(positions="segment")  # norm=post (the default), BERT's position table
   out = export(init(cfg), cfg, tmp_path / "bert")
   config = json.loads(open(os.path.join(out, "config.json")).read())
   assert (config["model_type"], config["architectures"]) == ("bert", ["BertForMaskedLM"])

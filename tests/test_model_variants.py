@@ -328,7 +328,8 @@ def test_pre_ln_on_the_command_line_is_refused_naming_model_norm(binary, tmp_pat
   assert not (tmp_path / "w").exists()
 
 
-def test_instruction_positions_on_a_text_dataset_is_one_line(tmp_path):
+def text_dataset(tmp_path):
+  """A text corpus prepared as users do (lmscale prepare text): no [NEXT] in it."""
   corpus = tmp_path / "a.txt"
   corpus.write_text("".join(f"the quick brown fox {i} jumps over the lazy dog\n"
                             for i in range(300)))
@@ -336,6 +337,11 @@ def test_instruction_positions_on_a_text_dataset_is_one_line(tmp_path):
   prepare.prepare(prepare.PrepareOptions(kind="text", inputs=[str(corpus)], output=str(text),
                                          seq_len=64, vocab_size=300, val_fraction=0.05,
                                          workers=1, progress=False))
+  return text
+
+
+def test_instruction_positions_on_a_text_dataset_is_one_line(tmp_path):
+  text = text_dataset(tmp_path)
   r = main([f"--config={ROOT}/configs/tiny.py", f"--workdir={tmp_path / 'w'}",
             f"--config.data.path={text}", "--config.model.positions=instruction"], timeout=120)
   assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -345,6 +351,32 @@ def test_instruction_positions_on_a_text_dataset_is_one_line(tmp_path):
   # Found where the dataset is read, as a model.seq_len that disagrees with it: the workdir
   # holds at most its (released) lock file, no config.json, metrics or checkpoint.
   assert set(os.listdir(tmp_path / "w")) <= {".lock"}
+
+
+# --------------------------------------------------------------------------- positions "auto"
+def test_auto_positions_are_instruction_on_binary_code_and_segment_on_text(binary, tmp_path):
+  model = config_defaults.get_base_config().model
+  assert model.positions == "auto"  # the default
+  resolve = lambda data: M.resolve_model_config(model, dataset.DatasetMeta.load(str(data)))
+  assert resolve(binary).positions == "instruction"
+  assert resolve(text_dataset(tmp_path)).positions == "segment"
+  given = M.resolve_model_config(model, dataset.DatasetMeta.load(str(binary)),
+                                 start_positions="absolute")
+  assert given.positions == "absolute"  # the start model's, where there is one
+
+
+def test_auto_keeps_the_positions_of_the_run_it_resumes(binary, tmp_path):
+  """A run begun with segment positions (the default before "auto") resumes under the default
+  as the model it is; a new run under the default is instruction (binary code)."""
+  workdir = tmp_path / "w"
+  ok(main(dist.train_args(binary, workdir, **{"model.positions": "segment",
+                                               "train.steps": 3})))
+  r = ok(main(dist.train_args(binary, workdir)))
+  assert "resumed from" in r.stderr and "segment positions, post-LN" in r.stderr
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["model"]["positions"] == "segment" and sorted(dist.series(workdir))[-1] == 6
+  fresh = ok(main([*dist.train_args(binary, tmp_path / "new"), "--dry_run"]))
+  assert "instruction positions, post-LN" in fresh.stdout
 
 
 # --------------------------------------------------------------------------- the paper's config

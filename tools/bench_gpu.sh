@@ -123,9 +123,11 @@ step() {  # step NAME CONFIG BATCH [extra bench_step args…]
   local name=$1 config=$2 batch=$3; shift 3
   local shape=("${SHAPE120[@]}")
   [[ $config == *350m* ]] && shape=("${SHAPE350[@]}")
+  # BERT's one position table, as the peer computes (the default, auto, is undertale's
+  # instruction positions on binary code; a later --set model.positions=… overrides this).
   run "$name" 300 "$PY" benchmarks/bench_step.py --config "$config" --batch "$batch" \
     --seq $SEQ --vocab $VOCAB --steps $STEPS --peak-tflops "$PEAK" --jsonl "$RESULTS" \
-    ${shape[@]+"${shape[@]}"} "$@"
+    --set model.positions=segment ${shape[@]+"${shape[@]}"} "$@"
 }
 peer() {  # peer NAME MODE CONFIG BATCH
   local name=$1 mode=$2 config=$3 batch=$4

@@ -49,8 +49,12 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.packed_attention = "segment"
   # absolute (0..S-1 per sequence) | segment (from 0 at each [CLS]: a packed function gets what
   # it gets alone) | instruction (undertale: instruction + argument index from [NEXT], binary
-  # datasets only). docs/training.md "Model variants" has what each costs and gives.
-  c.model.positions = "segment"
+  # datasets only) | auto: the start model's (a resumed run, init_from), else instruction on
+  # binary code and segment on text. Default by benchmarks/longer_functions.sh (same CPU
+  # budget, seq 256): instruction took the pretrained + fine-tuned similarity model from
+  # 0.404 / 0.473 to 0.458 / 0.536 R@1 at pool 1,000 (docs/similarity.md). docs/training.md
+  # "Model variants" has what each costs and gives.
+  c.model.positions = "auto"
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 256      # global sequences per step

@@ -10,8 +10,10 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 # "cross" = one window over the whole sequence
 PACKED_ATTENTION = ("segment", "cross")
 # model.positions (model/bert.py): "absolute" 0..S-1 per sequence, "segment" from 0 at each
-# [CLS], "instruction" undertale's instruction + argument index (from [NEXT]), no position table
-POSITIONS = ("absolute", "segment", "instruction")
+# [CLS], "instruction" undertale's instruction + argument index (from [NEXT]), no position table;
+# "auto" the start model's (a resumed run, init_from), else "instruction" on a dataset with
+# [NEXT] (binary code), "segment" without (text): model.bert.resolve_model_config
+POSITIONS = ("auto", "absolute", "segment", "instruction")
 NORMS = ("post", "pre")  # model.norm (model/bert.py): BERT's post-LN or pre-LN (undertale)
 SCHEDULES = ("linear", "cosine")  # train.schedule (train/optim.py)
 # train.nonfinite: "error" stops the run, naming the step and the last good checkpoint; "skip"

@@ -291,16 +291,29 @@ def is_classifier(config: dict) -> bool:
 
 def check_matches_model_config(hf_dir: str, model_config) -> None:
   """``config.init_from``: ``config.model`` has the shape of the HF model (vocab_size and
-  seq_len may be 0: the dataset's, compared with the HF model's when training starts)."""
-  for key, value in model_keys(hf_dir).items():
+  seq_len may be 0: the dataset's, compared with the HF model's when training starts;
+  positions "auto" becomes the HF model's, :func:`positions_of`)."""
+  keys = model_keys(hf_dir)
+  for key, value in keys.items():
     ours = model_config[key]
-    if key in ("vocab_size", "seq_len") and ours == 0:
+    if (key in ("vocab_size", "seq_len") and ours == 0) or (key, ours) == ("positions", "auto"):
       continue
     if ours != value:
       raise HFError(
           f"init_from={hf_dir}: its {CONFIG} has {MODEL_KEYS.get(key, key)}={value!r} but "
           f"model.{key}={ours!r}; set --config.model.{key}={value} (lmscale import-hf writes "
           "a config with every such key)")
+  if "positions" not in keys and model_config.positions == "instruction":
+    raise HFError(
+        f"init_from={hf_dir} is a BertForMaskedLM (one position table) but "
+        "model.positions='instruction' has instruction and argument tables instead; set "
+        "--config.model.positions=segment (or auto, which takes the start model's)")
+
+
+def positions_of(hf_dir: str) -> str:
+  """The ``model.positions`` an HF model was trained with: an lmscale remote-code export's
+  own; a BertForMaskedLM's one position table is what "segment" loads (and "absolute")."""
+  return model_keys(hf_dir).get("positions", "segment")
 
 
 # --------------------------------------------------------------------------- files

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Callable
 
 import jax
@@ -56,17 +57,19 @@ class Setup:
   memory_at: Callable[[int], int]  # the same at another per-device batch
 
 
-def build_setup(config: ml_collections.ConfigDict,
-                meta: dataset.DatasetMeta | None = None) -> Setup:
+def build_setup(config: ml_collections.ConfigDict, meta: dataset.DatasetMeta | None = None,
+                workdir: str | None = None) -> Setup:
   """Checks the config (config_checks steps 1-3), loads the dataset's metadata once (unless
-  given) and resolves the model and its costs."""
+  given) and resolves the model and its costs (``model.positions="auto"``: the run in
+  ``workdir`` keeps its own, :func:`start_positions`)."""
   startup.check_before_runtime(config)
   devices = jax.device_count()
   config_checks.check_batch(config.train.batch_size, processes=jax.process_count(),
                             devices_per_process=jax.local_device_count(),
                             accum_steps=config.train.grad_accum_steps)
   meta = meta or dataset.DatasetMeta.load(config.data.path)
-  model_cfg = model_lib.resolve_model_config(config.model, meta, remat=config.train.remat)
+  model_cfg = model_lib.resolve_model_config(config.model, meta, remat=config.train.remat,
+                                             start_positions=start_positions(config, workdir))
   predictions = masking.num_predictions(config.data.mask_prob, config.data.max_predictions,
                                         meta.seq_len)
   per_device = config.train.batch_size // devices
@@ -85,6 +88,20 @@ def build_setup(config: ml_collections.ConfigDict,
       memory_bytes=memory_at(per_device), memory_at=memory_at)
 
 
+def start_positions(config: ml_collections.ConfigDict, workdir: str | None) -> str | None:
+  """What ``model.positions="auto"`` keeps: the positions of the model the run starts from,
+  the run in ``workdir`` (a resume: one begun before "auto" was the default resumes as it
+  began) or else ``init_from``'s; None for a new model (the dataset decides)."""
+  if config.model.positions != "auto":
+    return None
+  record = os.path.join(workdir, workdir_lib.RUN_CONFIG) if workdir else ""
+  if record and os.path.exists(record):
+    return workdir_lib.load_record(record)["model"]["positions"]
+  if config.init_from:
+    return hf_convert.positions_of(str(config.init_from))
+  return None
+
+
 def describe(setup: Setup) -> str:
   train_config, cfg = setup.config.train, setup.model_cfg
   levers = (f"remat {train_config.remat}, grad_accum_steps {train_config.grad_accum_steps}, "
@@ -92,7 +109,8 @@ def describe(setup: Setup) -> str:
             f"grad_allreduce_dtype {train_config.grad_allreduce_dtype}, "
             f"grad_allreduce {train_config.get('grad_allreduce', 'auto')}")
   return (f"model: {setup.param_count:,} parameters ({cfg.layers} layers × {cfg.hidden}, "
-          f"vocab {cfg.vocab_size}, seq {setup.meta.seq_len}); "
+          f"vocab {cfg.vocab_size}, seq {setup.meta.seq_len}, {cfg.positions} positions, "
+          f"{cfg.norm}-LN); "
           f"{setup.flops_per_step / 1e12:.3f} TFLOP per step (global batch "
           f"{train_config.batch_size}, "
           f"{setup.predictions} predictions/sequence); "
@@ -197,7 +215,7 @@ def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> Non
 
 def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   config = copy.deepcopy(config)  # data.workers may be capped or set by the autotune below
-  setup = build_setup(config, meta)
+  setup = build_setup(config, meta, workdir)
   is_writer = jax.process_index() == 0
   loader.cap_workers(config, is_writer=is_writer)
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
