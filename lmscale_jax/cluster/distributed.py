@@ -276,14 +276,9 @@ def await_runtime(error: BaseException, heartbeat_timeout_s: float) -> None:
 def exit_now(code: int = 1) -> None:
   """Ends a failed multi-process run at once, skipping JAX's shutdown barrier (its peers are
   blocked in a collective and would otherwise hold this process for ``shutdown_timeout``)."""
-  try:
-    logging.flush()
-  except Exception:  # flushing is best effort on the way out
-    pass
-  sys.stdout.flush()
-  sys.stderr.flush()
   if jax.distributed.is_initialized() and jax.process_index() == 0:
     # Process 0 hosts the coordination service: when it goes, the runtime aborts every other
     # process at once. A moment's wait lets peers that failed the same check print why.
+    supervisor.flush_output()
     time.sleep(_COORDINATOR_LINGER_S)
-  os._exit(code)
+  supervisor.leave(code)

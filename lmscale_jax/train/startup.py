@@ -178,20 +178,10 @@ def _leave(line: str, code: int, exit_at_once: bool) -> int:
 
     distributed.exit_now(code)
   if exit_at_once:  # one process: no runtime to shut down, no peers to wait for
-    _exit_now(code)
+    from lmscale_jax.cluster import supervisor  # not distributed: it imports jax (1.4 s)
+
+    supervisor.leave(code)
   return code
-
-
-def _exit_now(code: int) -> None:
-  """os._exit after the logs are flushed. Not ``distributed.exit_now``: that module imports
-  jax, 1.4 s on every one-process config typo, for a runtime that was never started."""
-  try:
-    logging.flush()
-  except Exception:  # flushing is best effort on the way out
-    pass
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(code)
 
 
 def _multi_process_failure(e: BaseException, config, workdir: str) -> None:
