@@ -75,8 +75,8 @@ def op_embed(job):
   from safetensors.torch import load_file
 
   d = job["dir"]
-  tok = transformers.AutoTokenizer.from_pretrained(d)
-  bert = transformers.AutoModel.from_pretrained(d, add_pooling_layer=False,
+  tok = transformers.AutoTokenizer.from_pretrained(d, trust_remote_code=True)
+  bert = transformers.AutoModel.from_pretrained(d, add_pooling_layer=False, trust_remote_code=True,
                                                 attn_implementation="eager").eval()
   head = load_file(f"{d}/projection.safetensors")
   with open(f"{d}/projection.json") as f:

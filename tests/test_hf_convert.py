@@ -33,7 +33,9 @@ def expected_hf_keys(layers: int) -> set[str]:
 
 @pytest.fixture(scope="module")
 def cfg():
-  return small_cfg(layer_norm_eps=1e-7)  # not transformers' default: must travel in config.json
+  # layer_norm_eps: not transformers' default, so it must travel in config.json; BERT's
+  # position table (the default on binary code, instruction positions, has no BERT form).
+  return small_cfg(layer_norm_eps=1e-7, positions="segment")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,7 @@ def test_from_hf_rejects_bad_state_dicts(cfg, params):
     hf_convert.from_hf_state_dict(
         dict(sd, **{"bert.encoder.layer.2.output.dense.bias": np.zeros(cfg.hidden)}), cfg)
   with pytest.raises(hf_convert.HFError, match="shape"):
-    hf_convert.from_hf_state_dict(sd, small_cfg(ffn=48))
+    hf_convert.from_hf_state_dict(sd, small_cfg(ffn=48, positions="segment"))
   # BertForPreTraining's pooler and next-sentence head: not part of a masked LM, ignored.
   hf_convert.from_hf_state_dict(dict(sd, **{"bert.pooler.dense.bias": np.zeros(cfg.hidden)}),
                                 cfg)

@@ -414,7 +414,10 @@ def test_tiny_config_builds_a_model_from_dataset_metadata():
                                remat=c.train.remat)
   assert (cfg.seq_len, cfg.vocab_size, cfg.pad_id, cfg.remat) == (128, 500, PAD, "none")
   shapes = jax.eval_shape(lambda r: M.init_params(cfg, r), jax.random.key(0))
-  assert shapes["embeddings"]["position_embeddings"]["embedding"].shape == (128, 128)
+  # Binary-code metadata: the default positions (auto) are undertale's two [S, H] tables.
+  assert cfg.positions == "instruction" and "position_embeddings" not in shapes["embeddings"]
+  for table in ("instruction_embeddings", "argument_embeddings"):
+    assert shapes["embeddings"][table]["embedding"].shape == (128, 128)
 
 
 def test_resolve_model_config_mismatch_names_everything():

@@ -83,6 +83,9 @@ def functions_alone(rows: np.ndarray, dtype=np.uint16):
 
 
 def model_cfg(packed_attention: str, **model):
+  """BERT's position table unless ``positions`` is given (the default on binary code, auto →
+  instruction, packs the same way: tests/test_model_variants.py)."""
+  model = {"positions": "segment", **model}
   c = make_config(model=dict(layers=2, hidden=32, heads=4, ffn=64, dropout=0.0,
                              dtype="float32", packed_attention=packed_attention, **model))
   return M.resolve_model_config(c.model, dataset.DatasetMeta.synthetic(SEQ, VOCAB))

@@ -59,14 +59,15 @@ class TrainedModel:
 # --------------------------------------------------------------------------- loading
 def resolve(model_config, shape: dict, special_ids: dict, *, dtype: str | None = "float32",
             where: str = "") -> ml_collections.ConfigDict:
-  """``config.model`` + the saved shape keys → the config ``BertForMLM`` takes (positions
-  too: what a run's "auto" became, which this ``meta`` without a dataset cannot tell)."""
+  """``config.model`` + the saved shape keys → the config ``BertForMLM`` takes (their
+  positions too, where given: what a run's "auto" became, which this ``meta`` without a
+  dataset cannot tell)."""
   meta = dataset.DatasetMeta(path=where, name="", seq_len=int(shape["seq_len"]),
                              vocab_size=int(shape["vocab_size"]), special_ids=special_ids,
                              splits={}, raw={})
   model_config = ml_collections.ConfigDict(model_config.to_dict())
   model_config.vocab_size, model_config.seq_len = 0, 0  # taken from `meta`
-  model_config.positions = shape["positions"]
+  model_config.positions = shape.get("positions", model_config.positions)
   cfg = model_lib.resolve_model_config(model_config, meta)
   if dtype:
     cfg.dtype = dtype

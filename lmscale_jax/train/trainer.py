@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from typing import Callable
 
 import jax
@@ -94,9 +93,9 @@ def start_positions(config: ml_collections.ConfigDict, workdir: str | None) -> s
   began) or else ``init_from``'s; None for a new model (the dataset decides)."""
   if config.model.positions != "auto":
     return None
-  record = os.path.join(workdir, workdir_lib.RUN_CONFIG) if workdir else ""
-  if record and os.path.exists(record):
-    return workdir_lib.load_record(record)["model"]["positions"]
+  resumed = workdir_lib.recorded_positions(workdir) if workdir else None
+  if resumed:
+    return resumed
   if config.init_from:
     return hf_convert.positions_of(str(config.init_from))
   return None

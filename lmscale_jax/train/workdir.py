@@ -189,6 +189,19 @@ def _read_record(path: str) -> tuple[dict | None, str | None]:
     return None, e.problem
 
 
+def recorded_positions(workdir: str) -> str | None:
+  """The ``model.positions`` the run in ``workdir`` was built with (what ``"auto"`` keeps on
+  a resume): config.json's, else the copy in its latest checkpoint (config.json lost or
+  damaged: :func:`read_record` restores it); None for a new workdir, or where neither is
+  readable (the resume's checks say so, in one line)."""
+  record, _ = _read_record(os.path.join(workdir, RUN_CONFIG))
+  if record is None and os.path.isdir(ckpt_lib.checkpoints_dir(workdir)):
+    step = ckpt_lib.latest_complete_step(workdir)
+    saved = None if step is None else ckpt_lib.saved_record(workdir, step)
+    record = legacy.complete_record(saved) if saved else None
+  return record["model"]["positions"] if record else None
+
+
 def read_record(workdir: str, resume_step: int | None) -> tuple[dict | None, bool]:
   """The run's record, ``(record, restored)``: ``workdir/config.json``, or where it is
   missing or damaged the copy saved in the checkpoint a run resumes from (``restored``; every
