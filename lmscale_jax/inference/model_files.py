@@ -189,9 +189,10 @@ def hf_model_config(hf_dir: str) -> ml_collections.ConfigDict:
   check_hf_files(hf_dir)
   model_config = config_defaults.get_base_config().model
   hf = hf_convert.read_config(hf_dir)
-  for key, value in hf_convert.model_keys(hf_dir).items():
+  keys = hf_convert.model_keys(hf_dir)
+  for key, value in keys.items():
     model_config[key] = value
-  model_config.positions = hf_convert.positions_of(hf_dir)  # not the default's "auto"
+  model_config.positions = hf_convert.positions_of(keys)  # not the default's "auto"
   if "packed_attention" in hf:  # read_config checked it (remote-code exports have it)
     model_config.packed_attention = hf["packed_attention"]
   model_config.dropout = float(hf.get("hidden_dropout_prob", model_config.dropout))

@@ -310,10 +310,11 @@ def check_matches_model_config(hf_dir: str, model_config) -> None:
         "--config.model.positions=segment (or auto, which takes the start model's)")
 
 
-def positions_of(hf_dir: str) -> str:
-  """The ``model.positions`` an HF model was trained with: an lmscale remote-code export's
-  own; a BertForMaskedLM's one position table is what "segment" loads (and "absolute")."""
-  return model_keys(hf_dir).get("positions", "segment")
+def positions_of(keys: dict) -> str:
+  """The ``model.positions`` of the HF model whose :func:`model_keys` are ``keys``: an lmscale
+  remote-code export's own; a BertForMaskedLM's one position table is what "segment" loads
+  (and "absolute")."""
+  return keys.get("positions", "segment")
 
 
 # --------------------------------------------------------------------------- files

@@ -97,7 +97,7 @@ def start_positions(config: ml_collections.ConfigDict, workdir: str | None) -> s
   if resumed:
     return resumed
   if config.init_from:
-    return hf_convert.positions_of(str(config.init_from))
+    return hf_convert.positions_of(hf_convert.model_keys(str(config.init_from)))
   return None
 
 
