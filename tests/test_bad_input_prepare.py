@@ -20,7 +20,7 @@ import time
 import pytest
 
 from lmscale_jax.cli.args import EXIT_USAGE
-from lmscale_jax.prep import prepare, text_corpus
+from lmscale_jax.prep import output_dir, prepare, text_corpus
 from lmscale_jax.store import dataset
 from tests.helpers import lmscale
 from tests.test_prepare import ROOT, SEQ, _same_output, opts, small_elves
@@ -91,8 +91,8 @@ def test_overwrite_removes_only_what_the_tool_wrote(tmp_path):
   names = set(os.listdir(out))
   assert (out / "README").read_text() == "my notes\n"
   assert not names & set(many[1:])  # the earlier run's extra shards are gone
-  manifest = json.load(open(out / prepare.MANIFEST))["files"]
-  assert set(manifest) >= names - {"README", prepare.MANIFEST} and "README" not in manifest
+  manifest = json.load(open(out / output_dir.MANIFEST))["files"]
+  assert set(manifest) >= names - {"README", output_dir.MANIFEST} and "README" not in manifest
   assert dataset.DatasetMeta.load(str(out)).verify() == []
 
 
@@ -102,7 +102,7 @@ def test_overwrite_replaces_a_dataset_written_before_manifests(tmp_path):
   src = text_file(tmp_path / "c.jsonl")
   out = tmp_path / "out"
   prepare.prepare(text_opts(out, [src]))
-  (out / prepare.MANIFEST).unlink()
+  (out / output_dir.MANIFEST).unlink()
   (out / ".stats.json.k3j_x9.tmp").write_text("{")
   prepare.prepare(text_opts(out, [src], overwrite=True, seq_len=64))
   assert dataset.DatasetMeta.load(str(out)).seq_len == 64
@@ -117,7 +117,7 @@ def test_overwrite_refuses_files_no_run_wrote(tmp_path):
   r = cli("prepare_text.py", "--input", text_file(tmp_path / "c.jsonl"), "--output", out,
           "--overwrite", "--no-progress")
   err = one_line(r)
-  assert "'README'" in err and "(and 1 more)" in err and prepare.MANIFEST in err
+  assert "'README'" in err and "(and 1 more)" in err and output_dir.MANIFEST in err
   assert sorted(os.listdir(out)) == ["README", "thesis.tex"]
 
 
@@ -148,7 +148,7 @@ def test_resume_starts_afresh_when_inputs_change(tmp_path):
     shutil.copy(p, d)
   out = tmp_path / "out"
   proc = _start(_bin_args(out, d))
-  _wait_for(proc, out / prepare.WORK / "corpus-00000.json")
+  _wait_for(proc, out / output_dir.WORK / "corpus-00000.json")
   proc.kill()
   proc.wait()
   for p in libs[3:5]:  # two more ELF files
@@ -277,7 +277,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_rerun_resumes(tmp_path):
   args = _bin_args(out, *libs, workers=2)
   proc = _start(args, start_new_session=True,  # its own process group, like a terminal's job
                 preexec_fn=_default_sigint)
-  _wait_for(proc, out / prepare.WORK / "corpus-00000.json")
+  _wait_for(proc, out / output_dir.WORK / "corpus-00000.json")
   os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the tool and its workers
   _, err = proc.communicate(timeout=60)
   assert proc.returncode == 130, err
@@ -318,7 +318,7 @@ def test_a_run_killed_or_terminated_leaves_no_process_and_the_rerun_is_byte_iden
   args = _bin_args(out, *small_elves(), workers=2)
   proc = _start(args, start_new_session=True)  # its group: what the run started, and only that
   try:
-    _wait_for(proc, out / prepare.WORK / "corpus-00000.json")
+    _wait_for(proc, out / output_dir.WORK / "corpus-00000.json")
     assert len(alive_in_group(proc.pid)) >= 3  # the tool, its worker, the resource tracker
     SENDS[how](proc.pid)
     _, err = proc.communicate(timeout=60)
@@ -348,7 +348,7 @@ def test_a_second_preparation_into_one_output_is_refused_naming_the_first(
   args = _bin_args(out, *small_elves(), workers=2)
   first = _start(args, start_new_session=True)
   try:
-    _wait_for(first, out / prepare.WORK / "corpus-00000.json")
+    _wait_for(first, out / output_dir.WORK / "corpus-00000.json")
     os.killpg(first.pid, signal.SIGSTOP)  # mid-run, for as long as the second tries
     for extra in ([], ["--overwrite"]):
       err = one_line(cli("prepare_binary.py", *args, *extra))
@@ -360,7 +360,7 @@ def test_a_second_preparation_into_one_output_is_refused_naming_the_first(
   finally:
     kill_group(first.pid)
   _same_output(two_worker_dataset, out)
-  assert not (out / prepare.LOCK).exists()  # an exclusive holder removes it as it ends
+  assert not (out / output_dir.LOCK).exists()  # an exclusive holder removes it as it ends
 
 
 def test_a_refused_run_leaves_no_directory_and_no_lock_behind(tmp_path):

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from lmscale_jax.prep import prepare, shard_writer, tokenize_pack
+from lmscale_jax.prep import output_dir, prepare, shard_writer, tokenize_pack
 from lmscale_jax.prep.elf import elf_corpus
 from lmscale_jax.prep.elf.pretokenize import Pretokenizer, normalize_number
 from lmscale_jax.store import dataset, records
@@ -98,7 +98,7 @@ def test_dataset_directory_contract(built):
   assert meta.seq_len == SEQ and meta.vocab_size <= dataset.MAX_VOCAB
   assert meta.special_ids == {t: i for i, t in enumerate(dataset.SPECIAL_TOKENS)}
   assert meta.verify() == []
-  assert not os.path.exists(out / prepare.WORK)
+  assert not os.path.exists(out / output_dir.WORK)
   for key in ("input_bytes", "output_bytes", "reduction_pct", "functions_seen", "functions_kept",
               "functions_deduplicated", "sequences", "tokens", "pad_fraction",
               "unk_rate_validation", "files_skipped", "wall_seconds", "mb_per_s_per_core"):
@@ -232,7 +232,7 @@ def test_pass3_removes_each_chunk_once_packed_and_each_piece_once_its_shards_are
   from lmscale_jax.prep import packed_pieces
 
   monkeypatch.setattr(shard_writer, "PIECE_BYTES", 64 << 10)
-  work = tmp_path / "out" / prepare.WORK
+  work = tmp_path / "out" / output_dir.WORK
   seen, write, listed, pieces = [], packed_pieces.write_shard, [], shard_writer.pieces
   monkeypatch.setattr(shard_writer, "pieces", lambda *a: listed.append(pieces(*a)) or listed[-1])
 
@@ -311,20 +311,20 @@ def test_kill_and_rerun_completes_identically(built, tmp_path, wait_for):
   proc = subprocess.Popen([*lmscale("prepare_binary"), *map(str, args)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 120
-  while not (out / prepare.WORK / wait_for).exists():
+  while not (out / output_dir.WORK / wait_for).exists():
     assert proc.poll() is None, proc.stderr.read()
     assert time.time() < deadline
     time.sleep(0.01)
   os.kill(proc.pid, signal.SIGKILL)
   proc.wait()
   assert not (out / dataset.METADATA).exists()
-  kept = sorted((out / prepare.WORK).rglob("*.json"))
+  kept = sorted((out / output_dir.WORK).rglob("*.json"))
   if wait_for.startswith("shards"):  # the rerun does without them: pass 3 removed them
-    assert not list((out / prepare.WORK).glob("corpus-*.txt"))
+    assert not list((out / output_dir.WORK).glob("corpus-*.txt"))
   # What kills during finalize's writes of stats.json and of the manifest leave (CI runs'
   # kills landed in both).
   (out / f".{dataset.STATS}.k1ll3d.tmp").write_text("{")
-  (out / f".{prepare.MANIFEST}.k1ll3d.tmp").write_text("{")
+  (out / f".{output_dir.MANIFEST}.k1ll3d.tmp").write_text("{")
   r = _cli("prepare_binary.py", *args)
   assert r.returncode == 0, r.stderr
   v = _cli("inspect_shards.py", out, "--verify")
@@ -608,8 +608,8 @@ def test_an_unfinished_run_of_the_other_pretokenizer_backend_names_the_way_to_re
     monkeypatch.setenv(pretokenize.BACKEND_ENV, "python")
     pretokenize.code_pretokenizer(fresh=True)
     files, _, _ = corpus_extract.list_files(o)
-    prepare.open_output(o, {**o.output_params(), "input_files": prepare.input_key(files),
-                            **prepare.pretokenizer_params(o)})
+    output_dir.open_output(o, {**o.output_params(), "input_files": prepare.input_key(files),
+                               **prepare.pretokenizer_params(o)})
     monkeypatch.setenv(pretokenize.BACKEND_ENV, "compiled")
     pretokenize.code_pretokenizer(fresh=True)
     with pytest.raises(prepare.PrepareError, match=r"\(pretokenizer differ\); pass --overwrite "

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from lmscale_jax.prep import cluster_extract, cluster_stages, packing, prepare
+from lmscale_jax.prep import cluster_extract, cluster_stages, output_dir, packing, prepare
 from lmscale_jax.store import dataset
 from tests.test_bad_input_prepare import cli, one_line
 from tests.helpers import lmscale
@@ -130,7 +130,7 @@ def test_a_3_task_array_chain_writes_the_single_node_dataset_byte_for_byte(tmp_p
   assert all(f"--dependency=afterok:{101 + i}" in c for i, c in enumerate(calls[1:])), calls
   assert not (slurm.dir / "failed").exists(), slurm.logs()
   assert_same_dataset(single_node[0], out)
-  assert not (out / prepare.WORK).exists()
+  assert not (out / output_dir.WORK).exists()
   stages = json.loads((out / dataset.STATS).read_text())["stage_seconds"]
   assert stages.keys() == single_node[1]["stage_seconds"].keys() and stages["write"] > 0
 
@@ -170,7 +170,7 @@ def test_a_task_killed_at_its_time_limit_stops_the_chain_and_the_same_command_fi
   assert slurm.submit(args).returncode == 0
   failed = sorted(set((slurm.dir / "failed").read_text().split()))
   assert failed == ["105", "106"], failed  # shards, then finish: its dependency never held
-  assert not (out / dataset.METADATA).exists() and (out / prepare.WORK).is_dir()
+  assert not (out / dataset.METADATA).exists() and (out / output_dir.WORK).is_dir()
   del slurm.env["FAKE_TIME_LIMIT"]
   (slurm.dir / "failed").unlink()
   r = slurm.submit(args)
@@ -248,12 +248,12 @@ def test_array_tasks_share_the_output_and_a_single_node_run_is_refused_it_and_th
     r = cli("prepare_cluster.py", "extract", "--output", out, "--task", "0", "--tasks", "2",
             "--workers", "1")
     assert r.returncode == 0, r.stderr  # another task of the array: never blocked
-  with prepare.output_lock(str(out)):
+  with output_dir.output_lock(str(out)):
     err = one_line(cli("prepare_cluster.py", "extract", "--output", out, "--task", "1",
                        "--tasks", "2", "--workers", "1"))
     assert f"is in use by a single-node preparation ({holder}" in err, err
-  assert os.path.exists(cluster_extract.slice_file(str(out / prepare.WORK), 0, ".json"))
-  assert not os.path.exists(cluster_extract.slice_file(str(out / prepare.WORK), 1, ".json"))
+  assert os.path.exists(cluster_extract.slice_file(str(out / output_dir.WORK), 0, ".json"))
+  assert not os.path.exists(cluster_extract.slice_file(str(out / output_dir.WORK), 1, ".json"))
 
 
 @pytest.mark.parametrize("args,says", [

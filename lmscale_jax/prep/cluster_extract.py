@@ -15,7 +15,8 @@ import time
 import numpy as np
 
 from lmscale_jax.errors import PrepareError
-from lmscale_jax.prep import corpus_extract, corpus_layout, packed_pieces, prepare, worker_pool
+from lmscale_jax.prep import (corpus_extract, corpus_layout, output_dir, packed_pieces, prepare,
+                              worker_pool)
 from lmscale_jax.prep.options import PrepareOptions, check_options
 from lmscale_jax.store import file_io
 
@@ -25,7 +26,7 @@ _BUCKET = np.dtype([("digest", "V16"), ("line", "<u4")])
 
 
 def work_dir(output: str) -> str:
-  return os.path.join(output, prepare.WORK)
+  return os.path.join(output, output_dir.WORK)
 
 
 def work_path(work: str, *parts: str) -> str:
@@ -43,11 +44,11 @@ def save_npy(path: str, array: np.ndarray) -> None:
 
 
 def held(output: str, stage: str):
-  """The output directory's lock for a stage (``prepare.output_lock``): shared by the array
+  """The output directory's lock for a stage (``output_dir.output_lock``): shared by the array
   tasks and the layout job, which write disjoint units side by side and must never block each
   other; exclusive for plan and finish, which make and remove the directory's top level as a
   single-node run does (a stray task of an earlier chain still running refuses them)."""
-  return prepare.output_lock(output, shared=stage not in ("plan", "finish"),
+  return output_dir.output_lock(output, shared=stage not in ("plan", "finish"),
                              doing=f"a cluster preparation's {stage} stage")
 
 
@@ -63,7 +64,7 @@ def plan(o: PrepareOptions, slices: int, buckets: int) -> dict:
   """Opens the output as ``prepare.prepare`` does and writes ``plan.json`` once; a rerun with
   the same options keeps the existing plan (its slices and buckets are fixed)."""
   check_options(o)
-  prepare.check_overlap(o)
+  output_dir.check_overlap(o)
   with held(o.output, "plan"):
     return _plan(o, slices, buckets)
 
@@ -76,7 +77,7 @@ def _plan(o: PrepareOptions, slices: int, buckets: int) -> dict:
   params["input_files"] = prepare.input_key(files)
   params.update(prepare.pretokenizer_params(o))
   params["engine"] = ENGINE
-  prepare.open_output(o, params)
+  output_dir.open_output(o, params)
   path = work_path(work_dir(o.output), PLAN)
   if os.path.exists(path):
     p = read_json(path)

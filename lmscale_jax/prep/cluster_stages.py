@@ -14,7 +14,7 @@
 An array task takes a contiguous share of its stage's units (slices, buckets, pieces, shards),
 so every array can have any size. A unit is done when its marker exists (written last, by atomic
 rename); a rerun of any stage redoes only units without one, and a stage whose inputs are not all
-done says which and stops. Everything lives in ``OUTPUT/_work`` (``prepare.WORK``), which
+done says which and stops. Everything lives in ``OUTPUT/_work`` (``output_dir.WORK``), which
 single-node runs refuse to resume (``params.json`` says ``engine: slurm-array``).
 """
 

@@ -5,15 +5,13 @@ Three passes, each resumable, over ``OUTPUT/_work/`` (removed when the dataset i
      → normalised text, exact duplicates dropped, in resumable corpus chunks.
   2. tokenizer (here): trained on a sample of ``tokenizer_sample_mb`` of the corpus (or given).
   3. tokenize → pack → shards (``shard_writer``, a process pool over chunks, ordered).
-This module holds the output directory's life cycle (the options: ``prep/options.py``), pass 2
-and the final
-``stats.json``/``metadata.json``.
+This module holds pass 2 and the final ``stats.json``/``metadata.json`` (the options:
+``prep/options.py``; the output directory's life cycle — what is ours, its lock, resume or
+restart — ``prep/output_dir.py``).
 Every file appears under its final name only once complete (temp file, fsync, rename), and
 ``metadata.json`` is written last; a split without sequences is an error before anything is
-moved into the output. The output directory never contains, lies in or is an input, and
-``prepare_manifest.json`` (written before anything else) lists what this tool created there:
-``--overwrite`` removes exactly that. A rerun resumes only work of the same options and the same
-input files (path, size, mtime: ``params.json``); other input files start it afresh.
+moved into the output. A rerun resumes only work of the same options and the same input files
+(path, size, mtime: ``params.json``); other input files start it afresh.
 Output is byte-identical for any number of workers: pools are ordered and every decision depends
 only on the input order.
 """
@@ -21,228 +19,20 @@ only on the input order.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import time
 
 from lmscale_jax import errors
 from lmscale_jax.errors import PrepareError  # noqa: F401  (cli/args.py catches it from here)
-from lmscale_jax.prep import corpus_extract, corpus_layout, shard_writer, worker_pool
+from lmscale_jax.prep import corpus_extract, corpus_layout, output_dir, shard_writer, worker_pool
 from lmscale_jax.prep.options import PrepareOptions, check_options
-from lmscale_jax.store import dataset, dir_lock, file_io
+from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
-
-WORK = "_work"
-LOCK = ".prepare.lock"  # in the output directory, while a preparation writes there
-
-
-def _inside(path: str, top: str) -> bool:
-  return path != top and os.path.commonpath([path, top]) == top
-
-
-def check_overlap(o: PrepareOptions) -> None:
-  """The output directory is cleared and written: it must not hold, lie in or be an input."""
-  out = os.path.realpath(o.output)
-  named = [("--input", p) for p in o.inputs] + ([("--tokenizer", o.tokenizer)]
-                                                if o.tokenizer else [])
-  for flag, p in named:
-    real = os.path.realpath(p)
-    how = ("is" if out == real else "lies inside" if _inside(out, real) else
-           "contains" if _inside(real, out) else "")
-    if how:
-      raise PrepareError(f"--output {o.output!r} {how} the {flag} {p!r}: the dataset directory "
-                         "is cleared and written, so it must lie outside every input; choose "
-                         "another --output")
-
-
-# ----------------------------------------------------------------------------- the output dir
-# The manifest lists every name this tool created in the output directory: --overwrite removes
-# those and nothing else (a README or anything the user put there survives).
-MANIFEST = "prepare_manifest.json"
-TFDS_FILES = ("dataset_info.json", "features.json")
-_SHARD_NAME = re.compile(r"(binary_code|text_corpus)-(train|validation)\.array_record-"
-                         r"\d{5}-of-\d{5}")
-
-
-def _ours_by_name(name: str) -> bool:
-  """A name this tool writes (a dataset prepared before manifests existed has no manifest)."""
-  return (name in (WORK, MANIFEST, dataset.METADATA, dataset.STATS, dataset.TOKENIZER,
-                   toklib.TOKENIZER_CONFIG, toklib.SPECIAL_TOKENS_MAP,
-                   *TFDS_FILES) or _SHARD_NAME.fullmatch(name) is not None)
-
-
-def _manifest(out: str) -> list[str] | None:
-  path = os.path.join(out, MANIFEST)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      names = json.load(f)["files"]
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise PrepareError(f"{path}: not readable ({e}); remove the dataset's files yourself") \
-        from None
-  # Plain names only: a manifest is never a way to delete anything outside the directory.
-  return [n for n in names if isinstance(n, str) and n not in ("", ".", "..") and "/" not in n]
-
-
-def _write_manifest(out: str, names) -> None:
-  file_io.atomic_write_json(os.path.join(out, MANIFEST),
-                            {"tool": "lmscale_jax.prepare", "files": sorted(set(names))})
-
-
-# The temp file of an atomic write killed half way (file_io.atomic_write_bytes): ".NAME.*.tmp".
-_TEMP_NAME = re.compile(r"\.(.+)\.[^.]+\.tmp")
-
-
-def _foreign(out: str, names: list[str]) -> list[str]:
-  """The entries of ``out`` that no preparation wrote."""
-  owned = _manifest(out)
-  named = (lambda n: n in owned or n == MANIFEST) if owned is not None else _ours_by_name
-
-  def ours(n: str) -> bool:
-    m = _TEMP_NAME.fullmatch(n)
-    return named(n) or (m is not None and named(m.group(1)))
-
-  return sorted(n for n in names if not ours(n))
-
-
-def _remove_stale_temps(out: str, ours: set[str]) -> None:
-  """The temp files a killed run left half written beside our files (a finished dataset holds
-  none: CI runs killed during the writes of stats.json and of the manifest kept one each)."""
-  for n in os.listdir(out):
-    m = _TEMP_NAME.fullmatch(n)
-    if m is not None and (m.group(1) in ours or m.group(1) == MANIFEST):
-      os.unlink(os.path.join(out, n))
-
-
-def _clear_own(out: str, names: list[str]) -> None:
-  """--overwrite: removes what earlier preparations wrote, the manifest last."""
-  foreign = set(_foreign(out, names))
-  if _manifest(out) is None and foreign:
-    first = sorted(foreign)[0]
-    more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
-    raise PrepareError(f"output {out!r} holds {first!r}{more}, which no preparation wrote (it "
-                       f"has no {MANIFEST}): --overwrite removes only a dataset's own files; "
-                       "choose a new or empty --output")
-  for name in sorted(n for n in names if n not in foreign and n != MANIFEST):
-    p = os.path.join(out, name)
-    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
-  if MANIFEST in names:
-    os.unlink(os.path.join(out, MANIFEST))
-
-
-def _resume_or_restart(o: PrepareOptions, params: dict) -> bool:
-  """An unfinished preparation in the work dir: True to resume it; False when it was started
-  on other input files (then its work is dropped: nothing of it is valid)."""
-  work = os.path.join(o.output, WORK)
-  with open(os.path.join(work, "params.json")) as f:
-    old = json.load(f)
-  if old == params:
-    return True
-  changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
-  if changed != ["input_files"]:
-    backend = (f" or set LMSCALE_PRETOKENIZER={'compiled' if old.get('pretokenizer') else 'python'}"
-               " to resume it" if changed == ["pretokenizer"] else "")
-    raise PrepareError(f"output {o.output!r} holds an unfinished preparation with other "
-                       f"settings ({', '.join(changed)} differ); pass --overwrite to "
-                       f"start over{backend}")
-  was, now = old.get("input_files") or {}, params["input_files"]
-  print(f"the input files changed since the unfinished preparation in {o.output} started "
-        f"({now['count']} files of {now['bytes']:,} bytes, was {was.get('count')} of "
-        f"{was.get('bytes', 0):,}): starting it afresh", file=sys.stderr)
-  shutil.rmtree(work)
-  return False
-
-
-def _make_output(out: str) -> bool:
-  """Creates the output directory if missing; True if this call created it."""
-  if os.path.exists(out) and not os.path.isdir(out):
-    raise PrepareError(f"output {out!r} exists and is not a directory")
-  try:
-    os.makedirs(out)
-    return True
-  except FileExistsError:
-    return False
-  except OSError as e:
-    if errors.disk_full(e):
-      raise
-    raise PrepareError(f"output {out!r} is not writable: {e.strerror}") from None
-
-
-@contextlib.contextmanager
-def output_lock(out: str, *, shared: bool = False, doing: str = "a single-node preparation"):
-  """Holds the output directory (``LOCK``, by ``store/dir_lock``) while a preparation writes
-  it: two runs into one --output wrecked each other's ``_work/`` (the second died on the
-  first's files; with --overwrite both did, and no dataset was left). Exclusive for a
-  single-node run and for a cluster preparation's plan and finish, which make and remove the
-  directory's top level; shared for the cluster's other stages, whose array tasks write
-  disjoint units side by side by design: they never block each other, while a single-node run
-  is refused a directory a cluster run is writing, and the reverse. The directory is created
-  here if missing, and removed again if nothing else was written into it (a refused or failed
-  run leaves nothing behind)."""
-  if shared and not os.path.isdir(out):
-    yield  # nothing to share: the stage says its plan is missing
-    return
-  created, path = _make_output(out), os.path.join(out, LOCK)
-  try:
-    fd = dir_lock.acquire(path, shared=shared, doing=doing)
-  except dir_lock.Busy as e:
-    holder = (e.record or {}).get("doing", "another preparation")
-    fix = "" if shared else ", or choose another --output"
-    raise PrepareError(f"output {out!r} is in use by {holder} ({e.holder}; lock {path}): wait "
-                       f"for it to end or stop it{fix}") from None
-  except dir_lock.Unusable as e:
-    raise PrepareError(f"output {out!r}: cannot {e.step} {path} ({e.strerror}); use a "
-                       "writable local or NFSv4 directory") from None
-  try:
-    yield
-  finally:
-    dir_lock.release(fd, remove="" if shared else path)  # shared: others may hold it still
-    if created:
-      with contextlib.suppress(OSError):  # not empty: something was written
-        os.rmdir(out)
-
-
-def open_output(o: PrepareOptions, params: dict) -> bool:
-  """Creates/validates the output directory (held by :func:`output_lock`). Returns True when
-  resuming an earlier run."""
-  out, work = o.output, os.path.join(o.output, WORK)
-  if os.path.exists(out) and not os.path.isdir(out):
-    raise PrepareError(f"output {out!r} exists and is not a directory")
-  # The lock is no file of a dataset (an exclusive holder removes it; a kill leaves it).
-  names = [n for n in os.listdir(out) if n != LOCK] if os.path.isdir(out) else []
-  if names and o.overwrite:
-    _clear_own(out, names)
-  elif os.path.exists(os.path.join(work, "params.json")):
-    if _resume_or_restart(o, params):
-      return True
-  elif os.path.exists(os.path.join(out, dataset.METADATA)):
-    raise PrepareError(f"output {out!r} already holds a complete dataset; pass --overwrite "
-                       "to replace it")
-  elif foreign := _foreign(out, names):
-    raise PrepareError(f"output {out!r} is not empty: it holds {foreign[0]!r}, which no "
-                       "preparation wrote; choose a new or empty --output")
-  elif names and names != [MANIFEST]:
-    raise PrepareError(f"output {out!r} holds the files of an earlier preparation but no "
-                       "dataset; pass --overwrite to replace them")
-  try:
-    os.makedirs(out, exist_ok=True)
-    # The manifest first: whatever happens next, --overwrite knows what is ours.
-    _write_manifest(out, (_manifest(out) or []) + [WORK])
-    os.makedirs(work, exist_ok=True)
-    file_io.atomic_write_json(os.path.join(work, "params.json"), params)
-  except OSError as e:
-    if errors.disk_full(e):
-      raise
-    raise PrepareError(f"output {out!r} is not writable: {e.strerror}") from None
-  return False
-
 
 def pretokenizer_params(o: PrepareOptions) -> dict:
   """The compiled backend (prep/elf/_pretokens.c) writes capstone's text, which differs from the
@@ -332,21 +122,11 @@ def _check_splits(o: PrepareOptions, work: str, result: dict) -> None:
   for split in dataset.SPLITS:
     if st[split]["sequences"] == 0:
       other = "smaller" if split == "train" else "larger"
-      _remove_work(o.output, work)
+      output_dir.remove_work(o.output, work)
       raise PrepareError(f"split {split!r} would have 0 sequences ({st[split]['items']} of "
                          f"{items} {unit} with --val-fraction {o.val_fraction:g}): give more "
                          f"input or a {other} --val-fraction; nothing was written to "
                          f"{o.output} (the work files were removed)")
-
-
-def _remove_work(out: str, work: str) -> None:
-  """``work`` and its name in the manifest (the manifest too, if it named nothing else)."""
-  shutil.rmtree(work, ignore_errors=True)
-  names = [n for n in _manifest(out) or [] if n != WORK]
-  if names:
-    _write_manifest(out, names)
-  elif os.path.exists(os.path.join(out, MANIFEST)):
-    os.unlink(os.path.join(out, MANIFEST))
 
 
 def _move_into_place(o: PrepareOptions, work: str, name: str, result: dict) -> dict:
@@ -371,11 +151,12 @@ def finalize(o: PrepareOptions, work: str, result: dict, extract_stats: dict, t0
   name = "binary_code" if o.kind == "binary" else "text_corpus"
   _check_splits(o, work, result)
   before = set(os.listdir(o.output))
-  ours = set(_manifest(o.output) or []) | {WORK, *toklib.HF_FILES, dataset.STATS,
-                                           dataset.METADATA, *TFDS_FILES}
+  ours = set(output_dir.manifest(o.output) or []) | {
+      output_dir.WORK, *toklib.HF_FILES, dataset.STATS, dataset.METADATA,
+      *output_dir.TFDS_FILES}
   ours |= {dataset.shard_filename(name, s, i, len(v))
            for s, v in result["splits"].items() for i in range(len(v))}
-  _write_manifest(o.output, ours)  # before the files appear
+  output_dir.write_manifest(o.output, ours)  # before the files appear
   splits = _move_into_place(o, work, name, result)
 
   st, wall = result["stats"], time.time() - t0
@@ -416,9 +197,9 @@ def finalize(o: PrepareOptions, work: str, result: dict, extract_stats: dict, t0
   dataset.finalize(o.output, name=name, seq_len=o.seq_len, vocab_size=stats["vocab_size"],
               special_ids=result["special"], splits=splits,
               extra={"kind": o.kind, "packing": o.packing, "tokens": tokens})
-  _remove_stale_temps(o.output, ours)
+  output_dir.remove_stale_temps(o.output, ours)
   # Whatever else TFDS wrote is ours too.
-  _write_manifest(o.output, ours | (set(os.listdir(o.output)) - before))
+  output_dir.write_manifest(o.output, ours | (set(os.listdir(o.output)) - before))
   shutil.rmtree(work)
   return stats
 
@@ -461,7 +242,7 @@ def _open_run(o: PrepareOptions) -> tuple[list[str], dict]:
   params = o.output_params()
   params["input_files"] = input_key(files)
   params.update(pretokenizer_params(o))
-  if open_output(o, params) and o.progress:
+  if output_dir.open_output(o, params) and o.progress:
     print(f"resuming the unfinished preparation in {o.output}")
   return files, skipped
 
@@ -469,10 +250,10 @@ def _open_run(o: PrepareOptions) -> tuple[list[str], dict]:
 def _prepare(o: PrepareOptions) -> dict:
   t0 = time.time()
   check_options(o)
-  check_overlap(o)
+  output_dir.check_overlap(o)
   workers = worker_pool.usable_workers(o.workers)
   o = dataclasses.replace(o, workers=workers)
-  work = os.path.join(o.output, WORK)
+  work = os.path.join(o.output, output_dir.WORK)
   # stage_seconds: each stage's seconds of work, in pass order; a worker stage is summed over
   # the workers (so with N busy workers the stages add up to ~N × the pass's wall time).
   stages = {"elf_parse": 0.0, "decode_pretokenize": 0.0, "extract_write": 0.0, "dedup": 0.0}
@@ -486,7 +267,7 @@ def _prepare(o: PrepareOptions) -> dict:
   # tasks more (the GIL; 2 workers, 6 runs each: 3.13 s mean against 3.01); in a process of its
   # own it cost the cores what it saved (3.55 s against 3.44, 8 runs each). The output's lock
   # before the pool: a refused run starts no process.
-  with output_lock(o.output):
+  with output_dir.output_lock(o.output):
     with worker_pool.ordered_map(o.workers, preload=preload,
                                  imports_here=("tensorflow_datasets",)) as pmap:
       files, skipped = _open_run(o)

@@ -7,7 +7,7 @@ refused caller can name it. The kernel releases a lock when its holder exits, ho
 where Linux emulates it with a POSIX lock on the server, so it holds across nodes.
 
 Users: a training workdir (``train/workdir.py``: exclusive, the file kept), a dataset
-directory being prepared (``prep/prepare.py``: exclusive for a single-node run, shared among a
+directory being prepared (``prep/output_dir.py``: exclusive for a single-node run, shared among a
 cluster preparation's array tasks, the file removed by an exclusive holder as it ends) and a
 staging destination (``input/file_copy.py``'s ``dir_lock``: exclusive, waited for up to a
 timeout, the file kept).
