@@ -39,7 +39,7 @@ from lmscale_jax.input import autotune, masking
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import flops as flops_lib
 from lmscale_jax.store import dataset
-from lmscale_jax.train import sharding, trainer
+from lmscale_jax.train import manual_grads, sharding, trainer
 from lmscale_jax.train import steps as steps_lib
 
 # Largest |candidate - reference| over the largest |reference|, per tensor: ~5 bf16 ulps
@@ -321,7 +321,7 @@ def run(config, *, seq_len: int, vocab_size: int, small_batch: int, batch: int,
 
   if jax.local_device_count() > 1:
     grads = flops_lib.count_params_from_config(model_cfg)
-    dtype = steps_lib.REDUCE_DTYPES[config.train.grad_allreduce_dtype]
+    dtype = manual_grads.REDUCE_DTYPES[config.train.grad_allreduce_dtype]
     try:
       report["allreduce"] = measure_allreduce(grads, dtype)
     except Exception as e:
