@@ -7,8 +7,8 @@ Per variant and held-out set: R@1 of "pretrained + fine-tune" and of "random ini
 (mean over the fine-tuning seeds, [min, max]) at pool 100 and 1,000 over all pairs and at
 gcc O0↔O3, and what pretraining adds (the seed-paired difference, and whether it is above zero
 at every seed); then the compiler-provenance task's held-out accuracy and macro-F1 from each
-variant's weights and from random ones, beside the TF-IDF baseline. The issue's goals are printed beside: pool 1,000 all pairs R@1 ≥ 0.50, and
-pretraining worth ≥ +0.08 there.
+variant's weights and from random ones, beside the TF-IDF baseline. The issue's goals are
+printed beside: pool 1,000 all pairs R@1 ≥ 0.50, and pretraining worth ≥ +0.08 there.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def provenance_rows(study: str, budget: dict) -> list[dict]:
   rows = []
   for name in budget["variants"]:
     for start, label in (("pre", PRE), ("rand", RAND)):
-      runs = sorted(glob.glob(os.path.join(study, name, f"cls-{start}-s*", "classification_eval.json")))
+      runs = sorted(glob.glob(os.path.join(study, name, f"cls-{start}-s*",
+                                           "classification_eval.json")))
       scores = [read_json(p) for p in runs]
       if scores:
         rows.append({"variant": name, "start": label, "runs": len(scores),
@@ -79,7 +80,8 @@ def summary(values: list[float]) -> dict:
 def provenance_markdown(rows: list[dict], baseline: dict | None) -> str:
   lines = ["| variant | start | accuracy | macro-F1 |", "|---|---|---|---|"]
   for r in rows:
-    lines.append(f"| {r['variant']} | {r['start']} ({r['runs']} seeds) | {fmt(r['accuracy'])} | "
+    seeds = f"{r['runs']} seed{'s' if r['runs'] > 1 else ''}"
+    lines.append(f"| {r['variant']} | {r['start']} ({seeds}) | {fmt(r['accuracy'])} | "
                  f"{fmt(r['macro_f1'])} |")
   if baseline:
     lines.append(f"| TF-IDF + logistic regression | — | {baseline['accuracy']:.3f} | "
@@ -126,12 +128,12 @@ def main(argv=None) -> int:
     for name, info in budget["variants"].items():
       claims = read_json(os.path.join(a.study, name, "claims.json"))
       rows += variant_rows(name, claims, {**info, "budget_s": budget["budget_s"]})
+    baseline_path = os.path.join(a.study, "provenance-baseline.json")
+    baseline = read_json(baseline_path) if os.path.exists(baseline_path) else None
+    provenance = provenance_rows(a.study, budget)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  baseline_path = os.path.join(a.study, "provenance-baseline.json")
-  baseline = read_json(baseline_path) if os.path.exists(baseline_path) else None
-  provenance = provenance_rows(a.study, budget)
   print(markdown(rows))
   print("\n".join(goals(rows)))
   print("\nCompiler provenance (held-out libraries):")
