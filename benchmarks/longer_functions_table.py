@@ -140,7 +140,7 @@ def main(argv=None) -> int:
   print(provenance_markdown(provenance, baseline and baseline.get("scores")))
   if a.json:
     file_io.atomic_write_json(a.json, {
-        "date": datetime.date.today().isoformat(), "device": f"cpu: {cpu_name()}",
+        "date": datetime.date.today().isoformat(), "device": cpu_name(),
         "what": "issue 38: longer functions, instruction positions, pre-LN (same CPU budget)",
         "budget": budget, "rows": rows, "goals": goals(rows), "provenance": provenance,
         "provenance_baseline": baseline})
