@@ -49,7 +49,7 @@ def held(output: str, stage: str):
   other; exclusive for plan and finish, which make and remove the directory's top level as a
   single-node run does (a stray task of an earlier chain still running refuses them)."""
   return output_dir.output_lock(output, shared=stage not in ("plan", "finish"),
-                             doing=f"a cluster preparation's {stage} stage")
+                                doing=f"a cluster preparation's {stage} stage")
 
 
 def share(units: int, task: int, tasks: int) -> range:

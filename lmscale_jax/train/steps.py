@@ -77,11 +77,10 @@ def make_train_step(task, optimizer, schedule, seed: int, *, accum_steps: int = 
     global-view step: XLA partitions it over the batch-sharded mesh and inserts the gradient
     all-reduce itself (and, for a BatchTask, gathers the per-row outputs).
   * **manual** (anything else): :func:`~lmscale_jax.train.manual_grads.make_grads_fn`, a
-    ``shard_map`` over the ``data`` axis
-    in which each device gathers FSDP-sharded parameters, runs its microbatches with
-    ``lax.scan``, and reduces its float32-accumulated gradients once with ``psum`` (replicated
-    leaves; with ``flat_reduce`` one ``psum`` of them all, concatenated) or ``psum_scatter``
-    (FSDP leaves) in ``reduce_dtype``.
+    ``shard_map`` over the ``data`` axis in which each device gathers FSDP-sharded parameters,
+    runs its microbatches with ``lax.scan``, and reduces its float32-accumulated gradients
+    once with ``psum`` (replicated leaves; with ``flat_reduce`` one ``psum`` of them all,
+    concatenated) or ``psum_scatter`` (FSDP leaves) in ``reduce_dtype``.
 
   The optimizer update runs in the global view either way, on parameters and moments sharded
   like ``param_specs`` (elementwise, so no communication, except the scalar of the global-norm
