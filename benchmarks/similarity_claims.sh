@@ -36,7 +36,7 @@ sets=${SETS:-eval eval2}
 mkdir -p "$corpora" "$out"
 
 for set in eval eval2 train; do
-  $py tools/fetch_bench_sources.py --output bench_sources --set "$set" > /dev/null
+  $py tools/fetch_bench_sources.py --output "$shared/bench_sources" --set "$set" > /dev/null
 done
 for set in eval eval2; do
   [ -f "$corpora/$set.jsonl" ] || $py tools/build_similarity_bench.py --set "$set" \

@@ -375,6 +375,15 @@ def test_a_refused_run_leaves_no_directory_and_no_lock_behind(tmp_path):
   assert os.listdir(out) == ["thesis.tex"]
 
 
+def test_an_output_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path):
+  out = tmp_path / "notes.txt"
+  out.write_text("not a dataset\n")
+  err = one_line(cli("prepare_binary.py", "--input", small_elves(1)[0], "--output", out,
+                     "--seq-len", SEQ))
+  assert f"output {str(out)!r} exists and is not a directory" in err
+  assert out.read_text() == "not a dataset\n"
+
+
 def test_more_workers_than_cpus_run_as_many_as_the_cpus_with_one_warning(tmp_path):
   """--workers 1000 on 2 cores spawned 999 interpreters (54 s for a 2 s job); here 64 on the
   one CPU the process may use (its affinity, as taskset or a container's cpuset gives)."""

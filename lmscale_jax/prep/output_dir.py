@@ -196,11 +196,9 @@ def output_lock(out: str, *, shared: bool = False, doing: str = "a single-node p
 
 
 def open_output(o: PrepareOptions, params: dict) -> bool:
-  """Creates/validates the output directory (held by :func:`output_lock`). Returns True when
-  resuming an earlier run."""
+  """Creates/validates the output directory (held by :func:`output_lock`, which also refuses
+  an output that is not a directory). Returns True when resuming an earlier run."""
   out, work = o.output, os.path.join(o.output, WORK)
-  if os.path.exists(out) and not os.path.isdir(out):
-    raise PrepareError(f"output {out!r} exists and is not a directory")
   # The lock is no file of a dataset (an exclusive holder removes it; a kill leaves it).
   names = [n for n in os.listdir(out) if n != LOCK] if os.path.isdir(out) else []
   if names and o.overwrite:
