@@ -225,6 +225,44 @@ def test_embedding_on_four_host_devices_equals_one_device(run, model, binaries, 
     assert vectors.shape == (len(texts), vectors.shape[1]) and diff < 1e-6, (pool, diff)
 
 
+def test_length_buckets_give_seq_len_paddings_vectors_in_the_input_order(model, binaries,
+                                                                          monkeypatch):
+  """Sorted by length inside each window and padded to the batch's bucket: more than one
+  window, a short last batch, functions cut at seq_len among them; mean, [CLS] and a projection
+  head within 1e-5 of padding every batch to seq_len (BUCKETS = 1), row for row."""
+  import dataclasses
+
+  fns = [f for p in binaries["O0"] + binaries["O2"] for f in index.elf_functions_of(p)]
+  texts = [" [NEXT] ".join(f.instructions[:k]) for f in fns for k in (*range(1, 60, 4), 400)]
+  texts = [texts[i] for i in np.random.default_rng(0).permutation(len(texts))][:300]
+  assert len(texts) > function_vectors.WINDOW * function_vectors.BATCH
+  inputs = [(f"f{i}", "", *trained_model.encode(model, t)) for i, t in enumerate(texts)]
+  assert any(cut for *_, cut in inputs) and not all(cut for *_, cut in inputs)
+  rng = np.random.default_rng(1)
+  tuned = dataclasses.replace(model, head={"pool": "mean", "projection": {
+      "kernel": rng.normal(size=(model.cfg.hidden, 16)).astype(np.float32),
+      "bias": np.zeros(16, np.float32)}})
+  shapes, forward = [], function_vectors.forward
+  monkeypatch.setattr(function_vectors, "forward",
+                      lambda m, ids, w: shapes.append(ids.shape[1]) or forward(m, ids, w))
+
+  def vectors():
+    return {"mean": function_vectors.embed(model, inputs)["embeddings"],
+            "cls": function_vectors.embed(model, inputs, "cls")["embeddings"],
+            "head": function_vectors.embed(tuned, inputs)["embeddings"]}
+
+  bucketed = vectors()
+  assert min(shapes) < model.cfg.seq_len and len(set(shapes)) > 2, sorted(set(shapes))
+  monkeypatch.setattr(function_vectors, "BUCKETS", 1)
+  shapes.clear()
+  padded = vectors()
+  assert set(shapes) == {model.cfg.seq_len}
+  for pool, v in padded.items():
+    diff = float(np.abs(bucketed[pool] - v).max())
+    print(f"{pool}: largest difference buckets vs seq_len padding: {diff:.1e}")
+    assert bucketed[pool].shape == v.shape == (len(texts), v.shape[1]) and diff < 1e-5, diff
+
+
 # --------------------------------------------------------------------------- bad input
 def one_line(name, argv, capsys, message):
   code, out, err = run_tool(name, argv, capsys)

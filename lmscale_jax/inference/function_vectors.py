@@ -19,7 +19,13 @@ import numpy as np
 from lmscale_jax.errors import UserError
 from lmscale_jax.inference import trained_model
 
-BATCH = 32  # sequences per device per forward pass, the last batch padded: one program per model
+BATCH = 32  # sequences per device per forward pass, the last batch padded with empty rows
+# Functions sorted by length together (WINDOW batches), each batch padded to the next multiple
+# of seq_len / BUCKETS rather than to seq_len: at seq 512, a third of the benchmark's tokens
+# were padding (docs/similarity.md, "Longer functions"). Vectors agree with seq_len padding to
+# float rounding (the padding is masked: tests/test_search_array.py).
+WINDOW = 8
+BUCKETS = 8
 AXIS = "batch"
 
 # The one model whose weights sit replicated on the mesh: (its host params, its head, devices,
@@ -66,38 +72,61 @@ def resolve_pool(model, pool: str | None) -> str:
   return model.head["pool"]
 
 
+def padded_length(longest: int, seq_len: int) -> int:
+  """The length a batch whose longest row has ``longest`` tokens is padded to: the next
+  multiple of ``seq_len / BUCKETS`` (at most BUCKETS programs per model)."""
+  step = max(seq_len // BUCKETS, 1)
+  return min(seq_len, -(-longest // step) * step)
+
+
+def _by_length(window: list, size: int):
+  """``window``'s (index, ids) items, shortest first, in batches of ``size``."""
+  ordered = sorted(window, key=lambda item: len(item[1]))
+  return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
+def _pooled(model, pool: str, batch: list, where) -> list:
+  """One vector per (index, ids) of ``batch``: always ``size`` rows in (the rest empty), padded
+  to the batch's bucket."""
+  size = BATCH * where.devices.size
+  rows = [ids for _, ids in batch]
+  ids = trained_model.pad_batch(rows + [rows[0][:0]] * (size - len(rows)),
+                                padded_length(max(map(len, rows)), model.cfg.seq_len),
+                                model.special_ids["[PAD]"])
+  out = forward(model, ids, where)
+  if model.head is not None:  # the fine-tuned embedding: pooled, projected, normalised
+    return list(out[:len(rows)])
+  # Mean over the function's own tokens: positions 1..len-2 (not [CLS], [SEP], padding).
+  return [row[0] if pool == "cls" else row[1:len(x) - 1].mean(axis=0)
+          for row, x in zip(out, rows)]
+
+
 def embed(model, inputs, pool: str | None = None) -> dict:
   """``inputs``: (name, file, ids, truncated) per function, ids as ``trained_model.encode``
   gives them → the arrays of an embeddings file (``embeddings`` float32 [N, H], ``names``,
-  ``files``, ``tokens``, ``truncated``, ``pool``, ``projection``)."""
+  ``files``, ``tokens``, ``truncated``, ``pool``, ``projection``). The functions are embedded
+  WINDOW batches at a time, sorted by length inside each window so that a batch is padded to
+  its own bucket (:func:`padded_length`), not to ``seq_len``; the vectors come back in the
+  input's order."""
   pool = resolve_pool(model, pool)
-  pad, where = model.special_ids["[PAD]"], mesh()
+  where = mesh()
   size = BATCH * where.devices.size
   names, files, lengths, cuts, vectors = [], [], [], [], []
-  batch: list = []
+  window: list = []
 
   def flush():
-    # Always ``size`` rows (the last batch padded with empty ones): one program per model.
-    rows = [b[2] for b in batch]
-    ids = trained_model.pad_batch(rows + [rows[0][:0]] * (size - len(rows)), model.cfg.seq_len,
-                                  pad)
-    out = forward(model, ids, where)
-    if model.head is not None:  # the fine-tuned embedding: pooled, projected, normalised
-      vectors.extend(out[:len(rows)])
-      batch.clear()
-      return
-    for row, (_, _, x, _) in zip(out, batch):
-      # Mean over the function's own tokens: positions 1..len-2 (not [CLS], [SEP], padding).
-      vectors.append(row[0] if pool == "cls" else row[1:len(x) - 1].mean(axis=0))
-    batch.clear()
+    for batch in _by_length(window, size):  # only the input's last batch can be short
+      for (i, _), v in zip(batch, _pooled(model, pool, batch, where)):
+        vectors[i] = v
+    window.clear()
 
-  for item in inputs:
-    name, file, ids, cut = item
+  for name, file, ids, cut in inputs:
     names.append(name), files.append(file), lengths.append(len(ids) - 2), cuts.append(cut)
-    batch.append(item)
-    if len(batch) == size:
+    window.append((len(vectors), ids))
+    vectors.append(None)
+    if len(window) == size * WINDOW:
       flush()
-  if batch:
+  if window:
     flush()
   if not vectors:
     raise UserError("no functions to embed in the given input")
