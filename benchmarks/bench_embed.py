@@ -2,7 +2,7 @@
 (``function_vectors``: WINDOW batches sorted together, BUCKETS lengths), against padding every
 batch to ``seq_len`` (BUCKETS = 1, what it did before), in the same process, A B A B:
 
-  python benchmarks/bench_embed.py --workdir RUN --bench BENCH.jsonl [--functions 2048]
+  python benchmarks/bench_embed.py --workdir RUN --bench BENCH.jsonl [--functions 4096]
       [--rounds 3] [--out benchmarks/results/DATE-cpu-embed-buckets.json]
 
 The first N compiled functions of a similarity benchmark (``lmscale similarity-build``'s file),
@@ -38,7 +38,7 @@ def parser() -> Parser:
   p = Parser(description=__doc__.split("\n\n")[0])
   p.add_argument("--workdir", required=True, help="a training or fine-tuning run's directory")
   p.add_argument("--bench", required=True, help="a similarity benchmark (.jsonl)")
-  p.add_argument("--functions", type=int, default=2048, help="how many compiled functions")
+  p.add_argument("--functions", type=int, default=4096, help="the first N compiled functions")
   p.add_argument("--rounds", type=int, default=3, help="timed pairs of the two modes")
   p.add_argument("--out", default="", help="append the result here (.json: one list)")
   return p

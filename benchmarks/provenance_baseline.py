@@ -28,12 +28,11 @@ sys.path.insert(0, ROOT)
 from benchmarks import _host  # noqa: E402
 from lmscale_jax.cli import args as cli_args  # noqa: E402  one line, exit 1 for a bad argument
 from lmscale_jax.errors import UserError  # noqa: E402
-from lmscale_jax.evals import classification  # noqa: E402
+from lmscale_jax.evals import classification, retrieval  # noqa: E402
 from lmscale_jax.store import file_io  # noqa: E402
 
 C = 10.0          # TF-IDF rows are unit length: C=1 under-fits a few thousand terms' weights
 MAX_ITER = 2000   # lbfgs; whether it converged is reported
-TOKEN_PATTERN = r"\S+"
 
 
 def parser():
@@ -75,11 +74,10 @@ def read_labels(task: str, *splits: list[str]) -> list[str]:
 
 def fit_predict(train_x, train_y, test_x) -> tuple[list[str], dict]:
   from sklearn.exceptions import ConvergenceWarning
-  from sklearn.feature_extraction.text import TfidfVectorizer
   from sklearn.linear_model import LogisticRegression
 
   start = time.perf_counter()
-  vectorizer = TfidfVectorizer(token_pattern=TOKEN_PATTERN, lowercase=False)
+  vectorizer = retrieval.tfidf_vectorizer()
   model = LogisticRegression(C=C, max_iter=MAX_ITER)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", ConvergenceWarning)  # reported as "converged" instead
@@ -97,8 +95,8 @@ def run(task: str) -> dict:
   predicted, fit = fit_predict(train_x, train_y, test_x)
   return {"date": datetime.date.today().isoformat(), "device": _host.cpu_name(),
           "code": _host.code_version(), "task": task, "task_json_sha256": task_sha(task),
-          "method": {"name": "tfidf+logreg", "vectorizer": "TfidfVectorizer(token_pattern="
-                     f"{TOKEN_PATTERN!r}, lowercase=False)",
+          "method": {"name": "tfidf+logreg",
+                     "vectorizer": "TfidfVectorizer(token_pattern='\\\\S+', lowercase=False)",
                      "classifier": f"LogisticRegression(C={C}, max_iter={MAX_ITER})", **fit},
           "examples": {"train": len(train_y), "test": len(test_y)},
           "scores": classification.classification_scores(test_y, predicted, labels),

@@ -262,3 +262,21 @@ def test_ranks_scored_in_blocks_are_bitwise_those_of_one_block():
   for block_bytes in (1, 60 * 48 * 4 * 7, 60 * 48 * 4 * 96):  # 1, 7 and 96 queries a block
     assert np.array_equal(retrieval.ranks(vectors, pools, block_bytes=block_bytes), one)
   assert (one >= 2).all()  # the tie with item 1 ranks every positive second or lower
+
+
+def test_tfidf_is_pretoken_counts_times_smoothed_idf_in_unit_rows():
+  """The similarity baseline's TF-IDF (scikit-learn's, one pretoken a term, case kept) against
+  the formula written out on three functions: count × (ln((1 + n) / (1 + df)) + 1), L2 rows."""
+  import numpy as np
+
+  from lmscale_jax.evals import retrieval
+
+  texts = ["push rbp [NEXT] mov rbp rsp [NEXT] ret", "xor eax eax [NEXT] ret",
+           "push rbp [NEXT] push RBP [NEXT] ret"]
+  got = retrieval.tfidf_vectors(texts)
+  terms = sorted({w for t in texts for w in t.split()})
+  counts = np.array([[t.split().count(w) for w in terms] for t in texts], np.float64)
+  weights = counts * (np.log(4 / (1 + (counts > 0).sum(axis=0))) + 1)
+  want = weights / np.linalg.norm(weights, axis=1, keepdims=True)
+  assert got.dtype == np.float32 and got.shape == (3, len(terms)) and "RBP" in terms
+  assert np.allclose(got, want, atol=1e-6)  # columns: the terms in sorted order

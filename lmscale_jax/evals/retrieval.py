@@ -65,23 +65,19 @@ class Items:
 
 
 # --------------------------------------------------------------------------- methods
-def tfidf_vectors(texts: list[str]) -> np.ndarray:
-  """Bag-of-pretokens TF-IDF, L2-normalised rows (dense: a few thousand distinct pretokens).
+def tfidf_vectorizer():
+  """The TF-IDF baselines' terms and weights (similarity and provenance): scikit-learn's
+  ``TfidfVectorizer`` with each whitespace-separated pretoken a term, case kept; raw counts ×
+  smoothed idf ``ln((1 + n) / (1 + df)) + 1``, rows L2-normalised."""
+  from sklearn.feature_extraction.text import TfidfVectorizer
 
-  Written out (15 lines) because scikit-learn is not a dependency; it is sklearn's
-  ``TfidfVectorizer(token_pattern=r"\\S+", lowercase=False)`` default: raw counts × smoothed
-  idf ``ln((1 + n) / (1 + df)) + 1``."""
-  vocab: dict[str, int] = {}
-  rows = []
-  for t in texts:
-    counts = collections.Counter(t.split())
-    rows.append({vocab.setdefault(w, len(vocab)): c for w, c in counts.items()})
-  m = np.zeros((len(texts), len(vocab)), np.float32)
-  for i, r in enumerate(rows):
-    m[i, list(r)] = list(r.values())
-  df = (m > 0).sum(axis=0)
-  m *= (np.log((1 + len(texts)) / (1 + df)) + 1).astype(np.float32)
-  return normalise(m)
+  return TfidfVectorizer(token_pattern=r"\S+", lowercase=False)
+
+
+def tfidf_vectors(texts: list[str]) -> np.ndarray:
+  """Bag-of-pretokens TF-IDF fitted on ``texts``, dense unit rows (a few thousand distinct
+  pretokens)."""
+  return normalise(tfidf_vectorizer().fit_transform(texts).toarray())
 
 
 def normalise(m: np.ndarray) -> np.ndarray:
