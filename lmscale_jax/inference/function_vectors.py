@@ -21,9 +21,10 @@ from lmscale_jax.inference import trained_model
 
 BATCH = 32  # sequences per device per forward pass, the last batch padded with empty rows
 # Functions sorted by length together (WINDOW batches), each batch padded to the next multiple
-# of seq_len / BUCKETS rather than to seq_len: at seq 512, a third of the benchmark's tokens
-# were padding (docs/similarity.md, "Longer functions"). Vectors agree with seq_len padding to
-# float rounding (the padding is masked: tests/test_search_array.py).
+# of seq_len / BUCKETS rather than to seq_len: at seq 512, 34% of the similarity benchmark's
+# tokens were padding, 12% now, 1.44× the functions/s (docs/performance.md, "Embedding"). The
+# vectors are seq_len padding's to float rounding (the padding is masked; tested in
+# tests/test_search_array.py).
 WINDOW = 8
 BUCKETS = 8
 AXIS = "batch"
