@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
 from lmscale_jax.cli.args import Parser  # noqa: E402
+from lmscale_jax.errors import UserError  # noqa: E402
 from lmscale_jax.evals import retrieval  # noqa: E402
 from lmscale_jax.similarity import function_groups  # noqa: E402
 from lmscale_jax.store import file_io  # noqa: E402
@@ -107,7 +108,11 @@ def measure(a) -> dict:
 
 def main(argv=None) -> int:
   a = parser().parse_args(argv)
-  row = measure(a)
+  try:
+    row = measure(a)
+  except UserError as e:  # a missing run or benchmark: one line
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   print(json.dumps(row, indent=1))
   if a.out:
     rows = json.load(open(a.out)) if os.path.exists(a.out) else []

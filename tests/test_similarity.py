@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -280,3 +281,13 @@ def test_tfidf_is_pretoken_counts_times_smoothed_idf_in_unit_rows():
   want = weights / np.linalg.norm(weights, axis=1, keepdims=True)
   assert got.dtype == np.float32 and got.shape == (3, len(terms)) and "RBP" in terms
   assert np.allclose(got, want, atol=1e-6)  # columns: the terms in sorted order
+
+
+def test_bench_embed_with_a_missing_benchmark_is_one_line(tmp_path):
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_embed.py"),
+                      "--workdir", str(tmp_path), "--bench", str(tmp_path / "none.jsonl")],
+                     capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+      f"error: --bench {tmp_path / 'none.jsonl'}: no such file (build one with lmscale "
+      "similarity-build)"], r.stderr
