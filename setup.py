@@ -8,11 +8,17 @@ _pretokens needs no capstone headers or library at build time: it dlopens the ca
 library when first used.
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_namespace_packages, setup
 
 FLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 
-setup(ext_modules=[
+# configs/ (top level, where a checkout's users read and copy them) is installed as the package
+# lmscale_jax.configs, so an installed `lmscale train --config tiny` finds the shipped configs by
+# name (config/loader.resolve). Namespace discovery as pyproject's packages.find did: the data
+# folders (model/hf_remote, serve/static) are packages too.
+setup(packages=find_namespace_packages(include=["lmscale_jax*"]) + ["lmscale_jax.configs"],
+      package_dir={"lmscale_jax.configs": "configs"},
+      ext_modules=[
     Extension("lmscale_jax.prep.elf._pretokens", ["lmscale_jax/prep/elf/_pretokens.c"],
               extra_compile_args=FLAGS,
               libraries=["dl"],  # dlopen/dlsym (part of libc since glibc 2.34; harmless before)

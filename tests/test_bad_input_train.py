@@ -554,8 +554,8 @@ def _cli_cases(tmp):
       ([tiny, f"--workdir={tmp}", "--config.train.batch_size=32.0"],
        "error: --config.train.batch_size=32.0: expected an integer"),
       ([f"--config={ROOT}/configs/nope.py", f"--workdir={tmp}"],
-       f"error: --config={ROOT}/configs/nope.py: cannot load the config file ([Errno 2] No "
-       "such file or directory"),
+       f"error: --config={ROOT}/configs/nope.py: no such file, and no shipped config of that "
+       "name (shipped: bert120m, bert350m, tiny, undertale_medium;"),
       ([tiny, f"--workdir={tmp}", "--config.checkpoint.async=False"],
        "error: --config.checkpoint.async was renamed --config.checkpoint.async_save"),
       ([tiny, f"--workdir={afile}", data_flag],

@@ -184,7 +184,8 @@ def test_slurm_commands(setup):
     (["--set", "train.batch_size=4"], "--set train.batch_size: set by the sweep; use --batch"),
     (["--set", "model.layers=two"], "model.layers=two: expected an integer"),
     (["--model", "nolabel"], "--model 'nolabel': expected LABEL:key=value"),
-    (["--config", "configs/nope.py"], "--config configs/nope.py: no such config file"),
+    (["--config", "configs/nope.py"], "--config=configs/nope.py: no such file, and no shipped "
+                                       "config of that name"),
     (["--steps", "4", "--log-every", "4"], "need at least two logging windows"),
     (["--launcher", "slurm", "--processes", "3", "--dry-run"], "--processes 3: not a whole "
                                                                "number of nodes"),

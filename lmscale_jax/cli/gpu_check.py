@@ -21,19 +21,15 @@ import sys
 
 from lmscale_jax.cli import args
 from lmscale_jax.config import loader
-from lmscale_jax.errors import ConfigError
+
+TOOL = "lmscale gpu-check"  # the parser's prog, and the mark its --json FILE carries
 
 # The checkout (configs/ is there): lmscale_jax/cli/ is two levels below it.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def json_file(text: str) -> str:
-  """--json's FILE, checked before the check runs (minutes on a GPU); "-" is stdout."""
-  return text if text == "-" else args.output_file(text)
-
-
 def parse_args(argv=None):
-  p = args.Parser(prog="lmscale gpu-check", description=__doc__.split("\n\n")[0])
+  p = args.Parser(prog=TOOL, description=__doc__.split("\n\n")[0])
   p.add_argument("--config", default="configs/bert120m.py", help="config file (configs/*.py)")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="config override, e.g. train.remat=dots (repeatable)")
@@ -46,7 +42,9 @@ def parse_args(argv=None):
                       "this node's devices)")
   p.add_argument("--small-batch", type=args.number(int, 1, 1 << 16), default=8,
                  help="the small per-device batch")
-  p.add_argument("--json", nargs="?", const="-", type=json_file, metavar="FILE",
+  # Checked before the check runs (minutes on a GPU); "-" is stdout.
+  p.add_argument("--json", nargs="?", const="-", type=args.OutputFile(stdout=True),
+                 metavar="FILE",
                  help="write the report as JSON to FILE (no FILE: to stdout, and the "
                       "progress and PASS/FAIL lines to stderr)")
   p.add_argument("--allow-cpu", action="store_true",
@@ -57,10 +55,7 @@ def parse_args(argv=None):
 def load_config(path: str, overrides: list[str]):
   """The config of ``path`` with ``KEY=VALUE`` overrides (``config.loader``: each key checked,
   each value typed as ``--config.KEY=VALUE`` is); a bad file or key is one line."""
-  full = path if os.path.isabs(path) else os.path.join(ROOT, path)
-  if not os.path.isfile(full):
-    raise ConfigError(f"--config {path}: no such file (e.g. configs/bert120m.py)")
-  config = loader.load_file(full)
+  config = loader.load_file(loader.beside(ROOT, path))
   loader.apply_sets(config, list(overrides))
   return config
 
@@ -71,7 +66,7 @@ def main(argv=None) -> int:
   def go() -> int:
     config = load_config(a.config, ["model.dtype=bfloat16"] + a.set)
     from lmscale_jax.gpu import check as gpu_check
-    from lmscale_jax.store import file_io
+    from lmscale_jax.store import output_marks
 
     out = sys.stderr if a.json == "-" else sys.stdout
     log = lambda line: print(line, file=out, flush=True)
@@ -83,7 +78,7 @@ def main(argv=None) -> int:
     if a.json == "-":
       print(json.dumps(report))
     elif a.json:
-      file_io.atomic_write_json(a.json, report)
+      output_marks.write_json(a.json, TOOL, report)
     log(f"{report['result']}: {report['reason']}")
     return 0 if report["result"] == "PASS" else 1
 

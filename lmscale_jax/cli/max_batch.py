@@ -39,7 +39,7 @@ from lmscale_jax.study.max_batch import load_config, max_batch  # noqa: F401
 
 def parse_args(argv=None):
   ap = args.Parser(prog="lmscale max-batch", description=__doc__.split("\n\n")[0])
-  ap.add_argument("--config", type=args.input_file, help="config file (configs/*.py)")
+  ap.add_argument("--config", help="config file (configs/*.py) or a shipped config's name")
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                   help="config override, e.g. model.layers=20 (repeatable)")
   ap.add_argument("--name", help="model label in the output (default: the config's stem)")

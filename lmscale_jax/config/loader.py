@@ -1,5 +1,6 @@
 """The one config loader of every command: ``--config FILE`` (a configs/*.py with
-``get_config()``, or a command's own defaults such as fine-tuning's) and ``--config.a.b=v``
+``get_config()``, a shipped config by name — ``--config tiny`` —, or a command's own defaults
+such as fine-tuning's) and ``--config.a.b=v``
 overrides, each typed by the type of the key's default.
 
 Every mistake is one :class:`ConfigError` line: a config file that does not load (naming the
@@ -22,18 +23,55 @@ from lmscale_jax.config import legacy
 from lmscale_jax.errors import ConfigError
 
 FLAG = "--config"
-_CONFIGS = "configs/ holds tiny.py, bert120m.py, bert350m.py"
+SHIPPED = "lmscale_jax.configs"  # the wheel's copy of configs/ (setup.py's package_dir)
 _BOOLS = {"true": True, "false": False, "1": True, "0": False}
 
 
+def shipped() -> dict[str, str]:
+  """The configs that come with the package, name -> file: the installed ``lmscale_jax.configs``
+  (found without importing it), else a checkout's ``configs/`` beside the package."""
+  spec = importlib.util.find_spec(SHIPPED)
+  folders = list(spec.submodule_search_locations or []) if spec else []
+  here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs")
+  folder = next((f for f in folders + [here] if os.path.isdir(f)), None)
+  if folder is None:
+    return {}
+  return {n.removesuffix(".py"): os.path.join(folder, n) for n in sorted(os.listdir(folder))
+          if n.endswith(".py") and not n.startswith("_")}
+
+
+def resolve(name: str) -> str:
+  """``--config``'s value as a file to load: a file that exists, else a shipped config's name
+  (``tiny`` or ``tiny.py``, with its ``:ARG``). Anything else is one line listing the shipped
+  names: an installed ``lmscale`` has no ``configs/`` folder to point at."""
+  path, colon, arg = name.partition(":")
+  if os.path.isfile(path):
+    return name
+  known = shipped()
+  stem = path.removesuffix(".py")
+  if stem in known and os.sep not in path:
+    return known[stem] + colon + arg
+  names = ", ".join(known) or "none found"
+  example = "tiny" if "tiny" in known else next(iter(known), "FILE.py")
+  raise ConfigError(f"{FLAG}={name}: no such file, and no shipped config of that name (shipped: "
+                    f"{names}; e.g. {FLAG} {example}, or a file of your own with a "
+                    "get_config())")
+
+
+def beside(root: str, name: str) -> str:
+  """A relative ``--config`` read from ``root`` (a checkout: the study tools' and gpu-check's
+  rule) when it is there; otherwise ``name`` as given, for :func:`resolve`."""
+  path = name.partition(":")[0]
+  return (os.path.join(root, name) if root and not os.path.isabs(path)
+          and os.path.isfile(os.path.join(root, path)) else name)
+
+
 def load_file(name: str) -> ml_collections.ConfigDict:
-  """``name``'s ``get_config()``; ``FILE.py:ARG`` calls ``get_config(ARG)`` (as ml_collections'
-  config_flags did). A config file is user code: any failure in it is its author's to fix,
-  one line naming the file."""
-  path, _, arg = name.partition(":")
+  """``name``'s ``get_config()`` (a file, or a shipped config's name: :func:`resolve`);
+  ``FILE.py:ARG`` calls ``get_config(ARG)`` (as ml_collections' config_flags did). A config
+  file is user code: any failure in it is its author's to fix, one line naming the file."""
+  path, _, arg = resolve(name).partition(":")
   try:
-    if not os.path.isfile(path):
-      raise FileNotFoundError(2, "No such file or directory", path)
     stem = os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(f"lmscale_config_{stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -41,8 +79,7 @@ def load_file(name: str) -> ml_collections.ConfigDict:
     config = module.get_config(arg) if arg else module.get_config()
   except Exception as e:
     why = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {_last_line(e)}"
-    raise ConfigError(f"{FLAG}={name}: cannot load the config file ({why}); "
-                      f"{_CONFIGS}") from None
+    raise ConfigError(f"{FLAG}={name}: cannot load the config file {path} ({why})") from None
   if not isinstance(config, ml_collections.ConfigDict):
     raise ConfigError(f"{FLAG}={name}: get_config() returned a {type(config).__name__}, "
                       "expected an ml_collections.ConfigDict")

@@ -72,7 +72,7 @@ def load_config(path: str, overrides: list[str]):
   """``path``'s get_config() (relative paths: from the checkout) with ``section.key=value``
   overrides, each checked and typed as ``--config.KEY=VALUE`` is (``config.loader``)."""
   with checkout_importable():  # as a run would load it
-    c = loader.load_file(path if os.path.isabs(path) else os.path.join(ROOT, path))
+    c = loader.load_file(loader.beside(ROOT, path))
   loader.apply_sets(c, list(overrides))
   return c
 

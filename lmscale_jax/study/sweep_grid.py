@@ -35,9 +35,7 @@ class SweepError(UserError):
 def load_config(path: str, sets, root: str = ""):
   """``path`` (relative to ``root``)'s get_config() with the (key, value) ``sets`` applied; an
   unknown key names the closest one."""
-  if not os.path.isfile(os.path.join(root, path)):
-    raise SweepError(f"--config {path}: no such config file")
-  config = loader.load_file(os.path.join(root, path))
+  config = loader.load_file(loader.beside(root, path))
   keys = loader.dotted_keys(config)
   for key, text in sets:  # typed as --config.KEY=VALUE is (config.loader)
     if key not in keys:
