@@ -69,7 +69,8 @@ def parser(kind: str) -> argparse.ArgumentParser:
                  default=0.01,
                  help="share of functions/documents in the validation split")
   p.add_argument("--overwrite", action="store_true",
-                 help="replace the dataset an earlier run wrote there (only its own files)")
+                 help="replace the dataset an earlier run wrote there (only its own files), "
+                 "once the new one is complete: until then both are on the disk")
   p.add_argument("--no-progress", action="store_true")
   if kind == "text":
     p.add_argument("--text-field", default="text", help=".jsonl field holding the text")

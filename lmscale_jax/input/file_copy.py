@@ -13,10 +13,10 @@ import time
 from typing import Callable
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.store import file_io
+from lmscale_jax.store import destination, file_io
 from lmscale_jax.store import dir_lock as store_lock
 
-TMP_SUFFIX = ".staging"  # a copy in progress: ``.{name}.staging`` beside its final name
+TMP_SUFFIX = destination.STAGE_TEMP_SUFFIX  # a copy in progress: ``.{name}.staging``
 CHUNK = 8 << 20
 
 

@@ -20,6 +20,12 @@ reading its own local copy does not (the paper's second finding). :func:`stage`:
 * records its state in ``staging.json`` in the destination: ``copying`` while it runs,
   ``complete`` or ``failed`` (with the error) at the end. While copying, ``metadata.json`` is
   absent from the destination, so a crashed staging is never taken for a complete dataset;
+* writes only into a destination of its own (``store/destination.py``'s rule, which
+  ``lmscale prepare`` follows too): apart from the source (not it, not in it, not around it),
+  and missing, empty, or its own earlier destination for this dataset (``staging.json`` names
+  the source's content digest, or it holds that very dataset, or an unfinished staging:
+  ``destination.staged_copy_of``). Another dataset, a file no lmscale tool wrote or a
+  preparation's unfinished work there is one error line, before anything is written;
 * holds an exclusive lock on the destination (``.stage.lock``, ``store/dir_lock``) from planning
   to the last state write: stagers started together on one node (an array job, a sweep) wait
   for the first (``lock_timeout``, ``data.stage_timeout``), then find everything verified and
@@ -46,10 +52,10 @@ from typing import Callable, Sequence
 from lmscale_jax.config import defaults as config_defaults
 from lmscale_jax.errors import UserError
 from lmscale_jax.input import file_copy
-from lmscale_jax.store import dataset, file_io
+from lmscale_jax.store import dataset, destination, file_io
 
-STAGE_FILE = "staging.json"
-LOCK_FILE = ".stage.lock"
+STAGE_FILE = destination.STAGE_STATE
+LOCK_FILE = destination.STAGE_LOCK
 TMP_SUFFIX = file_copy.TMP_SUFFIX
 # Space kept free beyond the bytes to copy: file system metadata, and the temp copy of a file
 # that is being replaced coexists with the old one until the rename.
@@ -182,8 +188,10 @@ def _metadata_bytes(src: str, meta: dataset.DatasetMeta) -> bytes:
   return data
 
 
-def _check_source_and_dest(src: str, dest: str, workers: int) -> dataset.DatasetMeta:
-  """The source's metadata, once source, destination and workers are known to be usable."""
+def _check_source_and_dest(src: str, dest: str, workers: int
+                           ) -> tuple[dataset.DatasetMeta, str]:
+  """The source's metadata and content digest (``destination.identity``), once source,
+  destination and workers are known to be usable."""
   if not os.path.isdir(src):
     raise StagingError(f"staging source {src} is not a directory")
   if not os.path.exists(os.path.join(src, dataset.METADATA)):
@@ -194,12 +202,13 @@ def _check_source_and_dest(src: str, dest: str, workers: int) -> dataset.Dataset
     meta = dataset.DatasetMeta.load(src)
   except dataset.DatasetError as e:
     raise StagingError(f"staging source: {e}") from e
-  if src == dest:
-    raise StagingError(f"source and destination are the same directory: {src}")
+  digest = destination.identity(src)
+  if refused := destination.copy_refusal(src, dest, digest):
+    raise StagingError(refused)  # before anything is written there
   _check_writable(dest)
   if workers < 1:
     raise StagingError(f"--workers {workers}: expected >= 1")
-  return meta
+  return meta, digest
 
 
 def _plan_files(meta: dataset.DatasetMeta, src: str, *, only_needed: bool, num_processes: int,
@@ -347,18 +356,18 @@ def stage(src: str, dest: str, *, workers: int = 8, only_needed: bool = False,
   if lock_timeout is None:
     lock_timeout = float(config_defaults.get_base_config().data.stage_timeout)
   src, dest = os.path.abspath(src), os.path.abspath(dest)
-  meta = _check_source_and_dest(src, dest, workers)
+  meta, digest = _check_source_and_dest(src, dest, workers)
   try:
     with file_copy.dir_lock(dest, LOCK_FILE, lock_timeout, log, "staging into",
                             "--wait / data.stage_timeout"):
-      return _stage_locked(src, dest, meta, workers=workers, only_needed=only_needed,
+      return _stage_locked(src, dest, meta, digest, workers=workers, only_needed=only_needed,
                            num_processes=num_processes, process_ids=process_ids, plan=plan,
                            verify_all=verify_all, progress=progress, log=log)
   except (file_copy.LockTimeout, file_copy.LockUnusable) as e:
     raise StagingError(str(e)) from None
 
 
-def _stage_locked(src: str, dest: str, meta: dataset.DatasetMeta, *, workers: int,
+def _stage_locked(src: str, dest: str, meta: dataset.DatasetMeta, digest: str, *, workers: int,
                   only_needed: bool, num_processes: int, process_ids: Sequence[int], plan: str,
                   verify_all: bool, progress: bool, log: Callable[[str], None]) -> dict:
   """:func:`stage` once ``dest`` is locked."""
@@ -379,8 +388,8 @@ def _stage_locked(src: str, dest: str, meta: dataset.DatasetMeta, *, workers: in
                if only_needed else None)
   if (not todo and _same_metadata(src, dest) and state.get("status") == "complete"
       and state.get("only_needed") == plan_desc):
-    if verified != state.get("verified"):
-      _write_state(dest, **{**state, "verified": verified})
+    if verified != state.get("verified") or state.get("source_digest") != digest:
+      _write_state(dest, **{**state, "verified": verified, "source_digest": digest})
     secs = time.perf_counter() - started
     log(f"staged {dest}: all {len(specs)} files present and verified, nothing to copy "
         f"({secs:.1f} s)")
@@ -388,8 +397,8 @@ def _stage_locked(src: str, dest: str, meta: dataset.DatasetMeta, *, workers: in
             "dest": dest}
 
   _check_space(dest, todo, only_needed)
-  _write_state(dest, status="copying", source=src, only_needed=plan_desc, pid=os.getpid(),
-               verified=verified)
+  _write_state(dest, status="copying", source=src, source_digest=digest, only_needed=plan_desc,
+               pid=os.getpid(), verified=verified)
   dst_meta = os.path.join(dest, dataset.METADATA)
   if os.path.exists(dst_meta):
     os.unlink(dst_meta)  # absent until every file is verified: never a half-staged dataset
@@ -403,13 +412,14 @@ def _stage_locked(src: str, dest: str, meta: dataset.DatasetMeta, *, workers: in
     bar.close()
     copy_secs = time.perf_counter() - copy_started
     _commit_metadata(src, dest, source_metadata)
-    _write_state(dest, status="complete", source=src, only_needed=plan_desc,
-                 files=len(specs), bytes=sum(spec.bytes for spec in specs), verified=verified)
+    _write_state(dest, status="complete", source=src, source_digest=digest,
+                 only_needed=plan_desc, files=len(specs), bytes=sum(spec.bytes for spec in specs),
+                 verified=verified)
   except BaseException as e:
     bar.close()
     try:
-      _write_state(dest, status="failed", source=src, only_needed=plan_desc,
-                   error=f"{type(e).__name__}: {e}", verified=verified)
+      _write_state(dest, status="failed", source=src, source_digest=digest,
+                   only_needed=plan_desc, error=f"{type(e).__name__}: {e}", verified=verified)
     except OSError:
       pass  # the destination itself failed: the error below says so
     if isinstance(e, OSError):

@@ -9,7 +9,9 @@
            stats, ONE tokenizer from the slices' pretoken counts, merged
   pack     array over pieces: tokenize + pack (``packed_pieces.pack_piece``)
   shards   array over shards: cut from the pieces by prefix sums (``packed_pieces.write_shard``)
-  finish   one task: the tokenizer files, stats.json, metadata.json (``prepare.finalize``)
+  finish   one task: the tokenizer files, stats.json, metadata.json (``prepare.finalize``),
+           swapped into the output (``dataset_swap``: plan's --overwrite keeps the old
+           dataset usable until here)
 
 An array task takes a contiguous share of its stage's units (slices, buckets, pieces, shards),
 so every array can have any size. A unit is done when its marker exists (written last, by atomic
@@ -28,8 +30,8 @@ import time
 import numpy as np
 
 from lmscale_jax.errors import PrepareError
-from lmscale_jax.prep import (corpus_extract, corpus_layout, packed_pieces, packing, prepare,
-                              shard_writer, tokenize_pack, worker_pool)
+from lmscale_jax.prep import (corpus_extract, corpus_layout, dataset_swap, packed_pieces, packing,
+                              prepare, shard_writer, tokenize_pack, worker_pool)
 from lmscale_jax.prep.cluster_extract import (held, load_plan, missing, read_json, save_npy,
                                               share, slice_file, work_dir, work_path)
 from lmscale_jax.prep.elf.elf_corpus import FileResult
@@ -279,6 +281,10 @@ def _shards(output: str, task: int, tasks: int, workers: int) -> None:
 
 def finish(output: str) -> dict:
   with held(output, "finish"):
+    # A finish killed during its swap (prep/dataset_swap.py): completed, whatever of _work/
+    # (the plan included) its removal had taken.
+    if dataset_swap.complete_interrupted(output) is not None:
+      return read_json(os.path.join(output, dataset.STATS))
     return _finish(output)
 
 

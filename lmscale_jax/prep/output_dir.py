@@ -2,125 +2,94 @@
 resumes it.
 
 ``prepare_manifest.json`` (written before anything else) lists every name a preparation created
-there: ``--overwrite`` removes exactly those, and nothing the user put beside them. The directory
-never contains, lies in or is an input; ``.prepare.lock`` holds it while a run writes
+there: ``--overwrite`` replaces exactly those, and nothing the user put beside them, and only
+once the new dataset is complete (``prep/dataset_swap.py``: until then the old one stays usable).
+Which directories are refused (one that is, contains or lies in an input; a non-empty one that
+holds another dataset or files no lmscale tool wrote) is ``store/destination.py``'s rule, which
+``lmscale stage`` follows too. ``.prepare.lock`` holds the directory while a run writes
 (exclusive for a single-node run, shared among a cluster preparation's array tasks); an
 unfinished run's ``_work/params.json`` says whether a rerun resumes it (the same options and input
 files) or starts afresh. Used by ``prep/prepare.py`` (one node) and ``prep/cluster_extract.py``
 (the stages of a Slurm array).
 """
-
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import re
 import shutil
 import sys
 
 from lmscale_jax import errors
 from lmscale_jax.errors import PrepareError
+from lmscale_jax.prep import dataset_swap
 from lmscale_jax.prep.options import PrepareOptions
-from lmscale_jax.store import dataset, dir_lock, file_io
-from lmscale_jax.store import tokenizer as toklib
+from lmscale_jax.store import dataset, destination, dir_lock, file_io
 
-WORK = "_work"
-LOCK = ".prepare.lock"  # in the output directory, while a preparation writes there
-
-
-def _inside(path: str, top: str) -> bool:
-  return path != top and os.path.commonpath([path, top]) == top
+WORK = destination.WORK
+LOCK = destination.PREPARE_LOCK  # in the output directory, while a preparation writes there
 
 
 def check_overlap(o: PrepareOptions) -> None:
-  """The output directory is cleared and written: it must not hold, lie in or be an input."""
-  out = os.path.realpath(o.output)
+  """The output directory is written: it must not hold, lie in or be an input
+  (``store/destination``'s rule, which ``lmscale stage`` follows too)."""
   named = [("--input", p) for p in o.inputs] + ([("--tokenizer", o.tokenizer)]
                                                 if o.tokenizer else [])
-  for flag, p in named:
-    real = os.path.realpath(p)
-    how = ("is" if out == real else "lies inside" if _inside(out, real) else
-           "contains" if _inside(real, out) else "")
-    if how:
-      raise PrepareError(f"--output {o.output!r} {how} the {flag} {p!r}: the dataset directory "
-                         "is cleared and written, so it must lie outside every input; choose "
-                         "another --output")
+  hit = destination.overlap(o.output, [p for _, p in named])
+  if hit:
+    how, path = hit
+    flag = next(f for f, p in named if p == path)
+    raise PrepareError(f"--output {o.output!r} {how} the {flag} {path!r}: the dataset directory "
+                       "is written (and with --overwrite cleared of the old dataset), so it must "
+                       "lie outside every input; choose another --output")
 
 
-# The manifest lists every name this tool created in the output directory: --overwrite removes
-# those and nothing else (a README or anything the user put there survives).
-MANIFEST = "prepare_manifest.json"
-TFDS_FILES = ("dataset_info.json", "features.json")
-_SHARD_NAME = re.compile(r"(binary_code|text_corpus)-(train|validation)\.array_record-"
-                         r"\d{5}-of-\d{5}")
-
-
-def _ours_by_name(name: str) -> bool:
-  """A name this tool writes (a dataset prepared before manifests existed has no manifest)."""
-  return (name in (WORK, MANIFEST, dataset.METADATA, dataset.STATS, dataset.TOKENIZER,
-                   toklib.TOKENIZER_CONFIG, toklib.SPECIAL_TOKENS_MAP,
-                   *TFDS_FILES) or _SHARD_NAME.fullmatch(name) is not None)
+# The manifest lists every name a preparation created in the output directory: --overwrite
+# replaces those and nothing else (a README or anything the user put there survives).
+MANIFEST = destination.MANIFEST
+TFDS_FILES = destination.TFDS_FILES
 
 
 def manifest(out: str) -> list[str] | None:
-  path = os.path.join(out, MANIFEST)
-  if not os.path.exists(path):
-    return None
   try:
-    with open(path) as f:
-      names = json.load(f)["files"]
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise PrepareError(f"{path}: not readable ({e}); remove the dataset's files yourself") \
-        from None
-  # Plain names only: a manifest is never a way to delete anything outside the directory.
-  return [n for n in names if isinstance(n, str) and n not in ("", ".", "..") and "/" not in n]
+    return destination.manifest(out)
+  except dataset.DatasetError as e:
+    raise PrepareError(str(e)) from None
 
 
 def write_manifest(out: str, names) -> None:
-  file_io.atomic_write_json(os.path.join(out, MANIFEST),
-                            {"tool": "lmscale_jax.prepare", "files": sorted(set(names))})
+  destination.write_manifest(out, names)
 
 
-# The temp file of an atomic write killed half way (file_io.atomic_write_bytes): ".NAME.*.tmp".
-_TEMP_NAME = re.compile(r"\.(.+)\.[^.]+\.tmp")
-
-
-def _foreign(out: str, names: list[str]) -> list[str]:
-  """The entries of ``out`` that no preparation wrote."""
-  owned = manifest(out)
-  named = (lambda n: n in owned or n == MANIFEST) if owned is not None else _ours_by_name
-
-  def ours(n: str) -> bool:
-    m = _TEMP_NAME.fullmatch(n)
-    return named(n) or (m is not None and named(m.group(1)))
-
-  return sorted(n for n in names if not ours(n))
-
-
-def remove_stale_temps(out: str, ours: set[str]) -> None:
-  """The temp files a killed run left half written beside our files (a finished dataset holds
-  none: CI runs killed during the writes of stats.json and of the manifest kept one each)."""
-  for n in os.listdir(out):
-    m = _TEMP_NAME.fullmatch(n)
-    if m is not None and (m.group(1) in ours or m.group(1) == MANIFEST):
-      os.unlink(os.path.join(out, n))
-
-
-def _clear_own(out: str, names: list[str]) -> None:
-  """--overwrite: removes what earlier preparations wrote, the manifest last."""
-  foreign = set(_foreign(out, names))
+def _overwritten(out: str, names: list[str]) -> list[str]:
+  """--overwrite: the names of ``out`` the new dataset will replace (what earlier preparations
+  wrote); they stay until it is complete (``prep/dataset_swap.py``)."""
+  try:
+    foreign = destination.foreign(out, names, tools="prepare")
+  except dataset.DatasetError as e:
+    raise PrepareError(str(e)) from None
   if manifest(out) is None and foreign:
-    first = sorted(foreign)[0]
     more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
-    raise PrepareError(f"output {out!r} holds {first!r}{more}, which no preparation wrote (it "
-                       f"has no {MANIFEST}): --overwrite removes only a dataset's own files; "
-                       "choose a new or empty --output")
-  for name in sorted(n for n in names if n not in foreign and n != MANIFEST):
-    p = os.path.join(out, name)
-    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
-  if MANIFEST in names:
-    os.unlink(os.path.join(out, MANIFEST))
+    raise PrepareError(f"output {out!r} holds {foreign[0]!r}{more}, which no preparation wrote "
+                       f"(it has no {MANIFEST}): --overwrite replaces only a dataset's own "
+                       "files; choose a new or empty --output")
+  return [n for n in names if n not in foreign]
+
+
+def _refusal(out: str, occupant: destination.Occupant, resumable: bool) -> str:
+  """Why a preparation without --overwrite may not write into ``out``."""
+  if occupant.kind == "dataset":
+    unfinished = " (and resume the unfinished run there that replaces it)" if resumable else ""
+    return (f"output {out!r} already holds a complete dataset; pass --overwrite to replace "
+            f"it{unfinished}: it stays until the new one is complete")
+  if occupant.kind == "foreign":
+    return (f"output {out!r} is not empty: it holds {occupant.name!r}, which no preparation "
+            "wrote; choose a new or empty --output")
+  if occupant.kind == "staging":
+    return (f"output {out!r} holds an unfinished staging ({occupant.name}) but no dataset; "
+            "choose a new or empty --output")
+  return (f"output {out!r} holds the files of an earlier preparation but no dataset; pass "
+          "--overwrite to replace them")
 
 
 def _resume_or_restart(o: PrepareOptions, params: dict) -> bool:
@@ -132,6 +101,11 @@ def _resume_or_restart(o: PrepareOptions, params: dict) -> bool:
   if old == params:
     return True
   changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
+  if o.overwrite:  # --overwrite starts over (an unfinished run of the same settings resumes)
+    print(f"dropping the unfinished preparation in {o.output} ({', '.join(changed)} differ): "
+          "--overwrite starts over", file=sys.stderr)
+    shutil.rmtree(work)
+    return False
   if changed != ["input_files"]:
     backend = (f" or set LMSCALE_PRETOKENIZER={'compiled' if old.get('pretokenizer') else 'python'}"
                " to resume it" if changed == ["pretokenizer"] else "")
@@ -197,28 +171,23 @@ def output_lock(out: str, *, shared: bool = False, doing: str = "a single-node p
 
 def open_output(o: PrepareOptions, params: dict) -> bool:
   """Creates/validates the output directory (held by :func:`output_lock`, which also refuses
-  an output that is not a directory). Returns True when resuming an earlier run."""
+  an output that is not a directory). Returns True when resuming an earlier run (with
+  --overwrite too: the same settings and input files make the same dataset)."""
   out, work = o.output, os.path.join(o.output, WORK)
-  # The lock is no file of a dataset (an exclusive holder removes it; a kill leaves it).
-  names = [n for n in os.listdir(out) if n != LOCK] if os.path.isdir(out) else []
-  if names and o.overwrite:
-    _clear_own(out, names)
-  elif os.path.exists(os.path.join(work, "params.json")):
-    if _resume_or_restart(o, params):
-      return True
-  elif os.path.exists(os.path.join(out, dataset.METADATA)):
-    raise PrepareError(f"output {out!r} already holds a complete dataset; pass --overwrite "
-                       "to replace it")
-  elif foreign := _foreign(out, names):
-    raise PrepareError(f"output {out!r} is not empty: it holds {foreign[0]!r}, which no "
-                       "preparation wrote; choose a new or empty --output")
-  elif names and names != [MANIFEST]:
-    raise PrepareError(f"output {out!r} holds the files of an earlier preparation but no "
-                       "dataset; pass --overwrite to replace them")
+  dataset_swap.complete_interrupted(out)  # a swap a kill cut short: finished first
+  names = destination.entries(out)
+  resumable = os.path.exists(os.path.join(work, "params.json"))
+  replaced = _overwritten(out, names) if o.overwrite else []
+  occupant = None if o.overwrite else destination.occupant(out, names)
+  if occupant and (occupant.kind == "dataset" or not resumable):
+    raise PrepareError(_refusal(out, occupant, resumable))
+  if resumable and _resume_or_restart(o, params):
+    return True
   try:
     os.makedirs(out, exist_ok=True)
-    # The manifest first: whatever happens next, --overwrite knows what is ours.
-    write_manifest(out, (manifest(out) or []) + [WORK])
+    # The manifest first: whatever happens next, it names what is ours, the old dataset's
+    # files included (the swap removes them once the new one is complete).
+    write_manifest(out, (manifest(out) or replaced) + [WORK])
     os.makedirs(work, exist_ok=True)
     file_io.atomic_write_json(os.path.join(work, "params.json"), params)
   except OSError as e:

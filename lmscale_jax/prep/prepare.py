@@ -9,8 +9,10 @@ This module holds pass 2 and the final ``stats.json``/``metadata.json`` (the opt
 ``prep/options.py``; the output directory's life cycle — what is ours, its lock, resume or
 restart — ``prep/output_dir.py``).
 Every file appears under its final name only once complete (temp file, fsync, rename), and
-``metadata.json`` is written last; a split without sequences is an error before anything is
-moved into the output. A rerun resumes only work of the same options and the same input files
+``metadata.json`` is written last; the finished dataset is built in ``_work/new/`` and swapped
+into the output at the end (``prep/dataset_swap.py``), so a dataset already there stays
+complete until the new one is; a split without sequences is an error before anything is moved
+into the output. A rerun resumes only work of the same options and the same input files
 (path, size, mtime: ``params.json``); other input files start it afresh.
 Output is byte-identical for any number of workers: pools are ordered and every decision depends
 only on the input order.
@@ -29,7 +31,8 @@ import time
 
 from lmscale_jax import errors
 from lmscale_jax.errors import PrepareError  # noqa: F401  (cli/args.py catches it from here)
-from lmscale_jax.prep import corpus_extract, corpus_layout, output_dir, shard_writer, worker_pool
+from lmscale_jax.prep import (corpus_extract, corpus_layout, dataset_swap, output_dir, shard_writer,
+                              worker_pool)
 from lmscale_jax.prep.options import PrepareOptions, check_options
 from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
@@ -123,13 +126,16 @@ def _check_splits(o: PrepareOptions, work: str, result: dict) -> None:
     if st[split]["sequences"] == 0:
       other = "smaller" if split == "train" else "larger"
       output_dir.remove_work(o.output, work)
+      kept = (f"; the dataset already in {o.output} is kept as it was"
+              if os.path.exists(os.path.join(o.output, dataset.METADATA)) else "")
       raise PrepareError(f"split {split!r} would have 0 sequences ({st[split]['items']} of "
                          f"{items} {unit} with --val-fraction {o.val_fraction:g}): give more "
                          f"input or a {other} --val-fraction; nothing was written to "
-                         f"{o.output} (the work files were removed)")
+                         f"{o.output} (the work files were removed){kept}")
 
 
-def _move_into_place(o: PrepareOptions, work: str, name: str, result: dict) -> dict:
+def _move_into_place(o: PrepareOptions, work: str, new: str, name: str, result: dict) -> dict:
+  """The shards and tokenizer files under their final names in ``new``."""
   splits = {}
   for split, shards in result["splits"].items():
     infos = []
@@ -137,27 +143,23 @@ def _move_into_place(o: PrepareOptions, work: str, name: str, result: dict) -> d
       final = dataset.shard_filename(name, split, i, len(shards))
       src = os.path.join(work, "shards", f"{split}-{i:05d}.array_record")
       if os.path.exists(src):  # absent if an interrupted finalize already moved it
-        os.replace(src, os.path.join(o.output, final))
+        os.replace(src, os.path.join(new, final))
       infos.append({"file": final, **info})
     splits[split] = infos
   # With the roles and files transformers' AutoTokenizer needs (tokenizer.with_hf_roles).
-  toklib.write_hf_files(toklib.load(os.path.join(work, dataset.TOKENIZER)), o.output,
+  toklib.write_hf_files(toklib.load(os.path.join(work, dataset.TOKENIZER)), new,
                         model_max_length=o.seq_len)
   return splits
 
 
 def finalize(o: PrepareOptions, work: str, result: dict, extract_stats: dict, t0: float,
               workers: int) -> dict:
+  """The dataset's files, built complete in ``_work/new`` and then swapped into the output
+  (``prep/dataset_swap.py``: a dataset already there stays until this one is complete)."""
   name = "binary_code" if o.kind == "binary" else "text_corpus"
   _check_splits(o, work, result)
-  before = set(os.listdir(o.output))
-  ours = set(output_dir.manifest(o.output) or []) | {
-      output_dir.WORK, *toklib.HF_FILES, dataset.STATS, dataset.METADATA,
-      *output_dir.TFDS_FILES}
-  ours |= {dataset.shard_filename(name, s, i, len(v))
-           for s, v in result["splits"].items() for i in range(len(v))}
-  output_dir.write_manifest(o.output, ours)  # before the files appear
-  splits = _move_into_place(o, work, name, result)
+  new = dataset_swap.new_dir(work)
+  splits = _move_into_place(o, work, new, name, result)
 
   st, wall = result["stats"], time.time() - t0
   seqs = sum(s["sequences"] for s in st.values())
@@ -193,14 +195,11 @@ def finalize(o: PrepareOptions, work: str, result: dict, extract_stats: dict, t0
     stats["pretokenizer"] = pretokenizer_params(o).get("pretokenizer", "python (iced-x86)")
     stats["code_bytes"] = extract_stats["code_bytes"]
     stats["functions_partially_decoded"] = extract_stats["partially_decoded"]
-  file_io.atomic_write_json(os.path.join(o.output, dataset.STATS), stats)
-  dataset.finalize(o.output, name=name, seq_len=o.seq_len, vocab_size=stats["vocab_size"],
-              special_ids=result["special"], splits=splits,
-              extra={"kind": o.kind, "packing": o.packing, "tokens": tokens})
-  output_dir.remove_stale_temps(o.output, ours)
-  # Whatever else TFDS wrote is ours too.
-  output_dir.write_manifest(o.output, ours | (set(os.listdir(o.output)) - before))
-  shutil.rmtree(work)
+  file_io.atomic_write_json(os.path.join(new, dataset.STATS), stats)
+  dataset.finalize(new, name=name, seq_len=o.seq_len, vocab_size=stats["vocab_size"],
+                   special_ids=result["special"], splits=splits,
+                   extra={"kind": o.kind, "packing": o.packing, "tokens": tokens})
+  dataset_swap.swap_in(o.output, work)  # whatever else TFDS wrote in new/ is ours too
   return stats
 
 
@@ -210,8 +209,10 @@ def _no_space(o: PrepareOptions, full: errors.DiskFull) -> str:
     free = f"{shutil.disk_usage(where).free:,} bytes free"
   except OSError:
     free = "free space unknown"
+  both = (f"; --overwrite keeps the dataset already in {o.output} until the new one is "
+          "complete, so both need room" if o.overwrite else "")
   return (f"no space left on the device of {where} ({free}): free space or choose another "
-          "--output, then rerun the same command to resume")
+          f"--output, then rerun the same command to resume{both}")
 
 
 def prepare(o: PrepareOptions) -> dict:
@@ -234,14 +235,18 @@ WORKER_MODULES = {
 }
 
 
-def _open_run(o: PrepareOptions) -> tuple[list[str], dict]:
-  """The input files (and those skipped), the output directory created or resumed."""
+def _open_run(o: PrepareOptions) -> tuple[list[str], dict] | None:
+  """The input files (and those skipped), the output directory created or resumed; None when
+  this very run (its settings and input files) was killed during its final swap, which is
+  completed here: the dataset is done."""
   files, skipped, notes = corpus_extract.list_files(o)
   for note in notes:
     print(note, file=sys.stderr)
   params = o.output_params()
   params["input_files"] = input_key(files)
   params.update(pretokenizer_params(o))
+  if dataset_swap.complete_interrupted(o.output) == params:
+    return None
   if output_dir.open_output(o, params) and o.progress:
     print(f"resuming the unfinished preparation in {o.output}")
   return files, skipped
@@ -270,7 +275,10 @@ def _prepare(o: PrepareOptions) -> dict:
   with output_dir.output_lock(o.output):
     with worker_pool.ordered_map(o.workers, preload=preload,
                                  imports_here=("tensorflow_datasets",)) as pmap:
-      files, skipped = _open_run(o)
+      if (opened := _open_run(o)) is None:
+        with open(os.path.join(o.output, dataset.STATS)) as f:
+          return json.load(f)
+      files, skipped = opened
       chunks = corpus_extract.extract(o, work, files, skipped, stages, pmap)
       extract_stats = corpus_extract.chunks(work)[-1][1]["stats"]
       t = time.time()
