@@ -4,9 +4,11 @@
 
 OUT gets config.json (every BertConfig field that changes the computation, from the run's own
 config.json), model.safetensors (float32), tokenizer.json / tokenizer_config.json /
-special_tokens_map.json (special-token roles, a [CLS] … [SEP] post-processor) and a model card
-(README.md), so that AutoModelForMaskedLM.from_pretrained(OUT) and
-AutoTokenizer.from_pretrained(OUT) load it as it is. The tokenizer is the run's
+special_tokens_map.json (special-token roles, a [CLS] … [SEP] post-processor), a model card
+(README.md) and lmscale_export.json (the digest of tokenizer.json, which every lmscale tool
+that reads the directory checks: another tokenizer of the same size is refused), so that
+AutoModelForMaskedLM.from_pretrained(OUT) and AutoTokenizer.from_pretrained(OUT) load it as
+it is. The tokenizer is the run's
 data.path/tokenizer.json unless --tokenizer is given. OUT is written under a temporary name
 and renamed when complete; it must not exist or be empty.
 
@@ -38,7 +40,8 @@ from lmscale_jax.cli import args
 from lmscale_jax.errors import UserError
 from lmscale_jax.finetune import classify_run
 from lmscale_jax.inference import model_files, trained_model
-from lmscale_jax.model import contrastive, flops, hf_classifier, hf_convert, hf_remote_convert
+from lmscale_jax.model import (contrastive, flops, hf_classifier, hf_convert, hf_dir_checks,
+                               hf_remote_convert)
 from lmscale_jax.store import file_io
 from lmscale_jax.store import tokenizer as toklib
 
@@ -264,6 +267,7 @@ def export(a) -> str:
   try:
     card = save(model, tmp)
     toklib.write_hf_files(model.tokenizer, tmp, model_max_length=model.cfg.seq_len)
+    hf_dir_checks.stamp_tokenizer(tmp)  # binds the weights to this tokenizer.json
     file_io.atomic_write_bytes(os.path.join(tmp, "README.md"), card.encode())
     os.chmod(tmp, 0o755)
     check_output(a.output)  # still free: then the complete directory takes the name

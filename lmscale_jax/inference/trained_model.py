@@ -33,7 +33,7 @@ from lmscale_jax.errors import UserError
 from lmscale_jax.inference import model_files
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import classifier as classifier_lib
-from lmscale_jax.model import contrastive, hf_convert
+from lmscale_jax.model import contrastive, hf_convert, hf_dir_checks
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import workdir as workdir_lib
@@ -164,11 +164,7 @@ def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
   """(resolved model config, tokenizer) of an HF directory, checked against each other."""
   model_config = model_files.hf_model_config(hf_dir)
   path = tokenizer_path or os.path.join(hf_dir, dataset.TOKENIZER)
-  if not os.path.exists(path):
-    raise UserError(f"{hf_dir} has no {dataset.TOKENIZER} (export with lmscale export-hf, "
-                    "or save the tokenizer with save_pretrained)")
-  tok = toklib.with_hf_roles(toklib.load(model_files.regular_file(path,
-                                                                  "a tokenizer.json file")))
+  tok = toklib.with_hf_roles(hf_dir_checks.read_tokenizer(hf_dir, tokenizer_path))
   cfg = resolve(model_config, model_config, toklib.validate(tok, path), where=hf_dir)
   _check_vocab(tok, cfg, hf_dir)
   return cfg, tok

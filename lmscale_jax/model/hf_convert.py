@@ -31,8 +31,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from lmscale_jax.errors import UserError
 from lmscale_jax.model import bert as model_lib
+from lmscale_jax.model import hf_dir_checks as dir_checks
 from lmscale_jax.model import hf_remote_convert as remote
 from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
@@ -42,8 +42,7 @@ WEIGHTS = "model.safetensors"
 ARCHITECTURE = "BertForMaskedLM"
 
 
-class HFError(UserError, ValueError):
-  """An HF model directory, or a model option, that the BERT mapping cannot take."""
+HFError = dir_checks.HFError  # an HF directory, or a model option, the mapping cannot take
 
 
 # --------------------------------------------------------------------------- weights
@@ -268,9 +267,8 @@ def read_config(hf_dir: str) -> dict:
   for field, (want, default) in _FIXED.items():
     if kind == "bert" and config.get(field, default) != want:
       raise HFError(f"{path}: {field}={config[field]!r}; this model only has {want!r}")
-  missing = [f for f in MODEL_KEYS.values() if f not in config]
-  if missing:
-    raise HFError(f"{path} lacks {missing}")
+  if problem := dir_checks.config_problem(config):  # before any value is used
+    raise HFError(f"{path}: {problem} (a Hugging Face model's {CONFIG})")
   return config
 
 
@@ -375,9 +373,8 @@ def write_files(out_dir: str, sd: dict, config: dict) -> None:
 # --------------------------------------------------------------------------- pretraining from HF
 def vocabulary(hf_dir: str) -> dict[str, int]:
   """The HF model's token → id: its tokenizer.json, else a classic BERT vocab.txt."""
-  path = os.path.join(hf_dir, dataset.TOKENIZER)
-  if os.path.exists(path):
-    return toklib.load(path).get_vocab(with_added_tokens=True)
+  if os.path.lexists(os.path.join(hf_dir, dataset.TOKENIZER)):
+    return dir_checks.read_tokenizer(hf_dir).get_vocab(with_added_tokens=True)
   txt = os.path.join(hf_dir, "vocab.txt")
   if os.path.exists(txt):
     with open(txt, encoding="utf-8") as f:

@@ -18,12 +18,14 @@ import json
 
 from typing import Iterable
 
+from lmscale_jax.errors import UserError
 from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store.dataset import NEXT
 
 
-class TokenizerError(ValueError):
-  pass
+class TokenizerError(UserError, ValueError):
+  """A tokenizer.json that cannot be used (unreadable, not Hugging Face's schema, without the
+  special tokens): one line naming the file, as every tool that reads one reports it."""
 
 
 def check_vocab_size(vocab_size: int) -> None:
