@@ -4,9 +4,10 @@
 
 Lists each complete checkpoint (oldest first) with its commit time, size, manifests and the
 metrics logged at its step (workdir/metrics.jsonl), after a summary of the run's config
-(workdir/config.json); checkpoints moved aside as corrupt and interrupted saves are listed
-too. --verify re-reads every file against every process's manifest and exits 1 naming each
-bad file (what a resume does before it loads a checkpoint): run it before a long job
+(workdir/config.json); checkpoints moved aside as corrupt, interrupted saves and files in
+place of a step (which a run moves aside) are listed too. --verify re-reads every file
+against every process's manifest and exits 1 naming each bad file (what a resume does before
+it loads a checkpoint), or where there is no checkpoint to verify: run it before a long job
 restarts, or in a job script. A config.json or metrics.jsonl the tools cannot read (cut short,
 not what training writes) is named in the listing and exits 1 as well. Reads only.
 """
@@ -86,6 +87,53 @@ def describe(workdir: str, step: int, metrics: dict) -> str:
           f"{manifests}  {shown(metrics.get(step, {}))}")
 
 
+def list_entries(workdir: str, whole: bool) -> list[str]:
+  """Lists the checkpoints moved aside, the interrupted saves and (``whole``: no --step) the
+  entries in place of a step that are no directory; returns what those entries are."""
+  root = ckpt_lib.checkpoints_dir(workdir)
+  for name in sorted(os.listdir(root)):
+    if ckpt_lib.CORRUPT_SUFFIX in name or name.endswith(".orbax-checkpoint-tmp"):
+      kind = "moved aside (failed verification)" if ckpt_lib.CORRUPT_SUFFIX in name else (
+          "interrupted save (removed by the next run)")
+      print(f"{name}: {kind}")
+  misplaced = ckpt_lib.misplaced_steps(workdir) if whole else []
+  for s, (problem,) in sorted(misplaced):
+    print(f"{s}: {problem} (a run moves it aside to {s}{ckpt_lib.CORRUPT_SUFFIX})")
+  return [problem for _, (problem,) in misplaced]
+
+
+def run_files(workdir: str) -> tuple[list[str], dict]:
+  """Prints the config's summary; returns the damaged run files a resume or a tool reads, and
+  the metrics by step."""
+  damaged, metrics = [], {}
+  try:
+    print(config_summary(workdir))
+  except UserError as e:
+    damaged.append(str(e))
+    print(f"config: {e}")
+  try:
+    metrics = metrics_by_step(workdir)
+  except UserError as e:
+    damaged.append(str(e))
+    print(f"metrics: {e}")
+  return damaged, metrics
+
+
+def verify_steps(workdir: str, steps: list[int]) -> int:
+  """How many of ``steps`` do not verify (each problem named on stderr)."""
+  bad = 0
+  for s in steps:
+    problems = manifest_lib.verify(ckpt_lib.step_dir(workdir, s))
+    print(f"verify step {s}: " + ("ok" if not problems else f"{len(problems)} problem(s)"))
+    for problem in problems:
+      print(f"  {problem}", file=sys.stderr)
+    bad += bool(problems)
+  if bad:
+    print(f"error: {bad} of {len(steps)} checkpoint(s) in {ckpt_lib.checkpoints_dir(workdir)} "
+          "do not verify (files named above)", file=sys.stderr)
+  return bad
+
+
 def inspect(workdir: str, step: int | None, verify: bool) -> int:
   root = ckpt_lib.checkpoints_dir(workdir)
   if os.path.exists(root) and not os.path.isdir(root):
@@ -101,40 +149,20 @@ def inspect(workdir: str, step: int | None, verify: bool) -> int:
                       f"{', '.join(map(str, steps)) or 'none'}")
     steps = [step]
   print(f"workdir {workdir}")
-  damaged = []  # the run's files a resume or a tool reads: listed, then one error line
-  try:
-    print(config_summary(workdir))
-  except UserError as e:
-    damaged.append(str(e))
-    print(f"config: {e}")
-  try:
-    metrics = metrics_by_step(workdir)
-  except UserError as e:
-    damaged.append(str(e))
-    print(f"metrics: {e}")
-    metrics = {}
+  damaged, metrics = run_files(workdir)
   for s in steps:
     print(describe(workdir, s, metrics))
-  for name in sorted(os.listdir(root)):
-    if ckpt_lib.CORRUPT_SUFFIX in name or name.endswith(".orbax-checkpoint-tmp"):
-      kind = "moved aside (failed verification)" if ckpt_lib.CORRUPT_SUFFIX in name else (
-          "interrupted save (removed by the next run)")
-      print(f"{name}: {kind}")
+  if not steps:
+    print(f"no complete checkpoint in {root}")
+  misplaced = list_entries(workdir, whole=step is None)
+  if verify:  # what a resume would not load, or would move aside
+    damaged += misplaced + ([] if steps else [
+        f"{workdir}: no checkpoint to verify in {root} (none was saved yet, or each was "
+        "moved aside)"])
   if damaged:
     print(f"error: {damaged[0]}" + (f" (and {len(damaged) - 1} more above)"
                                     if len(damaged) > 1 else ""), file=sys.stderr)
-  if not verify:
-    return 1 if damaged else 0
-  bad = 0
-  for s in steps:
-    problems = manifest_lib.verify(ckpt_lib.step_dir(workdir, s))
-    print(f"verify step {s}: " + ("ok" if not problems else f"{len(problems)} problem(s)"))
-    for problem in problems:
-      print(f"  {problem}", file=sys.stderr)
-    bad += bool(problems)
-  if bad:
-    print(f"error: {bad} of {len(steps)} checkpoint(s) in {root} do not verify (files named "
-          "above)", file=sys.stderr)
+  bad = verify_steps(workdir, steps) if verify else 0
   return 1 if bad or damaged else 0
 
 

@@ -25,6 +25,7 @@ from lmscale_jax.model import contrastive, hf_convert
 from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import checkpoint_binding
 from lmscale_jax.train import workdir as workdir_lib
 
 RUN_CONFIG, METRICS = workdir_lib.RUN_CONFIG, "metrics.jsonl"
@@ -92,8 +93,11 @@ def check_dataset(shape, meta: dataset.DatasetMeta, source: str, *, same_seq_len
 
 def restore_params(workdir: str, step: int | None, abstract_params) -> tuple[int, object]:
   """``checkpoint.restore_params`` (the parameters only) once ``workdir/checkpoints`` is known
-  to be a directory. Orbax's warnings that the read-only manager it was asked for is read-only
-  are left out: a tool's stderr is its own lines (one, when it fails)."""
+  to be a directory, of a checkpoint this run wrote (``checkpoint_binding``: its own record
+  against the run's config.json, a small file read again here so that no caller can skip the
+  check). Orbax's warnings that the read-only manager it was asked for is read-only are left
+  out: a tool's stderr is its own lines (one, when it fails)."""
+  record = run_file(workdir)
   root = os.path.join(workdir, "checkpoints")
   if os.path.exists(root) and not os.path.isdir(root):
     raise UserError(f"{root} is {file_io.not_regular(root) or 'a file'}: expected the directory "
@@ -101,7 +105,9 @@ def restore_params(workdir: str, step: int | None, abstract_params) -> tuple[int
   verbosity = logging.get_verbosity()
   logging.set_verbosity(logging.ERROR)
   try:
-    return ckpt_lib.restore_params(workdir, step, abstract_params)
+    return ckpt_lib.restore_params(
+        workdir, step, abstract_params,
+        check=lambda chosen: checkpoint_binding.check_checkpoint_run(workdir, chosen, record))
   finally:
     logging.set_verbosity(verbosity)
 

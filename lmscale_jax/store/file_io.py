@@ -30,6 +30,14 @@ def not_regular(path: str) -> str | None:
   return "not a regular file"
 
 
+def entry_kind(path: str) -> str:
+  """What a directory entry is, in :func:`not_regular`'s words ("a regular file", "a FIFO", "a
+  broken symbolic link"), for the lines that refuse an entry of the wrong kind."""
+  if not os.path.exists(path):
+    return "a broken symbolic link" if os.path.islink(path) else "missing"
+  return not_regular(path) or "a regular file"
+
+
 def error_reason(e: BaseException) -> str:
   """An exception as the reason of a one-line error: its message, or its type where it has
   none (array_record raises ``RuntimeError('')`` for a shard cut at a 64 KiB block boundary)."""

@@ -8,7 +8,9 @@ renames it when complete, so an interrupted save is never taken for a checkpoint
 name format, :data:`STEP_NAMES`, is the one place that knows which names are complete steps).
 A committed step also holds one manifest per process (``lmscale_jax/train/checkpoint_manifest.py``):
 a resume loads the newest checkpoint that verifies (:func:`choose_resume_step`) and moves the
-newer ones that do not to ``<step>.corrupt``. Before each save the free space is checked
+newer ones that do not, and any file in place of a step (:func:`misplaced_steps`), to
+``<step>.corrupt``. Whose checkpoint it is, before one is restored, is
+``lmscale_jax/train/checkpoint_binding.py``. Before each save the free space is checked
 (``checkpoint.on_full``). Orbax removes the temporary directories of interrupted saves when
 the next run builds its manager (``cleanup_tmp_directories``).
 The rest of the workdir (its lock, ``config.json`` and the resume rules, ``run_state.json``) is
@@ -23,6 +25,7 @@ import os
 import re
 import shutil
 import threading
+from typing import Callable
 
 import grain
 import jax
@@ -31,6 +34,7 @@ from absl import logging
 
 from lmscale_jax.cluster import distributed, preemption
 from lmscale_jax.errors import IncompatibleCheckpoint, UserError
+from lmscale_jax.store import file_io
 from lmscale_jax.train import checkpoint_manifest as manifest_lib
 
 # Orbax's default step names (``<step>``, complete steps only), shared by the manager that
@@ -87,13 +91,16 @@ _RUN_RECORD_FILE = os.path.join(RUN_RECORD, "metadata")
 
 def saved_record(workdir: str, step: int) -> dict | None:
   """The run's record kept in checkpoint ``step``, or None (a checkpoint from before records
-  were kept, or one unreadable: the checkpoint's manifest says whether its files are intact)."""
+  were kept, or one unreadable: the checkpoint's manifest says whether its files are intact).
+  One small JSON file: no array of the checkpoint is read."""
   try:
     with open(os.path.join(step_dir(workdir, step), _RUN_RECORD_FILE)) as f:
       record = json.load(f)
   except (OSError, ValueError):
     return None
-  return record if isinstance(record, dict) and {"config", "model"} <= set(record) else None
+  good = isinstance(record, dict) and all(isinstance(record.get(k), dict)
+                                          for k in ("config", "model"))
+  return record if good else None
 
 
 class CheckpointCorrupt(UserError, ValueError):
@@ -122,6 +129,20 @@ def complete_steps(workdir: str) -> list[int]:
   return sorted((int(m.step) for m in STEP_NAMES.find_all(root)), reverse=True)
 
 
+def misplaced_steps(workdir: str) -> list[tuple[int, list[str]]]:
+  """Entries of the checkpoint directory named as a step that are no directory (a file, a FIFO,
+  a broken link), newest first, as ``[(step, [what it is])]``: Orbax lists directories only, so
+  a run would not see one, and its save of that step would replace it. A run moves them aside
+  as it moves checkpoints that fail verification (:class:`ResumeChoice`). Only reads."""
+  root = checkpoints_dir(workdir)
+  names = os.listdir(root) if os.path.isdir(root) else []
+  steps = [int(n) for n in names
+           if n.isascii() and n.isdigit() and STEP_NAMES.build_name(int(n)) == n]
+  return [(s, [f"{step_dir(workdir, s)} is {file_io.entry_kind(step_dir(workdir, s))}, not a "
+               "checkpoint directory"])
+          for s in sorted(steps, reverse=True) if not os.path.isdir(step_dir(workdir, s))]
+
+
 def _size_or_zero(path: str) -> int:
   try:
     return os.path.getsize(path)
@@ -139,8 +160,9 @@ def dir_bytes(path: str) -> int:
 
 @dataclasses.dataclass
 class ResumeChoice:
-  """The checkpoint a run resumes from (None: none, start afresh) and the newer ones that
-  failed verification: ``[(step, problems)]``."""
+  """The checkpoint a run resumes from (None: none, start afresh) and what to move aside: the
+  newer checkpoints that failed verification and the entries in place of a step that are no
+  directory (:func:`misplaced_steps`), ``[(step, problems)]``."""
   workdir: str
   step: int | None
   failed: list
@@ -171,7 +193,10 @@ def choose_resume_step(workdir: str) -> ResumeChoice:
   file). Only reads. Raises :class:`CheckpointCorrupt`, naming every checkpoint and why, if
   there are checkpoints and none verifies."""
   me, count = jax.process_index(), jax.process_count()
-  failed = []
+  failed, misplaced = [], misplaced_steps(workdir)
+  for step, problems in misplaced if me == 0 else []:
+    logging.warning("%s: a save of step %d would replace it; it will be moved aside to %s%s",
+                    problems[0], step, step_dir(workdir, step), CORRUPT_SUFFIX)
   for step in complete_steps(workdir):
     path = step_dir(workdir, step)
     mine = manifest_lib.verify(path, me, count)
@@ -181,7 +206,7 @@ def choose_resume_step(workdir: str) -> ResumeChoice:
     if not problems:
       if failed and me == 0:
         logging.warning("resuming from %s, the newest checkpoint that verifies", path)
-      return ResumeChoice(workdir, step, failed)
+      return ResumeChoice(workdir, step, failed + misplaced)
     failed.append((step, problems))
     if me == 0:
       logging.warning("checkpoint %s does not verify, not loading it: %s%s; it will be moved "
@@ -196,7 +221,7 @@ def choose_resume_step(workdir: str) -> ResumeChoice:
         f"no checkpoint in {checkpoints_dir(workdir)} verifies, nothing was trained: {why}. "
         f"Restore the files from a copy (lmscale inspect {workdir} --verify "
         "checks them), or move the checkpoints directory away to start afresh")
-  return ResumeChoice(workdir, None, [])
+  return ResumeChoice(workdir, None, misplaced)
 
 
 class Checkpointer:
@@ -366,7 +391,8 @@ class Checkpointer:
                       "none" if latest is None else step_dir(self.workdir, latest))
 
 
-def restore_params(workdir: str, step: int | None, abstract_params) -> tuple[int, object]:
+def restore_params(workdir: str, step: int | None, abstract_params,
+                   check: Callable[[int], None] | None = None) -> tuple[int, object]:
   """``(step, params)`` of the checkpoint at ``step`` (None: the latest complete one): only the
   ``params`` of its ``state`` item (Orbax's partial restore), neither the optimizer state nor
   the data iterator: what the tools that run a trained model need (export, evaluate,
@@ -376,7 +402,8 @@ def restore_params(workdir: str, step: int | None, abstract_params) -> tuple[int
   read-only manager: nothing cleaned, nothing created). A workdir without checkpoints, or a
   step it does not hold, is one line naming what there is; so is a checkpoint that does not
   verify against its manifests (which checksum every file of the step, optimizer's too: the
-  OCDBT files hold both)."""
+  OCDBT files hold both). ``check(step)``: the caller's refusal of the chosen step, before any
+  array is read (``checkpoint_binding.check_checkpoint_run``: a checkpoint of another run)."""
   root = checkpoints_dir(workdir)
   latest = latest_complete_step(workdir) if os.path.isdir(root) else None
   if latest is None:
@@ -387,6 +414,8 @@ def restore_params(workdir: str, step: int | None, abstract_params) -> tuple[int
                                      create=False, read_only=True, step_name_format=STEP_NAMES))
   try:
     step = _verified_step(workdir, manager, latest, step)
+    if check is not None:
+      check(step)
     target = {"params": abstract_params}
     out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),

@@ -4,11 +4,11 @@ only its steps and state, its batches (an iterator whose position each checkpoin
 start state, its optional evaluation and its log rows; :func:`run` owns the lifecycle:
 
   the refusals, from what is on disk (the workdir's entries; the checkpoint to resume, the newest
-  that verifies; a workdir past train.steps; the task's own; a changed config) → a checkpoint
-  that failed to verify set aside → config.json → the Checkpointer → restore or init →
-  run_state.json "running" → the steps (Ctrl-C at step boundaries, a preemption notice, saves
-  with the data position, evaluation; the log's clock paused for both) → the last rows →
-  run_state.json "finished" or "preempted".
+  that verifies; a checkpoint of another run; a workdir past train.steps; the task's own; a
+  changed config) → a checkpoint that failed to verify (or a file in place of one) set aside
+  → config.json → the Checkpointer → restore or init → run_state.json "running" → the steps
+  (Ctrl-C at step boundaries, a preemption notice, saves with the data position, evaluation;
+  the log's clock paused for both) → the last rows → run_state.json "finished" or "preempted".
 
 A refused run leaves the workdir as it was. On the way out, Ctrl-C stops the task's data source
 and lets a save in flight finish; any other exception finishes the save in flight too, so a
@@ -23,6 +23,7 @@ import jax
 
 from lmscale_jax.cluster import preemption
 from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import checkpoint_binding
 from lmscale_jax.train import metrics as metrics_lib
 from lmscale_jax.train import workdir as workdir_lib
 
@@ -124,13 +125,18 @@ def _open(task: RunTask, config, workdir: str, allow_change: bool) -> ckpt_lib.C
   checkpoint to resume is the newest that verifies (the same in every process)."""
   workdir_lib.check_entries(workdir)
   resume = ckpt_lib.choose_resume_step(workdir)
+  run = workdir_lib.read_record(workdir, resume.step)
   if resume.step is not None:
+    old, restored = run
+    if not restored:  # config.json's record; one restored from this very checkpoint is its own
+      checkpoint_binding.check_checkpoint_run(workdir, resume.step, old)
     _check_not_past_end(task, workdir, resume.step, int(config.train.steps))
     task.check_resume(resume.step)
   model_cfg = task.model_cfg(resume.step)
   data = task.data_identity()
-  check = workdir_lib.check_config_change(workdir, config, model_cfg, resume_step=resume.step,
-                                          allow_change=allow_change, data=data)
+  check = workdir_lib.check_config_change(workdir, config, model_cfg, run,
+                                          resume_step=resume.step, allow_change=allow_change,
+                                          data=data)
   resume.set_aside()  # <step>.corrupt: before the manager, which would list and rotate them
   task.before_save_config(check)
   record = workdir_lib.save_config(workdir, config, model_cfg, check,

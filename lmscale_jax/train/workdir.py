@@ -228,10 +228,12 @@ def read_record(workdir: str, resume_step: int | None) -> tuple[dict | None, boo
       f"change cannot be checked. Put {RUN_CONFIG} back from a copy, or give a new --workdir")
 
 
-def check_config_change(workdir: str, config, model_cfg, *, resume_step: int | None,
-                        allow_change: bool = False, data: dict | None = None) -> ConfigCheck:
-  """Compares the run's record (:func:`read_record`) with this run's config (the rules above
-  SHAPE_KEYS) and dataset (``data``: :func:`dataset_identity`, None for a run without one).
+def check_config_change(workdir: str, config, model_cfg, run: tuple[dict | None, bool], *,
+                        resume_step: int | None, allow_change: bool = False,
+                        data: dict | None = None) -> ConfigCheck:
+  """Compares the run's record (``run``: :func:`read_record`'s answer) with this run's config
+  (the rules above SHAPE_KEYS) and dataset (``data``: :func:`dataset_identity`, None for a run
+  without one).
 
   Returns the record and the changes to record in config.json: one ``{"step", "key",
   "from", "to"}`` per result or extend key that differs (``"dataset"`` for another dataset of
@@ -239,7 +241,7 @@ def check_config_change(workdir: str, config, model_cfg, *, resume_step: int | N
   :class:`IncompatibleCheckpoint` (one line: the key, both values and the fix) for a change a
   resume cannot take. Only reads, so every process can call it before anything is written.
   """
-  old, restored = read_record(workdir, resume_step)
+  old, restored = run
   if old is None:
     return ConfigCheck(None, [])
   new = _resolved(config, model_cfg, data)
@@ -340,15 +342,8 @@ def check_entries(workdir: str) -> None:
       continue
     if (os.path.isdir(path) if kind == "directory" else os.path.isfile(path)):
       continue
-    raise WorkdirError(f"{path} is {_kind_of(path)}, but a run keeps a {kind} there: move it "
-                       "away, or give another --workdir")
-
-
-def _kind_of(path: str) -> str:
-  """What an entry is, in ``file_io.not_regular``'s words (one owner for them)."""
-  if not os.path.exists(path):
-    return "a broken symbolic link"
-  return file_io.not_regular(path) or "a regular file"
+    raise WorkdirError(f"{path} is {file_io.entry_kind(path)}, but a run keeps a {kind} "
+                       "there: move it away, or give another --workdir")
 
 
 class WorkdirError(UserError, ValueError):
