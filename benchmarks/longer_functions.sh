@@ -106,4 +106,6 @@ for v in $variants; do
 done
 [ -f "$out/provenance-baseline.json" ] || $py benchmarks/provenance_baseline.py --task "$task" \
   --json "$out/provenance-baseline.json"
-$py benchmarks/longer_functions_table.py --study "$out" --json "$out/longer_functions.json"
+# The table is rebuilt on every run (--overwrite: also over one written before outputs were marked).
+$py benchmarks/longer_functions_table.py --study "$out" --json "$out/longer_functions.json" \
+  --overwrite

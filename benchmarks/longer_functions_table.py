@@ -22,8 +22,10 @@ import sys
 
 from lmscale_jax.cli import args as cli_args
 from lmscale_jax.errors import UserError
-from lmscale_jax.store import file_io
+from lmscale_jax.store import output_marks
 from lmscale_jax.study.host import cpu_name
+
+TOOL = "benchmarks/longer_functions_table.py"  # the parser's prog, and its --json's mark
 
 PRE, RAND = "pretrained + fine-tune", "random init + fine-tune"
 CELLS = (("all", 100), ("all", 1000), ("gcc-O0↔gcc-O3", 1000))
@@ -118,9 +120,9 @@ def goals(rows: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-  p = cli_args.Parser(description=__doc__.split("\n")[0])
+  p = cli_args.Parser(prog=TOOL, description=__doc__.split("\n")[0])
   p.add_argument("--study", required=True, help="the OUT of benchmarks/longer_functions.sh")
-  p.add_argument("--json", default=None, metavar="OUT.json")
+  p.add_argument("--json", default=None, type=cli_args.output_file, metavar="OUT.json")
   a = p.parse_args(argv)
   try:
     budget = read_json(os.path.join(a.study, "budget.json"))
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
   print("\nCompiler provenance (held-out libraries):")
   print(provenance_markdown(provenance, baseline and baseline.get("scores")))
   if a.json:
-    file_io.atomic_write_json(a.json, {
+    output_marks.write_json(a.json, TOOL, {
         "date": datetime.date.today().isoformat(), "device": cpu_name(),
         "what": "issue 38: longer functions, instruction positions, pre-LN (same CPU budget)",
         "budget": budget, "rows": rows, "goals": goals(rows), "provenance": provenance,

@@ -29,14 +29,16 @@ from benchmarks import _host  # noqa: E402
 from lmscale_jax.cli import args as cli_args  # noqa: E402  one line, exit 1 for a bad argument
 from lmscale_jax.errors import UserError  # noqa: E402
 from lmscale_jax.evals import classification, retrieval  # noqa: E402
-from lmscale_jax.store import file_io  # noqa: E402
+from lmscale_jax.store import file_io, output_marks  # noqa: E402
+
+TOOL = "benchmarks/provenance_baseline.py"  # the parser's prog, and the mark its --json carries
 
 C = 10.0          # TF-IDF rows are unit length: C=1 under-fits a few thousand terms' weights
 MAX_ITER = 2000   # lbfgs; whether it converged is reported
 
 
 def parser():
-  p = cli_args.Parser(prog="provenance_baseline.py", description=__doc__.splitlines()[0])
+  p = cli_args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
   p.add_argument("--task", required=True, metavar="DIR",
                  help="a task directory of lmscale provenance-build")
   p.add_argument("--json", type=cli_args.output_file, default=None, metavar="OUT",
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
     doc = run(a.task)
     print(summary(doc))
     if a.json:
-      file_io.atomic_write_json(a.json, doc)
+      output_marks.write_json(a.json, TOOL, doc)
     return 0
 
   return cli_args.guarded(go, "nothing was written")

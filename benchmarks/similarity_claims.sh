@@ -141,4 +141,4 @@ $py benchmarks/similarity_seeds.py "${set_args[@]}" \
   --compare "pretrained + fine-tune>random init + fine-tune" \
   --compare "pretrained + fine-tune>TF-IDF" --compare "random init + fine-tune>TF-IDF" \
   --compare "TF-IDF, 3 draws>MLM only" --compare "MLM only>random weights, untrained" \
-  --json "$out/claims.json"
+  --json "$out/claims.json" --overwrite  # rebuilt on every run (also over an unmarked old one)

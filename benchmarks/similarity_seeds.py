@@ -23,19 +23,20 @@ import sys
 
 from lmscale_jax.errors import UserError
 from lmscale_jax.evals import seeds
-from lmscale_jax.store import file_io
+from lmscale_jax.store import output_marks
 from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad argument
 
+TOOL = "benchmarks/similarity_seeds.py"  # the parser's prog, and the mark its --json carries
 CELLS = "gcc-O0↔gcc-O3@100,all@100,gcc-O0↔gcc-O3@1000,all@1000"
 
 
 def parser() -> argparse.ArgumentParser:
-  p = cli_args.Parser(description=__doc__.split("\n")[0])
+  p = cli_args.Parser(prog=TOOL, description=__doc__.split("\n")[0])
   p.add_argument("--set", action="append", required=True, metavar="NAME=A.json[,B.json]")
   p.add_argument("--group", action="append", required=True, metavar="LABEL=GLOB[,GLOB]")
   p.add_argument("--compare", action="append", default=[], metavar="A>B")
   p.add_argument("--cells", default=CELLS, help=f"PAIR@POOL, comma-separated ({CELLS})")
-  p.add_argument("--json", default=None, metavar="OUT.json")
+  p.add_argument("--json", default=None, type=cli_args.output_file, metavar="OUT.json")
   return p
 
 
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
   print(table(found, list(sets), labels, cells))
   print("\n".join(["", *map(show_comparison, compared)]) if compared else "")
   if a.json:
-    file_io.atomic_write_json(a.json, {
+    output_marks.write_json(a.json, TOOL, {
         "cells": [c.row() | {"set": s} for (s, _), cs in found.items() for c in cs.values()],
         "comparisons": compared})
   return 0

@@ -83,7 +83,7 @@ def _train(config, workdir: str) -> None:
   if config.data.stage_from:
     staging.stage_per_node(config.data.stage_from, config.data.path,
                            workers=int(config.data.stage_workers),
-                           timeout_s=float(config.data.stage_timeout), log=logging.info)
+                           timeout_s=float(config.data.stage_timeout), log=_progress)
   # The shards this process reads (data.process_shards, the loader's read plan).
   reads = dict(num_processes=jax.process_count(), process_id=jax.process_index(),
                plan="by_shard" if config.data.shard_by_process else "interleaved")
@@ -91,15 +91,26 @@ def _train(config, workdir: str) -> None:
                            lambda: dataset_checks.check_dataset_dir(config.data.path, **reads))
   if FLAGS.verify_data:
     distributed.agree("data verification", lambda: dataset_checks.verify_shards(
-        meta, log=logging.info, **reads))
+        meta, log=_progress, **reads))
   logging.info("workdir %s", workdir)
   trainer.train_and_evaluate(config, workdir, meta=meta,
                              allow_config_change=FLAGS.allow_config_change)
 
 
+def _progress(line: str) -> None:
+  """A line of work the user waits for (staging, --verify_data: minutes): the lines start-up
+  held back (startup.hold_log) come out with it, not when training starts."""
+  startup.show_log()
+  logging.info("%s", line)
+
+
 def _usage(argv) -> str:
-  return _USAGE.format(prog=argv[0] if argv[0].startswith("lmscale ")
-                       else "python -m lmscale_jax.main")
+  return _USAGE.format(prog=_prog(argv))
+
+
+def _prog(argv) -> str:
+  """The command as the user typed it: ``lmscale train``, or ``python -m lmscale_jax.main``."""
+  return argv[0] if argv[0].startswith("lmscale ") else "python -m lmscale_jax.main"
 
 
 def parse_flags(argv):
@@ -108,7 +119,8 @@ def parse_flags(argv):
   not a traceback, and ``--help`` prints the usage and exits 0."""
   global _config
   if any(a in ("--help", "-h", "--helpshort", "-?") for a in argv[1:]):
-    print(f"{(__doc__ or '').strip()}\n\n{FLAGS.module_help(sys.modules[__name__])}")
+    text = (__doc__ or "").strip().replace("python -m lmscale_jax.main", _prog(argv))
+    print(f"{text}\n\n{FLAGS.module_help(sys.modules[__name__])}")
     sys.exit(0)
   args = [_SPELLINGS.get(a.split("=")[0], a.split("=")[0]) + a[len(a.split("=")[0]):]
           for a in argv[1:]]

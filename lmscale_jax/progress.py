@@ -4,6 +4,8 @@ Every pool worker imports the modules that draw them, and tqdm's import was 37 m
 
 from __future__ import annotations
 
+import sys
+
 
 class _Hidden:
   """What a hidden bar is asked to do: nothing."""
@@ -31,3 +33,13 @@ def over(items, shown: bool, **kwargs):
   from tqdm import tqdm
 
   return tqdm(items, **kwargs)
+
+
+def end_bars() -> None:
+  """Closes every bar still drawn, so that what is printed next starts a line of its own. An
+  error raised mid-pass leaves its bar open, and a bar's line has no newline until it closes:
+  the ``error:`` line was glued to it (``extract:   0%| … ?B/s]error: …``), then the bar redrew
+  itself after it when it was collected. Only if tqdm was imported (a bar was shown)."""
+  tqdm = sys.modules.get("tqdm")
+  for shown in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+    shown.close()

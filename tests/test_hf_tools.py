@@ -144,7 +144,7 @@ def test_import_config_and_init_from_start_at_the_hf_weights(run, exported, tmp_
   cfg_file = tmp_path / "from_hf.py"
   code, out, _ = run_tool("import_hf", ["--hf", exported, "--data", data, "--output", cfg_file],
                           capsys)
-  assert code == 0 and "lmscale_jax.main" in out
+  assert code == 0 and "train with: lmscale train --config=" in out
   spec = importlib.util.spec_from_file_location("from_hf", cfg_file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

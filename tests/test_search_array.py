@@ -346,17 +346,18 @@ def test_a_damaged_index_is_one_line_naming_the_file_and_the_fix(model, run, pat
 
   search = ["--workdir", run[1], "--text", "push rbp"]
   cases = [(truncate, "index.json: not a JSON file", "delete the index directory and build it"),
-           (garble_npz, ".npz: unreadable shard", "entry from "),
-           (drop_row, "rows, index.json expects", "rerun lmscale index (it re-embeds only"),
+           (garble_npz, ".npz: unreadable shard", "rerun lmscale index --output "),
+           (drop_row, "rows, index.json expects", "(it rebuilds the damaged shard from "),
            (foreign_shard, "index.json: not an index of format", "build it again")]
   for damage, message, fix in cases:
     where, _ = damaged(one_node, tmp_path, damage.__name__, damage)
     err = one_line("search", ["--index", where, *search], capsys, message)
     assert fix in err, err
   where, first = damaged(one_node, tmp_path, "missing", drop_shard)
-  err = one_line("index", ["--workdir", run[1], "--elf", *paths, "--output", where], capsys,
-                 f"{first['shard']}.npz: missing (index.json names it)")
-  # The fix the message gives: drop the entry from index.json, rerun lmscale index.
+  err = one_line("index", ["--workdir", run[1], "--elf", *paths, "--output", where, "--tasks",
+                           "2"], capsys, f"{first['shard']}.npz is missing (1 damaged shard(s))")
+  assert "without --tasks once to rebuild them" in err  # tests/test_index_repair.py: the rest
+  # An entry dropped from index.json by hand: the rerun embeds that binary again.
   where = tmp_path / "drop_row"
   doc = json.loads((where / "index.json").read_text())
   doc["binaries"] = [b for b in doc["binaries"] if b["sha256"] != first["sha256"]]

@@ -16,19 +16,32 @@ import signal
 import sys
 import threading
 
+from lmscale_jax import progress
 from lmscale_jax.errors import UserError, disk_full
 from lmscale_jax.prep import options as prep_options
-from lmscale_jax.store import dataset, file_io
+from lmscale_jax.store import dataset, file_io, output_marks, user_text
 
 EXIT_USAGE, EXIT_INTERRUPTED = 1, 130  # usage and user errors alike (docs/design.md "Exit codes")
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a process SIGTERM ended
 
 
 class Parser(argparse.ArgumentParser):
-  """argparse, but a bad argument is one line (its usage block is what --help is for)."""
+  """argparse, but a bad argument is one line (its usage block is what --help is for), and
+  every file output (an option of type :class:`OutputFile`) is checked against the others
+  once all are parsed: :func:`check_outputs`. A parser with a file output that replaces gets
+  --overwrite here, so no command can have one without the other."""
 
   def error(self, message):
     self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+  def parse_known_args(self, args=None, namespace=None):
+    if replacing_outputs(self) and "--overwrite" not in self._option_string_actions:
+      self.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output file that this command did not write")
+    namespace, extras = super().parse_known_args(args, namespace)
+    if problem := check_outputs(self, namespace):
+      self.error(problem)
+    return namespace, extras
 
 
 def env_int(name: str, default: int) -> int:
@@ -66,30 +79,102 @@ def number(kind, lo, hi):
   return parse
 
 
-def output_file(text: str) -> str:
+class OutputFile:
   """An argparse type: a file to write, checked before any work (a build that ran 34 s then
   failed on a missing directory did): its directory exists and is writable, it is no
-  directory."""
-  where = os.path.dirname(os.path.abspath(text))
-  if os.path.isdir(text):
-    raise argparse.ArgumentTypeError(f"{text!r} is a directory: expected a file name")
-  if not os.path.isdir(where):
-    raise argparse.ArgumentTypeError(f"{text!r}: directory {where!r} does not exist "
-                                     "(create it first)")
-  if not os.access(where, os.W_OK | os.X_OK):
-    raise argparse.ArgumentTypeError(f"{text!r}: directory {where!r} is not writable")
-  return text
+  directory, FIFO or device. Once every option is parsed (:func:`check_outputs`): it is none
+  of the command's inputs, and an existing file is replaced only where it is the command's
+  own earlier output (``owns(path, tool)``; default: its mark, store/output_marks.py) or
+  --overwrite is given. ``append``: a results file, appended to and never replaced (only the
+  first rule). ``stdout``: "-" is standard output."""
+
+  def __init__(self, owns=output_marks.written_by, append: bool = False, stdout: bool = False):
+    self.owns, self.append, self.stdout = owns, append, stdout
+
+  def __call__(self, text: str) -> str:
+    if not text or (self.stdout and text == "-"):
+      return text  # "" is argparse parsing a default of "" (not given)
+    where = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+      raise argparse.ArgumentTypeError(f"{text!r} is a directory: expected a file name")
+    if not os.path.isdir(where):
+      raise argparse.ArgumentTypeError(f"{text!r}: directory {where!r} does not exist "
+                                       "(create it first)")
+    if not os.access(where, os.W_OK | os.X_OK):
+      raise argparse.ArgumentTypeError(f"{text!r}: directory {where!r} is not writable")
+    if kind := file_io.not_regular(text):
+      how = "append to" if self.append else "write"
+      raise argparse.ArgumentTypeError(f"{text!r} is {kind}: expected a file to {how}")
+    if self.append and os.path.exists(text) and not os.access(text, os.W_OK):
+      raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return text
 
 
-def append_file(text: str) -> str:
-  """An argparse type: a file to append to (a results file), checked as :func:`output_file`
-  and, when it exists, a regular file this process may write."""
-  output_file(text)
-  if kind := file_io.not_regular(text):
-    raise argparse.ArgumentTypeError(f"{text!r} is {kind}: expected a file to append to")
-  if os.path.exists(text) and not os.access(text, os.W_OK):
-    raise argparse.ArgumentTypeError(f"{text!r} is not writable")
-  return text
+output_file = OutputFile()  # a file written whole (temp file, then renamed over it)
+append_file = OutputFile(append=True)  # a results file: lines appended, earlier ones kept
+
+
+def replacing_outputs(p: argparse.ArgumentParser) -> list:
+  return [a for a in p._actions if isinstance(a.type, OutputFile) and not a.type.append]
+
+
+def check_outputs(p: argparse.ArgumentParser, ns: argparse.Namespace) -> str | None:
+  """The problem with the file outputs of ``ns``, else None: one that is the same file as
+  another option's (an input, through a symlink or a hard link too: device and inode), or an
+  existing file that is not the command's own earlier output, without --overwrite."""
+  for action in p._actions:
+    path = getattr(ns, action.dest, None) if isinstance(action.type, OutputFile) else None
+    if not path or (action.type.stdout and path == "-"):
+      continue
+    flag = action.option_strings[0] if action.option_strings else action.dest
+    if other := same_file_as(p, ns, action, path):
+      return (f"argument {flag}: {path!r} is the same file as {other}: an output never "
+              "replaces a file the command reads or writes; give another name (nothing was "
+              "written)")
+    if (not action.type.append and os.path.exists(path) and not getattr(ns, "overwrite", False)
+        and not action.type.owns(path, p.prog)):
+      return (f"argument {flag}: {path!r} exists and is not an earlier output of {p.prog}: "
+              "give --overwrite to replace it, or another name (nothing was written)")
+  return None
+
+
+def same_file_as(p: argparse.ArgumentParser, ns: argparse.Namespace, output, path: str):
+  """The first other option (``--elf 'x.so'``) whose value names the file ``path`` is, else
+  None: the same device and inode where both exist, the same real path where two outputs
+  name one file that does not exist yet."""
+  me = file_identity(path)
+  for action in p._actions:
+    if action is output or action.dest == argparse.SUPPRESS:
+      continue
+    both_outputs = isinstance(action.type, OutputFile)
+    for value in flat(getattr(ns, action.dest, None)):
+      other = file_identity(value)
+      if other == me and (both_outputs or other[0] == "inode"):
+        flag = action.option_strings[0] if action.option_strings else action.dest
+        return f"{flag} {value!r}"
+  return None
+
+
+def file_identity(path: str) -> tuple:
+  """("inode", device, inode) of an existing file (a symlink or hard link to it is it too),
+  else ("path", its real path)."""
+  try:
+    st = os.stat(path)
+    return ("inode", st.st_dev, st.st_ino)
+  except (OSError, ValueError):  # missing, or not a path (a NUL byte)
+    try:
+      return ("path", os.path.realpath(path))
+    except ValueError:
+      return ("path", None)
+
+
+def flat(value) -> list[str]:
+  """The strings of an option's value: itself, or those of a list (nargs, action="append")."""
+  if isinstance(value, str):
+    return [value] if value else []
+  if isinstance(value, (list, tuple)):
+    return [s for v in value for s in flat(v)]
+  return []
 
 
 def output_dir(text: str) -> str:
@@ -122,6 +207,15 @@ def input_file(text: str) -> str:
   if not os.access(text, os.R_OK):
     raise argparse.ArgumentTypeError(f"{text!r} is not readable (permissions)")
   return text
+
+
+def text(value: str) -> str:
+  """An argparse type: text the model reads (--text), valid Unicode (store/user_text's rule:
+  invalid UTF-8 in argv arrives as lone surrogates, which the tokenizer refuses mid-run)."""
+  try:
+    return user_text.check(value)
+  except user_text.TextError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_split(meta: dataset.DatasetMeta, split: str) -> None:
@@ -164,20 +258,27 @@ def guarded(fn, interrupted: str) -> int:
   try:
     return fn()
   except UserError as e:  # bad input: one line; a bug keeps its traceback
-    print(f"error: {e}", file=sys.stderr)
-    return EXIT_USAGE
+    return error_line(str(e), EXIT_USAGE)
   except Terminated:
-    print(f"error: terminated (SIGTERM); {interrupted}", file=sys.stderr)
-    return EXIT_TERMINATED
+    return error_line(f"terminated (SIGTERM); {interrupted}", EXIT_TERMINATED)
   except KeyboardInterrupt:
-    print(f"error: interrupted; {interrupted}", file=sys.stderr)
-    return EXIT_INTERRUPTED
+    return error_line(f"interrupted; {interrupted}", EXIT_INTERRUPTED)
   except (OSError, RuntimeError, ValueError) as e:
     full = disk_full(e)  # outside prepare() (writing the summary); anything else is a bug
     if full is None:
       raise
-    print(f"error: no space left on the device ({full.filename or 'output'})", file=sys.stderr)
-    return 1
+    # The file's name: OSError's, or the one a storage library's message names (errors.py);
+    # a write that names none (file_io's writes name theirs) is said to be one.
+    where = f"writing {full.filename}" if full.filename else "while writing its output"
+    return error_line(f"{full.reason.lower()} {where}; {interrupted}", 1)
   finally:
     if here:
       signal.signal(signal.SIGTERM, before)
+
+
+def error_line(message: str, code: int) -> int:
+  """Prints ``error: message`` on a line of its own (a progress bar still drawn is closed
+  first: its line has no newline) and returns ``code``."""
+  progress.end_bars()
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  return code

@@ -23,11 +23,13 @@ from lmscale_jax.errors import UserError
 from lmscale_jax.finetune import classify_run
 from lmscale_jax.finetune import labels as labels_lib
 from lmscale_jax.inference import trained_model
-from lmscale_jax.store import file_io
+from lmscale_jax.store import output_marks
+
+TOOL = "lmscale classify"  # the parser's prog, and the mark its --json carries
 
 
 def parser() -> argparse.ArgumentParser:
-  p = args.Parser(prog="lmscale classify", description=__doc__.splitlines()[0])
+  p = args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
   p.add_argument("--workdir", required=True, help="a lmscale finetune --task classify run")
   p.add_argument("--step", type=args.number(int, 0, 1 << 62), default=None,
                  help="its checkpoint; default the latest")
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
   def go() -> int:
     out = score(a)
     if a.json:
-      file_io.atomic_write_json(a.json, out)
+      output_marks.write_json(a.json, TOOL, out)
     worst = min(out["per_label"].items(), key=lambda kv: kv[1]["f1"])
     print(f"{a.workdir} step {out['step']} on {a.labels}: {out['examples']} examples, accuracy "
           f"{out['accuracy']:.4f}, macro-F1 {out['macro_f1']:.4f} ({len(out['labels'])} "

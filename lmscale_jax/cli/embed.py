@@ -18,7 +18,6 @@ dataset, so a function is named split:record:piece). E.npz holds `embeddings` fl
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 
 import numpy as np
@@ -26,10 +25,13 @@ import numpy as np
 from lmscale_jax.cli import args
 from lmscale_jax.inference import function_vectors, trained_model
 from lmscale_jax.prep.elf import elf_functions
-from lmscale_jax.store import dataset, file_io, records
+from lmscale_jax.store import dataset, output_marks, records
+
+TOOL = "lmscale embed"  # the parser's prog, and the mark its .npz carries (store/output_marks)
+
 
 def parser() -> argparse.ArgumentParser:
-  p = args.Parser(prog="lmscale embed", description=__doc__.splitlines()[0])
+  p = args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
   args.add_model_source(p)
   p.add_argument("--elf", nargs="+", default=None, type=args.input_file, metavar="FILE",
                  help="x86-64 ELF files")
@@ -80,9 +82,7 @@ def main(argv=None) -> int:
     inputs = (elf_inputs(model, a.elf) if meta is None
               else dataset_inputs(model, meta, a.split))
     out = function_vectors.embed(model, inputs, a.pool)
-    buf = io.BytesIO()
-    np.savez(buf, **out)
-    file_io.atomic_write_bytes(a.output, buf.getvalue())
+    output_marks.write_npz(a.output, TOOL, out)
     n, h = out["embeddings"].shape
     how = f"{out['pool']} pooling" + (", fine-tuned projection head" if out["projection"] else "")
     print(f"wrote {n} function embeddings of {h} dimensions ({how}) to {a.output}")

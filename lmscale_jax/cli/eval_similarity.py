@@ -45,12 +45,14 @@ from lmscale_jax.errors import UserError
 from lmscale_jax.evals import retrieval
 from lmscale_jax import progress as progress_lib
 from lmscale_jax.similarity import function_groups
-from lmscale_jax.store import file_io
+from lmscale_jax.store import output_marks
 from lmscale_jax.study.host import cpu_name  # the host, described as the benchmarks do
+
+TOOL = "lmscale eval-similarity"  # the parser's prog, and the mark its --json carries
 
 
 def parser():
-  p = args.Parser(prog="lmscale eval-similarity", description=__doc__.splitlines()[0])
+  p = args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
   p.add_argument("--bench", required=True, type=args.input_file,
                  help="a file lmscale similarity-build wrote")
   p.add_argument("--workdir", action="append", default=[], metavar="DIR[@STEP]",
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
            "compilers": header["compilers"], "methods": info, "overlap": leak,
            "results": [r.row() for r in results]}
     if a.json:
-      file_io.atomic_write_json(a.json, doc)
+      output_marks.write_json(a.json, TOOL, doc)
     if a.results:
       append_results(a.results, doc)
     return 0

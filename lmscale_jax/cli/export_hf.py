@@ -31,6 +31,8 @@ pipeline("text-classification", …, trust_remote_code=True) (lmscale_jax/model/
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import shutil
 import sys
@@ -42,7 +44,7 @@ from lmscale_jax.finetune import classify_run
 from lmscale_jax.inference import model_files, trained_model
 from lmscale_jax.model import (contrastive, flops, hf_classifier, hf_convert, hf_dir_checks,
                                hf_remote_convert)
-from lmscale_jax.store import file_io
+from lmscale_jax.store import dir_lock, file_io
 from lmscale_jax.store import tokenizer as toklib
 
 
@@ -271,9 +273,7 @@ def export(a) -> str:
     file_io.atomic_write_bytes(os.path.join(tmp, "README.md"), card.encode())
     os.chmod(tmp, 0o755)
     check_output(a.output)  # still free: then the complete directory takes the name
-    if os.path.isdir(out):
-      os.rmdir(out)
-    os.rename(tmp, out)
+    publish(tmp, out, a.output)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
@@ -281,11 +281,52 @@ def export(a) -> str:
           f"{model.cfg.layers} layers × {model.cfg.hidden}, vocab {model.cfg.vocab_size})")
 
 
+def publish(tmp: str, out: str, output: str) -> None:
+  """The complete directory ``tmp`` takes the name ``out``: a rename, which replaces an empty
+  directory in one step and fails if anything took ``out`` meanwhile (another writer, which
+  :func:`output_lock` cannot keep out). Removing the empty one first left a window in which
+  the later of two exports got a traceback (OSError: directory not empty)."""
+  try:
+    os.rename(tmp, out)
+  except OSError as e:
+    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+      raise
+    raise UserError(f"--output {output}: something else wrote it while this export ran "
+                    f"({e.strerror}); it is kept as it is, and nothing of this export was "
+                    "written") from None
+
+
+@contextlib.contextmanager
+def output_lock(output: str):
+  """Holds ``.OUT.export-hf.lock`` beside OUT (inside, it would make OUT non-empty) while an
+  export runs, removed as it ends: a second export into the same OUT is refused at its start,
+  naming the first. Not when OUT's parent does not exist yet (the export creates it, after its
+  checks): then :func:`publish` tells the later of two exports."""
+  out = os.path.abspath(output)
+  if not os.path.isdir(os.path.dirname(out)):
+    yield
+    return
+  path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.export-hf.lock")
+  try:
+    fd = dir_lock.acquire(path, doing=f"lmscale export-hf --output {output}")
+  except dir_lock.Busy as e:
+    raise UserError(f"--output {output}: another lmscale export-hf is writing it ({e.holder}; "
+                    f"lock {path}): wait for it to end; nothing was written") from None
+  except dir_lock.Unusable as e:
+    raise UserError(f"--output {output}: {e}; give an output in a writable local or NFSv4 "
+                    "directory (nothing was written)") from None
+  try:
+    yield
+  finally:
+    dir_lock.release(fd, remove=path)
+
+
 def main(argv=None) -> int:
   a = parser().parse_args(argv)
 
   def go() -> int:
-    print(export(a))
+    with output_lock(a.output):
+      print(export(a))
     return 0
 
   return args.guarded(go, f"nothing was written to {a.output}; rerun to export")

@@ -7,7 +7,9 @@
 The text is wrapped as [CLS] … [SEP], as in training; for binary code it is pretokenised
 instruction text (`push rbp [NEXT] mov rbp rsp [NEXT] [MASK] rsp 0x10`). With --elf, the
 function is taken from the binary as preparation takes it, each instruction's mnemonic is
-masked in turn (one [MASK] per token piece), and the top-1 accuracy is printed.
+masked in turn (one [MASK] per token piece) in the stretch of the function around it that fits
+the model's sequence length (the whole function where it fits), and the top-1 accuracy is
+printed.
 """
 
 from __future__ import annotations
@@ -21,13 +23,12 @@ import numpy as np
 from lmscale_jax.cli import args
 from lmscale_jax.inference import mask_predictions, trained_model
 from lmscale_jax.prep.elf import elf_functions
-from lmscale_jax.prep.elf.pretokenize import NEXT
 
 
 def parser() -> argparse.ArgumentParser:
   p = args.Parser(prog="lmscale fill-mask", description=__doc__.splitlines()[0])
   args.add_model_source(p)
-  p.add_argument("--text", default=None, help="text with one or more [MASK]")
+  p.add_argument("--text", default=None, type=args.text, help="text with one or more [MASK]")
   p.add_argument("--elf", default=None, type=args.input_file, metavar="FILE",
                  help="an x86-64 ELF file")
   p.add_argument("--function", default=None, metavar="NAME", help="(--elf) its symbol name")
@@ -39,16 +40,9 @@ def parser() -> argparse.ArgumentParser:
 def fill_function(model, path: str, name: str) -> dict:
   fn = elf_functions.functions(path, only=name)[0]
   insns = fn.instructions
-  texts, targets = [], []
-  for i, insn in enumerate(insns):
-    mnemonic, _, rest = insn.partition(" ")
-    pieces = model.tokenizer.encode(mnemonic, add_special_tokens=False).ids
-    masked = " ".join(["[MASK]"] * len(pieces) + ([rest] if rest else []))
-    texts.append(f" {NEXT} ".join(insns[:i] + [masked] + insns[i + 1:]))
-    targets.append(pieces)
   rows = []
-  for insn, want, preds in zip(insns, targets, mask_predictions.predict(model, texts, 1)):
-    if len(preds) < len(want):  # the mnemonic lies past seq_len: not evaluated
+  for insn, (want, preds) in zip(insns, mask_predictions.fill_mnemonics(model, insns)):
+    if len(preds) < len(want):  # an instruction longer than seq_len alone: not evaluated
       continue
     got = [p[0]["id"] for p in preds]
     rows.append({"instruction": insn, "predicted": model.tokenizer.decode(got),

@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
                  help="a BertForMaskedLM or LmscaleForMaskedLM directory")
   p.add_argument("--data", required=True, metavar="DATASET_DIR",
                  help="the dataset to pretrain on (prepared with the HF model's tokenizer)")
+  # A config is for editing ("set them in the file"): an existing one, even one this command
+  # wrote, is replaced only with --overwrite (no mark is looked for in a .py).
   p.add_argument("--output", required=True, type=args.output_file, metavar="CONFIG.py",
                  help="config file to write")
   return p
@@ -46,7 +48,7 @@ def config_text(hf_dir: str, data_dir: str) -> str:
   lines = [f"  c.model.{k} = {model[k]!r}" for k in MODEL_KEYS]
   return f'''"""Pretraining from {hf_dir} (written by lmscale import-hf).
 
-  python -m lmscale_jax.main --config={{this file}} --workdir=DIR
+  lmscale train --config={{this file}} --workdir=DIR
 """
 
 from lmscale_jax.config import defaults as config_defaults
@@ -74,10 +76,8 @@ def run(a) -> str:
   hf_convert.check_same_vocabulary(a.hf, a.data)
   if not os.path.exists(os.path.join(a.hf, hf_convert.WEIGHTS)):
     hf_convert.load_params(a.hf, None)  # raises the one-line reason
-  if os.path.exists(a.output):
-    raise UserError(f"--output {a.output} exists; give a new file name (nothing was written)")
   file_io.atomic_write_bytes(a.output, config_text(a.hf, a.data).encode())
-  return (f"wrote {a.output}; train with: python -m lmscale_jax.main --config={a.output} "
+  return (f"wrote {a.output}; train with: lmscale train --config={a.output} "
           "--workdir=DIR")
 
 

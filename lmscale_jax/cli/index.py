@@ -7,7 +7,8 @@
 Every named function of each binary is embedded as lmscale embed embeds it and kept with its
 name, address, size, instruction and token counts (lmscale_jax/search/index_files.py: the
 layout). Incremental: a binary already in the index (by sha256) is skipped; a rerun after a
-crash continues. An index built by another model is refused. Every file is checked (an x86-64
+crash continues, and rebuilds any shard that is missing or damaged (each is checked against the
+sha256 index.json recorded), saying which. An index built by another model is refused. Every file is checked (an x86-64
 ELF file) before anything is written.
 
 A Slurm job array (launch/index.sbatch): --task/--tasks default to SLURM_ARRAY_TASK_ID /
@@ -100,9 +101,10 @@ def main(argv=None) -> int:
             "lmscale index finish --output … once every task is done")
       return 0
     done = index.build(model, elf, a.output)
+    rebuilt = f"rebuilt {len(done['rebuilt'])} damaged shards, " if done["rebuilt"] else ""
     print(f"{a.output}: added {len(done['added'])} binaries ({done['functions']} functions), "
-          f"{len(done['skipped'])} already indexed")
-    if done["added"]:
+          f"{rebuilt}{len(done['skipped'])} already indexed")
+    if done["added"] or done["rebuilt"]:
       index.prepare_search(a.output)
     return 0
 

@@ -23,7 +23,7 @@ GROUPS = (
          "what this machine's accelerators run, and how fast"),
         ("max-batch", "lmscale_jax.cli.max_batch", "the largest batch that fits a device"),
         ("train", "lmscale_jax.cli.train",
-         "pretrain (python -m lmscale_jax.main's arguments: --config FILE --workdir DIR …)"),
+         "pretrain: --config CONFIG --workdir DIR [--config.KEY=VALUE …]"),
         ("evaluate", "lmscale_jax.cli.evaluate", "a checkpoint's loss on a split"),
         ("inspect", "lmscale_jax.cli.inspect_checkpoint", "a workdir's checkpoints and config"),
     ]),

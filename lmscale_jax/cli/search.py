@@ -26,7 +26,9 @@ import sys
 from lmscale_jax.cli import args
 from lmscale_jax.inference import trained_model
 from lmscale_jax.search import listing, query
-from lmscale_jax.store import file_io
+from lmscale_jax.store import output_marks, user_text
+
+TOOL = "lmscale search"  # the parser's prog, and the mark its --json carries
 
 
 def address(text: str) -> int:
@@ -64,7 +66,7 @@ def table(answers: list, seq_len: int, recall: float | None = None) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = args.Parser(prog="lmscale search", description=__doc__.splitlines()[0])
+  p = args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
   p.add_argument("--index", required=True, metavar="INDEX_DIR", help="what lmscale index wrote")
   args.add_model_source(p)
   p.add_argument("--elf", default=None, type=args.input_file, metavar="FILE")
@@ -72,9 +74,9 @@ def parser() -> argparse.ArgumentParser:
   which.add_argument("--function", default=None, metavar="NAME", help="(--elf) one function")
   which.add_argument("--address", default=None, type=address, metavar="0xADDR",
                      help="(--elf) the function at this address")
-  p.add_argument("--text", default=None, help="normalised instructions ([NEXT] between them, "
-                 "or one a line), or an objdump -d listing (its functions, re-decoded from "
-                 "its bytes); - reads it from standard input")
+  p.add_argument("--text", default=None, type=args.text, help="normalised instructions ([NEXT] "
+                 "between them, or one a line), or an objdump -d listing (its functions, "
+                 "re-decoded from its bytes); - reads it from standard input")
   p.add_argument("--k", type=args.number(int, 1, 1 << 20), default=10)
   p.add_argument("--exact", action="store_true", help="exact search at every index size "
                  "(default: approximate above a measured size)")
@@ -93,7 +95,8 @@ def main(argv=None) -> int:
   def go() -> int:
     # The query first: a bad --elf or --function is one line before the model is restored.
     queries = (query.elf_queries(a.elf, a.function, a.address) if a.elf is not None
-               else listing.queries(sys.stdin.read() if a.text == "-" else a.text))
+               else listing.queries(user_text.read_stdin("--text - (standard input)")
+                                    if a.text == "-" else a.text))
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
     corpus = query.load(a.index, model)
     corpus.exact = a.exact
@@ -102,9 +105,9 @@ def main(argv=None) -> int:
     recall = searcher.recall if searcher.approximate else None
     print(table(answers, model.cfg.seq_len, recall))
     if a.json:
-      file_io.atomic_write_json(a.json, {"index": a.index, "k": a.k, "exact": recall is None,
-                                         "recall_at_10": recall, "seq_len": model.cfg.seq_len,
-                                         "queries": answers})
+      output_marks.write_json(a.json, TOOL, {
+          "index": a.index, "k": a.k, "exact": recall is None, "recall_at_10": recall,
+          "seq_len": model.cfg.seq_len, "queries": answers})
     return 0
 
   return args.guarded(go, "nothing was written")

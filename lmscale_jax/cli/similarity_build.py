@@ -58,8 +58,9 @@ def parser():
   p.add_argument("--drop-duplicates", action="store_true",
                  help="keep one of the groups that share a function text (a function "
                  "#included into several files): for a training file")
-  p.add_argument("--output", required=True, type=args.output_file, metavar="BENCH",
-                 help="the benchmark file to write")
+  # Its own earlier output: a function-groups file (no other command writes one).
+  p.add_argument("--output", required=True, metavar="BENCH", help="the benchmark file to write",
+                 type=args.OutputFile(owns=lambda path, _: function_groups.is_file(path)))
   p.add_argument("--compilers", default="gcc,clang", help="comma-separated (default gcc,clang)")
   p.add_argument("--opt", default="O0,O1,O2,O3", help="comma-separated optimisation levels")
   p.add_argument("--cflags", default="", help="(--sources) extra compiler flags, one "

@@ -20,11 +20,13 @@ import sys
 from lmscale_jax.cli import args
 from lmscale_jax.similarity import function_groups
 from lmscale_jax.similarity import leakage as similarity_leakage
-from lmscale_jax.store import file_io
+from lmscale_jax.store import output_marks
+
+TOOL = "lmscale similarity-leakage"  # the parser's prog, and the mark its --json carries
 
 
 def parser():
-  p = args.Parser(prog="lmscale similarity-leakage", description=__doc__.splitlines()[0])
+  p = args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
   p.add_argument("--train", required=True, type=args.input_file, metavar="TRAIN",
                  help="the training pairs file")
   p.add_argument("--bench", required=True, type=args.input_file, metavar="BENCH",
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
     rep = {"train": a.train, "bench": a.bench, **similarity_leakage.report(train, bench)}
     line = similarity_leakage.summary_line(rep)
     if a.json:
-      file_io.atomic_write_bytes(a.json, (json.dumps(rep, indent=2) + "\n").encode())
+      output_marks.write_json(a.json, TOOL, rep)
     if a.check and rep["shared_either"]:
       raise function_groups.FunctionGroupsError(f"{a.train}: {line} (rebuild it with "
                                         f"lmscale similarity-build --disjoint-from "

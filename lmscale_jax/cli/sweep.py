@@ -65,7 +65,8 @@ def parse_args(argv=None):
                   formatter_class=argparse.RawDescriptionHelpFormatter,
                   epilog="Axes, measurements and launchers: see lmscale sweep's docstring.")
   p.add_argument("--data", required=True, metavar="DIR", help="a prepared dataset directory")
-  p.add_argument("--output", required=True, type=args.output_file, metavar="JSONL",
+  # Rewritten after every point with every row it held kept: appended to, never replaced.
+  p.add_argument("--output", required=True, type=args.append_file, metavar="JSONL",
                  help="results file (resumed)")
   p.add_argument("--config", type=lambda s: s.split(","), default=["configs/tiny.py"],
                  help="config file(s), comma-separated (default configs/tiny.py)")

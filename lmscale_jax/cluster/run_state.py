@@ -51,6 +51,21 @@ def read(workdir: str) -> dict | None:
   return state if isinstance(state, dict) else None
 
 
+class BadRunState(ValueError):
+  """``run_state.json`` is JSON but its step is no integer (a damaged or hand-edited file)."""
+
+
+def reached_step(state: dict | None, workdir: str) -> int:
+  """The step ``state`` records (-1: no state, or none recorded); one that is no integer is a
+  :class:`BadRunState` naming the file (``"step": "x"`` was a traceback from int())."""
+  step = -1 if state is None else state.get("step", -1)
+  if isinstance(step, bool) or not isinstance(step, int):
+    raise BadRunState(f"{os.path.join(workdir, FILE)}: \"step\" is {json.dumps(step)}: "
+                      "expected an integer (a damaged or hand-edited file; training rewrites it "
+                      "as it starts)")
+  return step
+
+
 def requeue_decision(state: dict | None, *, since_step: int, job_id: str, restart_count: int,
                      max_requeues: int = MAX_REQUEUES) -> tuple[bool, str]:
   """(requeue?, why) for the allocation ``job_id``/``restart_count`` whose training step began
@@ -106,8 +121,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   state = read(args.workdir)
+  try:
+    step = reached_step(state, args.workdir)  # both commands: requeue compares it too
+  except BadRunState as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   if args.command == "step":
-    print(int(state.get("step", -1)) if state else -1)
+    print(step)
     return 0
   ok, why = requeue_decision(
       state, since_step=args.since_step, job_id=os.environ.get("SLURM_JOB_ID", ""),

@@ -82,6 +82,13 @@ def _get(config, key: str):
   return config[section][leaf]
 
 
+# The largest value of every integer key: steps reach the jitted step as its int32 counter and
+# optax's schedules, seeds and sizes as int32 arrays, where a larger one was an 80-line
+# OverflowError from inside jit (train.steps=2**31). No key needs more (2**31 steps of one
+# millisecond are 25 days).
+INT32_MAX = 2**31 - 1
+
+
 def check_int(config, key: str, minimum: int) -> None:
   value = _get(config, key)
   if isinstance(value, bool) or not isinstance(value, int):
@@ -90,6 +97,9 @@ def check_int(config, key: str, minimum: int) -> None:
   if value < minimum:
     what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     raise ConfigError(f"{key}={value}: expected {what}")
+  if value > INT32_MAX:
+    raise ConfigError(f"{key}={value}: expected an integer in [{minimum}, {INT32_MAX}] "
+                      "(JAX takes steps, sizes and seeds as int32)")
 
 
 def _range_text(low, high, low_open, high_open) -> str:
@@ -163,6 +173,9 @@ def parse_steps(text, key: str) -> tuple[int, ...]:
     raise ConfigError(f"{key}={text!r}: expected comma-separated step numbers") from None
   if any(s <= 0 for s in steps):
     raise ConfigError(f"{key}={text!r}: step numbers start at 1")
+  if any(s > INT32_MAX for s in steps):
+    raise ConfigError(f"{key}={text!r}: step numbers end at {INT32_MAX} (the step counter is "
+                      "int32)")
   return steps
 
 

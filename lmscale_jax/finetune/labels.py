@@ -6,8 +6,8 @@ from it.
 A task is two files: the training file and a held-out one. The class list is the training
 file's labels, sorted (class ``i`` is ``names[i]``; the workdir's ``labels.json``); a held-out
 label the training file lacks is refused (the head has no output for it), as are fewer than two
-classes, an empty file and a line that is not such an object, each in one line naming
-``FILE:LINE``, before any work.
+classes, an empty file and a line that is not such an object or not valid UTF-8 text
+(:mod:`lmscale_jax.store.user_text`), each in one line naming ``FILE:LINE``, before any work.
 
 Step ``k`` (1-based) of a run with seed ``s`` takes B distinct rows, drawn by
 ``np.random.default_rng([s, k])`` (a function of (seed, step) alone: a resumed run, or another
@@ -21,7 +21,6 @@ resume on other contents is refused).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
@@ -29,7 +28,7 @@ import numpy as np
 from lmscale_jax.errors import UserError
 from lmscale_jax.finetune import batches as finetune_batches
 from lmscale_jax.inference import trained_model
-from lmscale_jax.store import file_io
+from lmscale_jax.store import file_io, user_text
 
 
 class LabelsError(UserError, ValueError):
@@ -58,15 +57,15 @@ def read(path: str, flag: str = "--labels") -> Examples:
     raise LabelsError(f"{flag} {path}: no such file (a JSONL file of {{\"text\", \"label\"}} "
                       "objects)")
   texts, labels, lines, info = [], [], [], []
-  with open(path, encoding="utf-8", errors="replace") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      row = _parse(line, f"{path}:{number}")
-      texts.append(row["text"])
-      labels.append(row["label"])
-      lines.append(number)
-      info.append({k: row[k] for k in OPTIONAL if k in row})
+  # Strict UTF-8 (store/user_text): bytes that are not were read as U+FFFD and trained on.
+  for number, line in enumerate(user_text.read_file(path).split("\n"), 1):
+    if not line.strip():
+      continue
+    row = _parse(line, f"{path}:{number}")
+    texts.append(row["text"])
+    labels.append(row["label"])
+    lines.append(number)
+    info.append({k: row[k] for k in OPTIONAL if k in row})
   if not texts:
     raise LabelsError(f"{flag} {path}: no examples (an empty file; expected one "
                       "{\"text\", \"label\"} object per line)")
@@ -76,7 +75,7 @@ def read(path: str, flag: str = "--labels") -> Examples:
 
 def _parse(line: str, where: str) -> dict:
   try:
-    row = json.loads(line)
+    row = user_text.parse_json(line, where)  # every string valid Unicode, not too deep
   except ValueError:
     raise LabelsError(f"{where}: not a JSON object (expected {{\"text\": \"…\", \"label\": "
                       "\"…\"} per line)") from None

@@ -98,8 +98,15 @@ def _pooled(model, pool: str, batch: list, where) -> list:
   if model.head is not None:  # the fine-tuned embedding: pooled, projected, normalised
     return list(out[:len(rows)])
   # Mean over the function's own tokens: positions 1..len-2 (not [CLS], [SEP], padding).
-  return [row[0] if pool == "cls" else row[1:len(x) - 1].mean(axis=0)
+  return [row[0] if pool == "cls" else token_mean(row[1:len(x) - 1])
           for row, x in zip(out, rows)]
+
+
+def token_mean(h: np.ndarray) -> np.ndarray:
+  """The mean of a text's token vectors [n, H]; a text of no token (an empty query) is the zero
+  vector, not numpy's NaN mean: normalised it stays zero (score 0), where NaN was the score of
+  every row and a JSON answer that could not be sent (HTTP 500)."""
+  return h.mean(axis=0) if len(h) else np.zeros(h.shape[1:], h.dtype)
 
 
 def embed(model, inputs, pool: str | None = None) -> dict:

@@ -57,7 +57,7 @@ def run_file(workdir: str) -> dict:
   path = os.path.join(workdir, RUN_CONFIG)
   if not os.path.lexists(path):
     raise UserError(f"{workdir} has no config.json: not a training workdir (give the "
-                    "--workdir a run of python -m lmscale_jax.main wrote)")
+                    "--workdir a run of lmscale train wrote)")
   return workdir_lib.load_record(path)
 
 
@@ -82,7 +82,7 @@ def check_dataset(shape, meta: dataset.DatasetMeta, source: str, *, same_seq_len
       raise UserError(
           f"{meta.path}: {key} {have}, the model's ({source}) {want}: not a dataset this model "
           "can read; give the dataset it was trained on, or one prepared with its tokenizer "
-          f"(tools/prepare_*.py --tokenizer)" + (f" and --seq-len {shape['seq_len']}"
+          f"(lmscale prepare binary or text --tokenizer)" + (f" and --seq-len {shape['seq_len']}"
                                                  if key == "seq_len" else ""))
   if record is not None:
     path = os.path.join(meta.path, dataset.TOKENIZER)

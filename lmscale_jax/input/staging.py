@@ -196,7 +196,7 @@ def _check_source_and_dest(src: str, dest: str, workers: int
     raise StagingError(f"staging source {src} is not a directory")
   if not os.path.exists(os.path.join(src, dataset.METADATA)):
     raise StagingError(f"staging source {src} has no {dataset.METADATA}: not a complete "
-                       "lmscale_jax dataset (prepare it with tools/prepare_*.py, or wait for "
+                       "lmscale_jax dataset (prepare it with lmscale prepare, or wait for "
                        "its preparation to finish)")
   try:
     meta = dataset.DatasetMeta.load(src)

@@ -396,7 +396,7 @@ def check_same_vocabulary(hf_dir: str, dataset_dir: str) -> None:
               "the HF vocabulary has extra tokens")
   raise HFError(f"{hf_dir}'s vocabulary ({len(theirs)} tokens) differs from the dataset's "
                 f"({ours_path}, {len(ours)} tokens): {diff}. Prepare the dataset with its "
-                f"tokenizer: tools/prepare_*.py --tokenizer {hf_dir}/{dataset.TOKENIZER}")
+                f"tokenizer: lmscale prepare binary (or text) --tokenizer {hf_dir}/{dataset.TOKENIZER}")
 
 
 def init_params(hf_dir: str, model_cfg, meta) -> dict:

@@ -52,6 +52,10 @@ def run_task(model, elf_paths: list[str], index_dir: str, task: int, tasks: int,
   if task >= tasks:
     raise UserError(f"--task {task}: expected 0 .. {tasks - 1} (--tasks {tasks})")
   doc = index.open_index(index_dir, model)
+  broken = index.damaged(index_dir, doc)
+  if broken:  # one process repairs (index.json is rewritten): not N tasks at once
+    raise UserError(f"{broken[0][1]} ({len(broken)} damaged shard(s)); run lmscale index "
+                    f"--output {index_dir} without --tasks once to rebuild them, then the array")
   todo = index.to_add(elf_paths, doc)
   mine = [todo[j] for j in share(len(todo), task, tasks)]
   os.makedirs(os.path.join(index_dir, PARTS), exist_ok=True)

@@ -9,10 +9,14 @@ binary is in the index only once both its shard files are complete (a crash lose
 binary in flight; a shard not named in index.json is ignored and rewritten by the next build).
 A shard's bytes depend only on the binary and the model (the .npz carries no time stamp), so an
 index built as a Slurm job array (:mod:`index_array`) is byte for byte the one-node index.
+Each entry records the sha256 of its two shard files (``npz_sha256``, ``jsonl_sha256``): a
+rerun of lmscale index checks them (:func:`damage`) and rebuilds a shard that is missing,
+truncated or changed; an entry of an older index without them is checked by reading its shard.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -28,6 +32,7 @@ FORMAT = "lmscale_jax.search_index/1"
 INDEX = "index.json"
 SHARDS = "shards"
 ROW_KEYS = ("name", "address", "bytes", "instructions", "tokens", "cut")
+SHARD_FILES = {".npz": "npz_sha256", ".jsonl": "jsonl_sha256"}  # a shard's files, their digests
 
 
 class IndexFileError(UserError, ValueError):
@@ -62,9 +67,13 @@ def _check(doc, path: str) -> None:
 def _entry_ok(b) -> bool:
   """A binary's entry; its shard is ``shards/<its sha256>`` (a reader opens no other file)."""
   return (isinstance(b, dict) and {"path", "sha256", "size", "functions", "shard"} <= set(b)
-          and isinstance(b["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", b["sha256"])
-          is not None and b["shard"] == shard_stem(b["sha256"])
-          and isinstance(b["functions"], int) and b["functions"] >= 0)
+          and _hex64(b["sha256"]) and b["shard"] == shard_stem(b["sha256"])
+          and isinstance(b["functions"], int) and b["functions"] >= 0
+          and all(_hex64(b.get(key, "0" * 64)) for key in SHARD_FILES.values()))
+
+
+def _hex64(value) -> bool:
+  return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
 def write(index_dir: str, doc: dict) -> None:
@@ -96,11 +105,15 @@ def npz_bytes(vectors: np.ndarray) -> bytes:
   return buf.getvalue()
 
 
-def write_shard(index_dir: str, stem: str, vectors: np.ndarray, rows: list[dict]) -> None:
+def write_shard(index_dir: str, stem: str, vectors: np.ndarray, rows: list[dict]) -> dict:
+  """Writes a shard's two files → their digests, for its index.json entry."""
   os.makedirs(os.path.join(index_dir, SHARDS), exist_ok=True)
-  file_io.atomic_write_bytes(os.path.join(index_dir, stem + ".npz"), npz_bytes(vectors))
   text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
-  file_io.atomic_write_bytes(os.path.join(index_dir, stem + ".jsonl"), text.encode())
+  digests = {}
+  for ext, data in ((".npz", npz_bytes(vectors)), (".jsonl", text.encode())):
+    file_io.atomic_write_bytes(os.path.join(index_dir, stem + ext), data)
+    digests[SHARD_FILES[ext]] = hashlib.sha256(data).hexdigest()
+  return digests
 
 
 def read_shard(index_dir: str, binary: dict, dim: int) -> tuple[np.ndarray, list[dict]]:
@@ -120,14 +133,37 @@ def read_shard(index_dir: str, binary: dict, dim: int) -> tuple[np.ndarray, list
 
 
 def rebuild(index_dir: str, binary: dict) -> str:
-  """The fix of a damaged shard: lmscale index re-embeds a binary index.json does not name."""
-  return (f"remove {binary['path']}'s entry from {os.path.join(index_dir, INDEX)} and rerun "
-          "lmscale index (it re-embeds only that binary)")
+  """The fix of a damaged shard: a rerun of lmscale index rebuilds it (index.build)."""
+  return (f"rerun lmscale index --output {index_dir} (it rebuilds the damaged shard from "
+          f"{binary['path']}, or from an --elf file of the same sha256)")
+
+
+def damage(index_dir: str, binary: dict, dim: int) -> str:
+  """What is wrong with a binary's shard files ("" where they are intact): a file missing or
+  not the bytes index.json recorded; an entry without digests (an older index): its shard as
+  :func:`read_shard` reads it."""
+  for ext, key in SHARD_FILES.items():
+    path = os.path.join(index_dir, binary["shard"] + ext)
+    if not os.path.isfile(path):
+      return f"{path} is missing"
+    try:
+      if key in binary and file_io.sha256_file(path) != binary[key]:
+        return f"{path} is not the file index.json recorded (another sha256)"
+    except OSError as e:
+      return f"{path}: unreadable ({file_io.error_reason(e)})"
+  if all(key in binary for key in SHARD_FILES.values()):
+    return ""
+  try:
+    read_shard(index_dir, binary, dim)
+  except IndexFileError as e:  # what is wrong, without the advice
+    return str(e).removesuffix(f"; {rebuild(index_dir, binary)}")
+  return ""
 
 
 def check_present(index_dir: str, doc: dict) -> None:
-  """Every shard file index.json names exists (a stat each: what adding binaries checks before
-  it writes, so it never extends an index with holes; the contents are checked as read)."""
+  """Every shard file ``doc`` names exists (a stat each: what an array's finish checks of the
+  entries it merges, so it never extends an index with holes; a rerun checks more,
+  :func:`damage`; the contents are checked as read)."""
   for b in doc["binaries"]:
     for ext in (".npz", ".jsonl"):
       path = os.path.join(index_dir, b["shard"] + ext)

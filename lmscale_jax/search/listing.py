@@ -54,6 +54,10 @@ def queries(text: str) -> list[tuple[str, int | None, str]]:
   """(name, address, normalised text) per query of a pasted text."""
   if not is_listing(text):
     parts = [p.strip() for p in re.split(r"\[NEXT\]|\n", text) if p.strip()]
+    if not parts:  # embedded, it would be no token at all: a query no function is like
+      raise UserError("the query text holds no instruction (it is empty, blank or only [NEXT] "
+                      f"separators: {text[:40]!r}); expected normalised instructions, [NEXT] "
+                      "between them or one a line, or an objdump -d listing")
     return [("text", None, " [NEXT] ".join(parts))]
   from lmscale_jax.prep.elf.pretokenize import code_pretokenizer
 

@@ -4,7 +4,6 @@ files, each bad one an :class:`ApiError` with the status the contract gives it (
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -14,14 +13,19 @@ from lmscale_jax.errors import UserError
 from lmscale_jax.search import index, listing, query
 from lmscale_jax.serve.guard import ApiError
 from lmscale_jax.serve.served import Limits
+from lmscale_jax.store import user_text
 
 log = logging.getLogger("lmscale.serve")
 
 
 def json_object(body: bytes, expected: str) -> dict:
+  """The JSON object of a request body. Its text passes store/user_text's check (UTF-8, no
+  lone surrogate in any string, not nested past the parser): a 400 naming the field."""
   try:
-    doc = json.loads(body)
-  except (ValueError, UnicodeDecodeError) as e:
+    doc = user_text.parse_json(body, "request body")
+  except user_text.TextError as e:
+    raise ApiError(400, str(e)) from None
+  except ValueError as e:
     raise ApiError(400, f"request body: not JSON ({e}); expected {expected}") from None
   if not isinstance(doc, dict):
     raise ApiError(400, f"request body: a JSON {type(doc).__name__}; expected {expected}")
@@ -125,8 +129,8 @@ def text_queries(text: str, limits: Limits) -> list[tuple[str, int | None, str]]
   their bytes, or normalised instructions as they are (search/listing.py)."""
   try:
     found = listing.queries(text)
-  except UserError as e:
-    raise ApiError(400, str(e)) from None
+  except UserError as e:  # no instruction in it, bytes that do not decode: the field's fault
+    raise ApiError(400, f"text: {e}") from None
   if len(found) > limits.max_functions:
     raise ApiError(413, f"the pasted listing: {len(found)} functions, over the server's limit "
                    f"of {limits.max_functions} per search (lmscale serve --max-functions)")

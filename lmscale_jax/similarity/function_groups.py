@@ -47,11 +47,12 @@ from lmscale_jax import progress as progress_bars
 from lmscale_jax.prep.elf import elf_corpus, elf_functions
 from lmscale_jax.similarity import sources as similarity_sources
 from lmscale_jax.similarity import spec
-from lmscale_jax.store import file_io
+from lmscale_jax.store import file_io, user_text
 
 FORMAT = "lmscale_jax.similarity/1"
 LEVELS = ("O0", "O1", "O2", "O3", "Os")
 MIN_INSTRUCTIONS = 8
+HEADER_CAP = 1 << 26  # bytes of line 1 read to recognise a file (its header is kilobytes)
 # Shared objects without the C runtime's start files: no _init/_fini/frame_dummy, which are
 # the same in every object and no function of the sources. Undefined symbols are allowed in a
 # shared object, so every file links on its own (its calls to other files stay external).
@@ -382,26 +383,50 @@ def write(path: str, header: dict, groups: list[dict]) -> None:
   file_io.atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
 
 
+def is_file(path: str) -> bool:
+  """Whether ``path`` is a function-groups file: its first line, a JSON object with this
+  format. lmscale similarity-build recognises its own earlier output so (none other writes
+  one), read no further than that line (a cap: an ELF or a video is no line of JSON)."""
+  try:
+    with open(path, "rb") as f:
+      line = f.readline(HEADER_CAP) if f.read(1) == b"{" else b""
+    header = json.loads(b"{" + line) if line.endswith(b"\n") else None
+  except (OSError, ValueError):
+    return False
+  return isinstance(header, dict) and header.get("format") == FORMAT
+
+
+def _line(path: str, number: int, line: str) -> dict:
+  """One line's JSON object (the header or a group)."""
+  try:
+    doc = user_text.parse_json(line, f"{path}:{number}")
+  except json.JSONDecodeError as e:
+    raise FunctionGroupsError(f"{path}:{number}: malformed JSON ({e})") from None
+  if not isinstance(doc, dict):
+    raise FunctionGroupsError(f"{path}:{number}: a JSON {type(doc).__name__}, expected an "
+                              "object")
+  return doc
+
+
 def load(path: str) -> tuple[dict, list[dict]]:
   if not os.path.isfile(path):
     raise FunctionGroupsError(f"--bench {path}: no such file (build one with "
                      "lmscale similarity-build)")
-  with open(path, encoding="utf-8") as f:
-    lines = f.read().splitlines()
-  try:
-    header = json.loads(lines[0]) if lines else {}
-    if header.get("format") != FORMAT:
-      raise FunctionGroupsError(f"{path}: not a similarity benchmark (line 1 has format "
-                       f"{header.get('format')!r}, expected {FORMAT!r})")
-    groups = []
-    for i, line in enumerate(lines[1:], 2):
-      g = json.loads(line)
-      if not isinstance(g.get("variants"), dict) or not all(
-          isinstance(v, dict) and isinstance(v.get("text"), str) for v in g["variants"].values()):
-        raise FunctionGroupsError(f"{path}:{i}: a group without variants {{name: {{text: …}}}}")
-      groups.append(g)
-  except json.JSONDecodeError as e:
-    raise FunctionGroupsError(f"{path}: malformed JSON ({e})") from None
+  # Strict UTF-8, every string valid Unicode, no line too deep (store/user_text): the texts
+  # reach the tokenizer, which refuses a lone surrogate mid-run.
+  lines = [(i, ln) for i, ln in enumerate(user_text.read_file(path).split("\n"), 1)
+           if ln.strip()]
+  header = _line(path, *lines[0]) if lines else {}
+  if header.get("format") != FORMAT:
+    raise FunctionGroupsError(f"{path}: not a similarity benchmark (line 1 has format "
+                              f"{header.get('format')!r}, expected {FORMAT!r})")
+  groups = []
+  for i, line in lines[1:]:
+    g = _line(path, i, line)
+    if not isinstance(g.get("variants"), dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("text"), str) for v in g["variants"].values()):
+      raise FunctionGroupsError(f"{path}:{i}: a group without variants {{name: {{text: …}}}}")
+    groups.append(g)
   if not groups:
     raise FunctionGroupsError(f"{path}: no function groups")
   return header, groups

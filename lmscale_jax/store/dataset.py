@@ -22,12 +22,13 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from typing import Iterable, Iterator
 
 import numpy as np
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.store import file_io
+from lmscale_jax.store import file_io, user_text
 
 FORMAT = "lmscale_jax.dataset/2"  # 2: a [CLS] before every packed piece (packing.Packer)
 FORMAT_1 = "lmscale_jax.dataset/1"  # records identical for --packing none; still loads
@@ -177,6 +178,86 @@ def write_tfds_metadata(directory: str, name: str, seq_len: int, splits: dict) -
 
 
 # --------------------------------------------------------------------------- metadata
+# metadata.json's fields, each checked for type and range once, where it is parsed
+# (:func:`check_fields`): a hand-edited or damaged value is one line naming file and key, not a
+# traceback later ("splits": []) or a wrong answer ("records": -1 passed --verify).
+MAX_SEQ_LEN = 1 << 20  # far above what lmscale prepare makes (1 << 16): a sanity bound
+PACKINGS = ("greedy", "none")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _shown(value) -> str:
+  if isinstance(value, (dict, list)):
+    return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
+  return json.dumps(value)[:60]
+
+
+def _wrong(mpath: str, key: str, value, expected: str) -> DatasetError:
+  return DatasetError(f"{mpath}: {key} is {_shown(value)}; expected {expected} (a damaged or "
+                      "hand-edited metadata.json: re-prepare the dataset)")
+
+
+def _int(mpath: str, key: str, value, lo: int, hi: int | None = None) -> int:
+  """``value`` when it is an integer (not a bool) in lo..hi."""
+  if not isinstance(value, int) or isinstance(value, bool) or value < lo or (
+      hi is not None and value > hi):
+    raise _wrong(mpath, key, value, f"an integer in {lo}..{hi}" if hi is not None
+                 else f"an integer >= {lo}")
+  return value
+
+
+def _object(mpath: str, key: str, value) -> dict:
+  if not isinstance(value, dict):
+    raise _wrong(mpath, key, value, "a JSON object")
+  return value
+
+
+def _shard(mpath: str, key: str, shard) -> int:
+  """One shard entry checked; its record count."""
+  _object(mpath, key, shard)
+  name = shard.get("file")
+  if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+    raise _wrong(mpath, f"{key}.file", name, "a file name in the dataset directory")
+  if not isinstance(shard.get("sha256"), str) or not _SHA256.fullmatch(shard["sha256"]):
+    raise _wrong(mpath, f"{key}.sha256", shard.get("sha256"), "64 lowercase hex digits")
+  _int(mpath, f"{key}.bytes", shard.get("bytes"), 0)
+  return _int(mpath, f"{key}.records", shard.get("records"), 0)
+
+
+def _split(mpath: str, key: str, info) -> None:
+  _object(mpath, key, info)
+  shards = info.get("shards")
+  if not isinstance(shards, list):
+    raise _wrong(mpath, f"{key}.shards", shards, "a JSON array of shard entries")
+  total = sum(_shard(mpath, f"{key}.shards[{i}]", s) for i, s in enumerate(shards))
+  if _int(mpath, f"{key}.records", info.get("records"), 0) != total:
+    raise _wrong(mpath, f"{key}.records", info["records"], f"{total}, the sum of its shards' "
+                 "records")
+
+
+def check_fields(raw: dict, mpath: str) -> None:
+  """Every field of metadata.json that is read, by type and range (``raw``: a JSON object
+  holding the required keys); the first wrong one is a DatasetError naming it."""
+  if raw["dtype"] != DTYPE:
+    raise _wrong(mpath, "dtype", raw["dtype"], json.dumps(DTYPE))
+  if not isinstance(raw["name"], str) or not raw["name"]:
+    raise _wrong(mpath, "name", raw["name"], "a non-empty string")
+  _int(mpath, "seq_len", raw["seq_len"], 1, MAX_SEQ_LEN)
+  vocab = _int(mpath, "vocab_size", raw["vocab_size"], 1, MAX_VOCAB)
+  ids = _object(mpath, "special_ids", raw["special_ids"])
+  missing = [t for t in SPECIAL_TOKENS if t not in ids]
+  if missing:
+    raise DatasetError(f"{mpath}: special_ids lacks {missing}")
+  for token, i in ids.items():
+    _int(mpath, f"special_ids.{token}", i, 0, vocab - 1)
+  if "kind" in raw and not isinstance(raw["kind"], str):  # any name; "binary": instructions
+    raise _wrong(mpath, "kind", raw["kind"], 'a string ("binary" or "text")')
+  if "packing" in raw and raw["packing"] not in PACKINGS:
+    raise _wrong(mpath, "packing", raw["packing"], " or ".join(map(json.dumps, PACKINGS)))
+  for split, info in _object(mpath, "splits", raw["splits"]).items():
+    _split(mpath, f"splits.{split}", info)
+
+
 @dataclasses.dataclass(frozen=True)
 class DatasetMeta:
   """Parsed, validated ``metadata.json``."""
@@ -231,9 +312,11 @@ class DatasetMeta:
     if kind := file_io.not_regular(mpath):
       raise DatasetError(f"{mpath} is {kind}: expected the dataset's metadata file (JSON)")
     try:
-      with open(mpath) as f:
-        raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+      with open(mpath, "rb") as f:
+        raw = user_text.parse_json(f.read(), mpath)
+    except user_text.TextError as e:  # not UTF-8, a lone surrogate, nested past the parser
+      raise DatasetError(str(e)) from None
+    except (OSError, ValueError) as e:
       raise DatasetError(f"{mpath}: not readable JSON: {e}") from e
     if not isinstance(raw, dict):
       raise DatasetError(f"{mpath}: a JSON {type(raw).__name__}, expected an object")
@@ -244,13 +327,7 @@ class DatasetMeta:
     for key in ("name", "seq_len", "vocab_size", "special_ids", "splits", "dtype"):
       if key not in raw:
         raise DatasetError(f"{mpath}: missing key {key!r}")
-    if raw["dtype"] != DTYPE:
-      raise DatasetError(f"{mpath}: dtype {raw['dtype']!r}, expected {DTYPE!r}")
-    if not 0 < raw["vocab_size"] <= MAX_VOCAB:
-      raise DatasetError(f"{mpath}: vocab_size {raw['vocab_size']} outside 1..{MAX_VOCAB}")
-    missing = [t for t in SPECIAL_TOKENS if t not in raw["special_ids"]]
-    if missing:
-      raise DatasetError(f"{mpath}: special_ids lacks {missing}")
+    check_fields(raw, mpath)
     return cls(path=path, name=raw["name"], seq_len=int(raw["seq_len"]),
                vocab_size=int(raw["vocab_size"]), special_ids=dict(raw["special_ids"]),
                splits=raw["splits"], raw=raw)

@@ -110,9 +110,13 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
-  except BaseException:
+  except BaseException as e:
     if os.path.exists(tmp):
       os.unlink(tmp)
+    if isinstance(e, OSError) and e.filename is None:
+      # A write, flush or fsync names no file: a full disk was "no space left on the device
+      # (output)". The file it was to become names it.
+      raise OSError(e.errno, e.strerror, path) from e
     raise
   fsync_dir(d)
 

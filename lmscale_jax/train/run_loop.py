@@ -25,6 +25,7 @@ from lmscale_jax.cluster import preemption
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import checkpoint_binding
 from lmscale_jax.train import metrics as metrics_lib
+from lmscale_jax.train import startup
 from lmscale_jax.train import workdir as workdir_lib
 
 
@@ -137,6 +138,7 @@ def _open(task: RunTask, config, workdir: str, allow_change: bool) -> ckpt_lib.C
   check = workdir_lib.check_config_change(workdir, config, model_cfg, run,
                                           resume_step=resume.step, allow_change=allow_change,
                                           data=data)
+  startup.show_log()  # no refusal left: the lines held since start-up, then the run's own
   resume.set_aside()  # <step>.corrupt: before the manager, which would list and rotate them
   task.before_save_config(check)
   record = workdir_lib.save_config(workdir, config, model_cfg, check,

@@ -49,6 +49,7 @@ def run(config, workdir: str, body: Callable[[Any], int | None], *,
   ``exit_at_once``: leave the process at once after that line, without the interpreter's
   shutdown (see :func:`_leave`); a multi-process job always does."""
   quiet_libraries()
+  hold_log()
   here = threading.current_thread() is threading.main_thread()  # where signal handlers run
   before = signal.signal(signal.SIGTERM, _terminated) if here else None
   try:
@@ -64,6 +65,7 @@ def run(config, workdir: str, body: Callable[[Any], int | None], *,
   except (Exception, KeyboardInterrupt) as e:
     return _failure(e, config, workdir, exit_at_once)
   finally:
+    show_log()  # a body that never said it started (a dry run): its lines, now
     if here:
       signal.signal(signal.SIGTERM, before)
 
@@ -119,6 +121,7 @@ def _failure(e: BaseException, config, workdir: str, exit_at_once: bool) -> int:
     _multi_process_failure(e, config, workdir)
   line = one_line(e, workdir)
   if line is None:
+    show_log()  # what led up to it
     raise e  # a bug: keep its traceback
   logging.vlog(1, "traceback", exc_info=e)
   # A save that failed (a full disk mid-save) leaves its writer threads' coroutines, which
@@ -169,6 +172,7 @@ def _leave(line: str, code: int, exit_at_once: bool) -> int:
   one that failed leaves threads that print tracebacks when the interpreter goes down under
   them. Orbax never takes a save's tmp directory for a checkpoint, and the next run removes
   it. Peers of a multi-process job may be blocked in a collective (``distributed.exit_now``)."""
+  drop_log()
   multi = multi_process()
   if multi:
     line = line.replace("error:", _process_prefix(), 1)
@@ -194,11 +198,63 @@ def _multi_process_failure(e: BaseException, config, workdir: str) -> None:
 
   distributed.await_runtime(e, config.distributed.heartbeat_timeout)
   line = one_line(e, workdir)
+  (drop_log if line else show_log)()
   if line is None:
     logging.exception("process %d failed", jax.process_index())
     line = f"error: {type(e).__name__}: {e}"
   print(line.replace("error:", _process_prefix(), 1), file=sys.stderr, flush=True)
   distributed.exit_now(EXIT_ERROR)
+
+
+# ----------------------------------------------------------------------------- held lines
+class _Held(std_logging.Filter):
+  """The log lines below ERROR of a run not started yet, kept back (:func:`hold_log`)."""
+
+  def __init__(self):
+    super().__init__()
+    self.records: list[std_logging.LogRecord] = []
+
+  def filter(self, record):
+    if record.levelno >= std_logging.ERROR:
+      return True
+    self.records.append(record)
+    return False
+
+
+_held: _Held | None = None
+
+
+def hold_log() -> None:
+  """Keeps absl's log lines back until the run is accepted (:func:`show_log`): a run refused
+  after the runtime started (a missing dataset, a batch that does not split, a changed config)
+  printed the topology, the workdir and the model's size at INFO before its one ``error:``
+  line; now it prints that line alone (:func:`drop_log`; with ``--v=1`` the lines too)."""
+  global _held
+  if _held is None:
+    _held = _Held()
+    logging.get_absl_handler().addFilter(_held)
+
+
+def show_log() -> None:
+  """The run is accepted, or begins work the user waits on (staging, ``--verify_data``): the
+  lines held so far, with their own times, then every later one as it comes."""
+  global _held
+  held, _held = _held, None
+  if held is not None:
+    handler = logging.get_absl_handler()
+    handler.removeFilter(held)
+    for record in held.records:
+      handler.handle(record)
+
+
+def drop_log() -> None:
+  """The run is refused: its one line is the report (``--v=1`` keeps the lines held)."""
+  global _held
+  if logging.vlog_is_on(1):
+    return show_log()
+  held, _held = _held, None
+  if held is not None:
+    logging.get_absl_handler().removeFilter(held)
 
 
 # ----------------------------------------------------------------------------- the process

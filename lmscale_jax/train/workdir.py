@@ -123,7 +123,7 @@ class ConfigCheck:
 
 # config.json's "model": the resolved shape keys every reader of a run relies on.
 _SHAPE_INTS = ("vocab_size", "seq_len", "layers", "hidden", "heads", "ffn")
-_RECORD = ("a training run's config ({\"config\": …, \"model\": …}, as lmscale_jax.main "
+_RECORD = ("a training run's config ({\"config\": …, \"model\": …}, as lmscale train "
            "writes it)")
 
 
