@@ -99,6 +99,14 @@ def search(model, corpus: Corpus, queries: list[tuple[str, int | None, str]], k:
   """Per query: {"query", "address", "tokens", "cut", "results": [{"score", "binary",
   "function", "address"}]}."""
   vectors, encoded = index.embed_texts(model, [(q[0], q[2]) for q in queries])
+  return ranked(corpus, queries, vectors, encoded, k)
+
+
+def ranked(corpus: Corpus, queries: list[tuple[str, int | None, str]], vectors: np.ndarray,
+           encoded: list, k: int) -> list:
+  """:func:`search`'s answers from the queries' vectors (``index.embed_texts``'s normalised
+  vectors and (ids, cut) per query): the server embeds its requests' queries together, in
+  shared batches, and ranks each request's here."""
   idx, scores = top_k(corpus, vectors, k)
   out = []
   for (qname, qaddr, _), (ids, cut), row, score in zip(queries, encoded, idx, scores):
