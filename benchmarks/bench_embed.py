@@ -32,7 +32,6 @@ from lmscale_jax.cli.args import Parser  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
 from lmscale_jax.evals import retrieval  # noqa: E402
 from lmscale_jax.similarity import function_groups  # noqa: E402
-from lmscale_jax.store import file_io  # noqa: E402
 
 
 def parser() -> Parser:
@@ -115,8 +114,7 @@ def main(argv=None) -> int:
     return 1
   print(json.dumps(row, indent=1))
   if a.out:
-    rows = json.load(open(a.out)) if os.path.exists(a.out) else []
-    file_io.atomic_write_json(a.out, rows + [row])
+    _host.append_result(a.out, row)
   return 0
 
 

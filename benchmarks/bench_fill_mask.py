@@ -32,7 +32,6 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
 from lmscale_jax.cli import args  # noqa: E402
-from lmscale_jax.store import file_io  # noqa: E402
 
 FUNCTION = "longfn"
 BODY = ("  mov {k}(%rdi),%eax", "  add %esi,%eax", "  xor $0x{x:x},%eax", "  mov %eax,{k}(%rdi)")
@@ -148,8 +147,7 @@ def main(argv=None) -> int:
   row = measure(a)
   print(json.dumps(row, indent=1))
   if a.out:
-    rows = json.load(open(a.out)) if os.path.exists(a.out) else []
-    file_io.atomic_write_json(a.out, rows + [row])
+    _host.append_result(a.out, row)
   return 0
 
 
