@@ -73,17 +73,31 @@ EXIT_USAGE = 1  # lmscale_jax.cli.args.EXIT_USAGE, without importing it (it impo
 
 def usage() -> str:
   width = max(map(len, MODULES))
-  lines = ["usage: lmscale SUBCOMMAND [ARGS…]   (lmscale SUBCOMMAND --help: its arguments)"]
+  lines = ["usage: lmscale SUBCOMMAND [ARGS…]   (lmscale SUBCOMMAND --help: its arguments;"
+           " lmscale --version)"]
   for group, commands in GROUPS:
     lines += ["", f"{group}:"]
     lines += [f"  {name:<{width}}  {summary}" for name, _, summary in commands]
   return "\n".join(lines)
 
 
+def version() -> str:
+  """The installed package's version (its metadata: no import of the package's modules)."""
+  from importlib import metadata
+
+  try:
+    return metadata.version("lmscale_jax")
+  except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    return "unknown (lmscale_jax is not installed: pip install -e . in the checkout)"
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv and argv[0] in ("-h", "--help", "help"):
     print(usage())
+    return 0
+  if argv and argv[0] in ("-V", "--version"):
+    print(f"lmscale {version()}")
     return 0
   if not argv:
     print("error: a subcommand is required; lmscale --help lists them", file=sys.stderr)
