@@ -192,11 +192,14 @@ def test_bad_input_is_one_line_each(run, exported, built, binaries, tmp_path, ca
   np.savez(bad_shard / (first["shard"] + ".npz"), vectors=np.zeros((2, 3), np.float32))
   model = ["--workdir", run[1]]
   cases = [
-      ("index", [*model, "--elf", text_file, "--output", tmp_path / "i1"], "not an ELF file"),
-      ("index", [*model, "--elf", no_code, "--output", tmp_path / "i2"],
+      ("index", [*model, "--elf", text_file, "--output", tmp_path / "i1", "--strict"],
+       "not an ELF file"),
+      ("index", [*model, "--elf", no_code, "--output", tmp_path / "i2", "--strict"],
        "no named x86-64 functions"),
-      ("index", [*model, "--elf", arm, "--output", tmp_path / "i3"],
-       "machine EM_AARCH64; the model reads x86-64 code"),
+      ("index", [*model, "--elf", arm, "--output", tmp_path / "i3", "--strict"],
+       "machine AArch64; the model reads x86-64 code"),
+      ("index", [*model, "--elf", no_code, "--output", tmp_path / "i4"],
+       "every file given was skipped (no_functions 1): nothing to index"),
       ("index", ["--hf", exported, "--elf", binaries["O0"][0], "--output", built[0]],
        "index.json: built by "),
       ("search", ["--index", built[0], "--hf", exported, "--text", "push rbp"],

@@ -338,7 +338,7 @@ def test_a_bug_in_a_handler_is_a_500_with_one_line_and_the_server_stays_up(run, 
   from lmscale_jax.serve import app, served
 
   class NoModel:
-    source, step = "nothing", None
+    source, step, head = "nothing", None, None
 
   state = served.Served(NoModel(), served.Limits())
   sock = serve_cli.listen("127.0.0.1", 0)

@@ -3,13 +3,15 @@
   lmscale serve (--workdir RUN [--step N] | --hf DIR) [--index INDEX_DIR]
       [--host 127.0.0.1] [--port 8000] [--token TOKEN (or env LMSCALE_SERVE_TOKEN)]
       [--max-upload-mb 32] [--max-functions 256] [--max-texts 256] [--max-k 100]
-      [--log-level info]
+      [--batch-wait-ms 5] [--log-level info]
 
 Endpoints (JSON; every error is {"error": one line}): GET /api/info, POST /api/fill-mask,
-POST /api/embed, POST /api/search (an ELF upload or a text), GET /api/function; GET / is the
-page. Bound to 127.0.0.1 unless --host says otherwise; another host needs --token, and then
-every /api/ request needs "Authorization: Bearer TOKEN" (the page: open /#token=TOKEN). The
-model and the index are loaded once, before the server listens.
+POST /api/embed, POST /api/search (an ELF upload or a text), GET /api/function; GET /healthz
+(no token needed: 200 and the model's identity while ready); GET / is the page. Concurrent
+requests' functions share length-bucketed batches (serve/batcher.py). Bound to 127.0.0.1
+unless --host says otherwise; another host needs --token, and then every /api/ request needs
+"Authorization: Bearer TOKEN" (the page: open /#token=TOKEN). The model and the index are
+loaded once, before the server listens. Ctrl-C or SIGTERM stops the server cleanly: exit 0.
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ import sys
 
 from lmscale_jax.cli import args
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import trained_model
-from lmscale_jax.serve import app as serve_app
-from lmscale_jax.serve import served as served_lib
 
 TOKEN_ENV = "LMSCALE_SERVE_TOKEN"
 
@@ -43,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--max-texts", type=args.number(int, 1, 1 << 20), default=256,
                  help="texts per /api/embed request")
   p.add_argument("--max-k", type=args.number(int, 1, 1 << 20), default=100)
+  p.add_argument("--batch-wait-ms", type=args.number(float, 0, 1000), default=5,
+                 help="how long a request's functions wait for others' to share a batch "
+                 "(a full batch runs at once)")
   p.add_argument("--log-level", choices=["debug", "info", "warning"], default="info",
                  help="the server's log on stderr (debug: tracebacks of rejected uploads too)")
   return p
@@ -73,6 +75,12 @@ def listen(host: str, port: int) -> socket.socket:
 def main(argv=None) -> int:
   parser_ = parser()
   a = parser_.parse_args(argv)
+  # JAX, the model and the server here, not at module level: --help answers without them.
+  from lmscale_jax.inference import trained_model
+  from lmscale_jax.serve import app as serve_app
+  from lmscale_jax.serve import batcher as serve_batcher
+  from lmscale_jax.serve import served as served_lib
+
   token = a.token if a.token is not None else os.environ.get(TOKEN_ENV) or None
   if not is_loopback(a.host) and not token:
     parser_.error(f"--host {a.host} opens the server beyond this machine: give --token TOKEN "
@@ -86,15 +94,21 @@ def main(argv=None) -> int:
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
     served = served_lib.load(model, limits, token, a.index)
     sock = listen(a.host, a.port)
+    batcher = serve_batcher.Batcher(model, served.pool, wait_s=a.batch_wait_ms / 1000)
+    batcher.warm()  # every bucket's program compiled before the first request
     port = sock.getsockname()[1]
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s: %(message)s")
     functions = len(served.corpus.names) if served.corpus is not None else 0
     print(f"serving http://{a.host}:{port}/ (model {model.source}, "
           + (f"index {a.index}: {functions} functions" if a.index else "no index") + ")",
           flush=True)
-    config = uvicorn.Config(serve_app.create_app(served), log_level=a.log_level,
+    config = uvicorn.Config(serve_app.create_app(served, batcher), log_level=a.log_level,
                             timeout_keep_alive=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+      uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # Terminated too: uvicorn has shut down cleanly and then raised
+      pass  # the signal it caught again; a stop is how a server ends, not an error
+    print("lmscale serve: stopped", flush=True)
     return 0
 
   return args.guarded(go, "the server stopped")

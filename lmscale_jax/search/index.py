@@ -69,32 +69,57 @@ def function_sizes(path: str) -> dict[int, int]:
     return {a: int(s) for a, (s, _) in elf_corpus.function_symbols(shdrs, data).items()}
 
 
+class Skipped(UserError):
+  """A file lmscale index passes over, counted under ``reason`` (preparation's name for it:
+  ``prep/elf/elf_corpus.input_skip``, ``header_skip``, ``no_functions``, ``corrupt``) unless
+  --strict; its message is the one line --strict stops at."""
+
+  def __init__(self, path: str, reason: str, why: str):
+    super().__init__(f"{path}: {why}")
+    self.path, self.reason = path, reason
+
+
+# What each reason is, in the words of the line that names a file skipped for it.
+_WHY = {"broken_link": "a link to nothing", "not_regular": "not a regular file (a FIFO, device "
+        "or socket)", "unreadable": "not readable (permissions)",
+        "not_elf": "not an ELF file (the index takes x86-64 ELF binaries)",
+        "abi=x32": "an x32 (ELF32) file; the model reads x86-64 ELF64 code",
+        "no_functions": "no named x86-64 functions (a stripped binary, or no code); the index "
+        "needs function symbols"}
+
+
+def skip(path: str, reason: str, detail: str = "") -> Skipped:
+  why = (f"machine {reason.removeprefix('machine=')}; the model reads x86-64 code"
+         if reason.startswith("machine=") else _WHY.get(reason) or f"unreadable ELF file "
+         f"({detail})")
+  return Skipped(path, reason, why)
+
+
 def check_elf(path: str) -> None:
-  """What elf_functions.functions refuses that the ELF header alone shows (not an ELF file,
-  another machine): every input is checked before anything is written, so a wrong file in a list
-  of thousands is one line at the start, not after hours of embedding."""
+  """Raises :class:`Skipped` for what preparation skips on a file's first bytes and its ELF
+  header (not an ELF file, another machine, …): every input is checked before anything is
+  written, so with --strict a wrong file in a list of thousands is one line at the start, not
+  after hours of embedding."""
   from elftools.common.exceptions import ELFError
   from elftools.elf.elffile import ELFFile
 
+  reason = elf_corpus.input_skip(path)
+  if reason:
+    raise skip(path, reason)
   try:
     with open(path, "rb") as fh:
-      magic = fh.read(4)
-      fh.seek(0)
-      machine = ELFFile(fh)["e_machine"] if magic == elf_corpus.ELF_MAGIC else None
-  except (ELFError, ValueError, IndexError, OSError) as e:
-    raise UserError(f"{path}: unreadable ELF file ({file_io.error_reason(e)})") from None
-  if magic != elf_corpus.ELF_MAGIC:
-    raise UserError(f"{path}: not an ELF file (the index takes x86-64 ELF binaries)")
-  if machine != "EM_X86_64":
-    raise UserError(f"{path}: machine {machine}; the model reads x86-64 code")
+      reason = elf_corpus.header_skip(ELFFile(fh))
+  except (ELFError, ValueError, IndexError, KeyError, OSError) as e:
+    raise skip(path, "corrupt", file_io.error_reason(e)) from None
+  if reason:
+    raise skip(path, reason)
 
 
 def elf_functions_of(path: str) -> list:
-  """The named functions of an x86-64 ELF file; none is one line."""
+  """The named functions of an x86-64 ELF file; none is one line (:class:`Skipped`)."""
   fns = elf_functions.functions(path)
   if not fns:
-    raise UserError(f"{path}: no named x86-64 functions (a stripped binary, or no code); "
-                    "the index needs function symbols")
+    raise skip(path, "no_functions")
   return fns
 
 
@@ -109,7 +134,12 @@ def embed_texts(model, named_texts: list[tuple[str, str]]) -> tuple[np.ndarray, 
 
 def binary_shard(model, path: str) -> tuple[np.ndarray, list[dict]]:
   """One binary's vectors and per-function rows."""
-  fns = elf_functions_of(path)
+  try:
+    fns = elf_functions_of(path)
+  except Skipped:
+    raise
+  except UserError as e:  # its header passed check_elf; its tables do not parse
+    raise Skipped(path, "corrupt", str(e).removeprefix(f"{path}: ")) from None
   sizes = function_sizes(path)
   vectors, encoded = embed_texts(model, [(f.name, f.text) for f in fns])
   rows = [{"name": f.name, "address": f.address, "bytes": sizes.get(f.address, 0),
@@ -152,22 +182,69 @@ def damaged(index_dir: str, doc: dict) -> list[tuple[int, str]]:
   return [(j, why) for j, why in found if why]
 
 
-def first_of_each(elf_paths: list[str]) -> dict[str, int]:
-  """sha256 → the position of the first of ``elf_paths`` with it; every input is checked
-  (check_elf) first."""
+def checked(elf_paths: list[str], skipped: list | None = None) -> list[str | None]:
+  """The sha256 of each of ``elf_paths``, None for a file skipped: every input is checked
+  (:func:`check_elf`) first; a file that fails is appended to ``skipped`` once (as preparation
+  counts files: a link and its target are one file), or, ``skipped`` None (--strict), raised."""
+  shas: list[str | None] = []
+  passed: set[str] = set()  # the real paths of the files skipped
+  for path in elf_paths:
+    real = os.path.realpath(path)
+    if real in passed:  # said once, for its first path
+      shas.append(None)
+      continue
+    try:
+      check_elf(path)
+      shas.append(file_io.sha256_file(path))
+    except Skipped as e:
+      if skipped is None:
+        raise
+      passed.add(real)
+      skipped.append(e)
+      shas.append(None)
+  return shas
+
+
+def first_of_each(shas: list[str | None]) -> dict[str, int]:
+  """sha256 → the position of the first of :func:`checked`'s ``shas`` with it."""
   first: dict[str, int] = {}
-  for i, path in enumerate(elf_paths):
-    check_elf(path)
-    first.setdefault(file_io.sha256_file(path), i)
+  for i, digest in enumerate(shas):
+    if digest is not None:
+      first.setdefault(digest, i)
   return first
 
 
-def to_add(elf_paths: list[str], doc: dict, first: dict | None = None) -> list[tuple[int, str]]:
+def to_add(elf_paths: list[str], doc: dict, first: dict) -> list[tuple[int, str]]:
   """(position in ``elf_paths``, sha256) of the binaries to embed, in order: the first path of
-  each sha256 that ``doc`` does not hold yet (``first``: :func:`first_of_each`, if known)."""
-  first = first_of_each(elf_paths) if first is None else first
+  each sha256 (``first``: :func:`first_of_each`) that ``doc`` does not hold yet."""
   have = {b["sha256"] for b in doc["binaries"]}
   return [(i, digest) for digest, i in first.items() if digest not in have]
+
+
+def counts(skipped: list[Skipped]) -> dict[str, int]:
+  """{reason: files}, as preparation's files_skipped counts them."""
+  out: dict[str, int] = {}
+  for e in skipped:
+    out[e.reason] = out.get(e.reason, 0) + 1
+  return dict(sorted(out.items()))
+
+
+def tell_skipped(e: Skipped, say) -> None:
+  say(f"skipped {e} (files_skipped.{e.reason})")
+
+
+def embedded_or_skipped(model, index_dir: str, path: str, digest: str, skipped: list | None,
+                        say) -> dict | None:
+  """:func:`add_binary`'s entry, or None where the file is skipped (no functions, tables that
+  do not parse: found only as it is read), appended to ``skipped`` (None: raised)."""
+  try:
+    return add_binary(model, index_dir, path, digest)
+  except Skipped as e:
+    if skipped is None:
+      raise
+    skipped.append(e)
+    tell_skipped(e, say)
+    return None
 
 
 def repair_source(binary: dict, elf_paths: list[str], first: dict[str, int], why: str) -> str:
@@ -183,13 +260,20 @@ def repair_source(binary: dict, elf_paths: list[str], first: dict[str, int], why
                   f"{binary['sha256'][:12]}…) with --elf to rebuild the shard")
 
 
-def build(model, elf_paths: list[str], index_dir: str, say=print) -> dict:
+def build(model, elf_paths: list[str], index_dir: str, say=print, strict: bool = False) -> dict:
   """Rebuilds the damaged shards of the index at ``index_dir`` (created if needed), then adds
   the binaries of ``elf_paths`` not yet in it. Returns {"added": [paths], "rebuilt": [paths],
-  "skipped": [paths], "functions": functions embedded}. A binary that fails leaves those
-  before it in the index (the error says how many)."""
+  "skipped": [paths already indexed], "functions": functions embedded, "files_skipped":
+  {reason: files}, "skipped_files": {path: reason}}. A file preparation would skip (not x86-64
+  ELF, no named function, …) is skipped and counted, or with ``strict`` refused: before
+  anything is written where its header shows it, else (no function) there, the binaries before
+  it kept (the error says how many)."""
   doc = open_index(index_dir, model)
-  first = first_of_each(elf_paths)  # every input checked before anything is written
+  passed: list[Skipped] | None = None if strict else []
+  shas = checked(elf_paths, passed)  # every input checked before anything is written
+  for e in passed or ():
+    tell_skipped(e, say)
+  first = first_of_each(shas)
   repairs = [(j, repair_source(doc["binaries"][j], elf_paths, first, why), why)
              for j, why in damaged(index_dir, doc)]
   todo = to_add(elf_paths, doc, first)
@@ -198,8 +282,11 @@ def build(model, elf_paths: list[str], index_dir: str, say=print) -> dict:
   rebuilt = [repair(model, index_dir, doc, j, path, why, say) for j, path, why in repairs]
   added, count = [], 0
   for i, digest in todo:
-    entry = kept_so_far(lambda: add_binary(model, index_dir, elf_paths[i], digest), added,
-                        index_dir)
+    entry = kept_so_far(lambda: embedded_or_skipped(model, index_dir, elf_paths[i], digest,
+                                                    passed, say), added, index_dir)
+    if entry is None:
+      shas = [None if d == digest else d for d in shas]  # its other paths: skipped with it
+      continue
     doc["binaries"].append(entry)
     index_files.write(index_dir, doc)  # the binary is in the index from here on
     added.append(i)
@@ -207,7 +294,9 @@ def build(model, elf_paths: list[str], index_dir: str, say=print) -> dict:
     say(f"indexed {entry['functions']} functions of {elf_paths[i]}")
   done = set(added) | {first.get(doc["binaries"][j]["sha256"]) for j, _, _ in repairs}
   return {"added": [elf_paths[i] for i in added], "functions": count, "rebuilt": rebuilt,
-          "skipped": [p for i, p in enumerate(elf_paths) if i not in done]}
+          "skipped": [p for i, p in enumerate(elf_paths) if i not in done and shas[i]],
+          "files_skipped": counts(passed or []),
+          "skipped_files": {e.path: e.reason for e in passed or ()}}
 
 
 def repair(model, index_dir: str, doc: dict, j: int, path: str, why: str, say) -> str:

@@ -46,9 +46,11 @@ def plan_digest(todo: list[tuple[int, str]], tasks: int) -> str:
 
 
 def run_task(model, elf_paths: list[str], index_dir: str, task: int, tasks: int,
-             say=print) -> dict:
+             say=print, strict: bool = False) -> dict:
   """Array task ``task`` of ``tasks``: embeds its share (see the module's doc) → its task file's
-  contents. Every input is checked before anything is written."""
+  contents. Every input is checked before anything is written; a file preparation would skip
+  is skipped and counted as index.build counts it (its ``files_skipped``: task 0 counts those
+  every task sees, each task those of its share), or with ``strict`` refused."""
   if task >= tasks:
     raise UserError(f"--task {task}: expected 0 .. {tasks - 1} (--tasks {tasks})")
   doc = index.open_index(index_dir, model)
@@ -56,21 +58,29 @@ def run_task(model, elf_paths: list[str], index_dir: str, task: int, tasks: int,
   if broken:  # one process repairs (index.json is rewritten): not N tasks at once
     raise UserError(f"{broken[0][1]} ({len(broken)} damaged shard(s)); run lmscale index "
                     f"--output {index_dir} without --tasks once to rebuild them, then the array")
-  todo = index.to_add(elf_paths, doc)
+  passed: list[index.Skipped] | None = None if strict else []
+  todo = index.to_add(elf_paths, doc, index.first_of_each(index.checked(elf_paths, passed)))
+  if task and passed:  # every task checks every file: task 0 alone tells and counts them
+    del passed[:]
+  for e in passed or ():
+    index.tell_skipped(e, say)
   mine = [todo[j] for j in share(len(todo), task, tasks)]
   os.makedirs(os.path.join(index_dir, PARTS), exist_ok=True)
   index_files.clear_partial(index_dir, [d for _, d in mine])
   entries = []
   for i, digest in mine:
-    entries.append(_marked(model, index_dir, elf_paths[i], digest, doc["model"], entries, say))
+    entry = _marked(model, index_dir, elf_paths[i], digest, doc["model"], entries, passed, say)
+    entries += [entry] if entry is not None else []
   part = {"task": task, "tasks": tasks, "plan": plan_digest(todo, tasks), "model": doc["model"],
-          "pool": doc["pool"], "dim": doc["dim"], "binaries": entries}
+          "pool": doc["pool"], "dim": doc["dim"], "binaries": entries,
+          "files_skipped": index.counts(passed or [])}
   file_io.atomic_write_json(os.path.join(index_dir, PARTS, task_name(task, tasks)), part)
   return part
 
 
-def _marked(model, index_dir, path, digest, ident, done, say) -> dict:
-  """A binary's entry: from its completion marker (same model), else embedded and marked."""
+def _marked(model, index_dir, path, digest, ident, done, skipped, say) -> dict | None:
+  """A binary's entry: from its completion marker (same model), else embedded and marked;
+  None where it is skipped (``index.embedded_or_skipped``)."""
   marker = os.path.join(index_dir, PARTS, f"binary-{digest}.json")
   if os.path.exists(marker):
     kept = file_io.read_json(marker, "a binary's completion marker", "delete it (the binary is "
@@ -78,8 +88,11 @@ def _marked(model, index_dir, path, digest, ident, done, say) -> dict:
     if _still_good(kept, ident, index_dir):
       say(f"already embedded: {path}")
       return {**kept["entry"], "path": os.path.abspath(path)}  # the path this run gives
-  entry = index.kept_so_far(lambda: index.add_binary(model, index_dir, path, digest), done,
-                            os.path.join(index_dir, PARTS))
+  entry = index.kept_so_far(lambda: index.embedded_or_skipped(model, index_dir, path, digest,
+                                                             skipped, say),
+                            done, os.path.join(index_dir, PARTS))
+  if entry is None:
+    return None
   file_io.atomic_write_json(marker, {"model": ident, "entry": entry})
   say(f"indexed {entry['functions']} functions of {path}")
   return entry
@@ -138,4 +151,14 @@ def finish(index_dir: str) -> dict:
   index_files.write(index_dir, doc)
   shutil.rmtree(os.path.join(index_dir, PARTS))  # after index.json: a rerun merges nothing twice
   index_files.clear_partial(index_dir)
-  return {"added": len(added), "functions": sum(e["functions"] for e in added)}
+  return {"added": len(added), "functions": sum(e["functions"] for e in added),
+          "files_skipped": skip_counts(parts)}
+
+
+def skip_counts(parts: list[dict]) -> dict[str, int]:
+  """The tasks' files_skipped, summed (a task file written before they were counted: none)."""
+  out: dict[str, int] = {}
+  for p in parts:
+    for reason, n in (p.get("files_skipped") or {}).items():
+      out[reason] = out.get(reason, 0) + n
+  return dict(sorted(out.items()))

@@ -1,13 +1,21 @@
 """The HTTP API and the page (FastAPI): /api/info, /api/fill-mask, /api/embed, /api/search,
-/api/function, and / (static/index.html). The state is loaded once (:mod:`served`) and passed
-in; no request reloads anything.
+/api/function, /healthz (also /api/health) and / (static/index.html). The state is loaded once
+(:mod:`served`) and passed in; no request reloads anything.
 
-Model calls go one at a time through :class:`ModelGate`: one model on 2 cores gains nothing from
-concurrent forward passes (they share the cores), and requests waiting for the model wait as
-coroutines, holding no thread, so /api/info answers at once under load."""
+Model calls go through one :class:`batcher.Batcher`: the functions of concurrent /api/embed and
+/api/search requests share length-bucketed batches on one model thread (one model on 2 cores
+gains nothing from concurrent forward passes: they share the cores). Requests waiting for it
+wait as coroutines, holding no thread, so /api/info and /healthz answer at once under load.
+
+FastAPI's OpenAPI pages (/docs, /redoc, /openapi.json) are off: the endpoints read and check
+their bodies themselves (a JSON object or a multipart upload, each fault one line), so the
+generated schema would list them with no request body, and /docs loads Swagger UI's scripts
+from a CDN, which a server on an offline or firewalled machine cannot reach.
+docs/using-the-model.md ("Serve") is the API's reference."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import anyio
@@ -20,41 +28,32 @@ from starlette.exceptions import HTTPException
 from lmscale_jax.errors import UserError
 from lmscale_jax.inference import function_vectors, mask_predictions, trained_model
 from lmscale_jax.prep.elf import elf_functions
-from lmscale_jax.search import query
+from lmscale_jax.search import index, query
 from lmscale_jax.serve import inputs
+from lmscale_jax.serve.batcher import Batcher, normalised
 from lmscale_jax.serve.guard import ApiError, Guard
 from lmscale_jax.serve.served import Served
 from lmscale_jax.store import file_io
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static", "index.html")
-MAX_WAITING = 256  # requests queued for the model before a 503 (50 clients: never reached)
 
 
-class ModelGate:
-  """One model call at a time; at most MAX_WAITING waiting (then 503, one line)."""
+def create_app(served: Served, batcher: Batcher | None = None) -> FastAPI:
+  """``batcher``: the model thread (default: a new one, closed when the app shuts down)."""
+  batcher = batcher or Batcher(served.model, served.pool)
 
-  def __init__(self, max_waiting: int = MAX_WAITING):
-    self.max_waiting, self.waiting, self.limiter = max_waiting, 0, None
+  @contextlib.asynccontextmanager
+  async def lifespan(_):
+    yield
+    await anyio.to_thread.run_sync(batcher.close)
 
-  async def run(self, fn, *args):
-    if self.waiting >= self.max_waiting:
-      raise ApiError(503, f"server busy: {self.waiting} requests wait for the model; retry later")
-    self.limiter = self.limiter or anyio.CapacityLimiter(1)
-    self.waiting += 1
-    try:
-      return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
-    finally:
-      self.waiting -= 1
-
-
-def create_app(served: Served) -> FastAPI:
-  app = FastAPI(title="lmscale serve", docs_url=None, redoc_url=None, openapi_url=None)
-  gate = ModelGate()
+  app = FastAPI(title="lmscale serve", docs_url=None, redoc_url=None, openapi_url=None,
+                lifespan=lifespan)
   add_error_handlers(app)
   add_page(app)
-  add_info(app, served)
-  add_model_endpoints(app, served, gate)
-  add_search(app, served, gate)
+  add_info(app, served, batcher)
+  add_model_endpoints(app, served, batcher)
+  add_search(app, served, batcher)
   add_function(app, served)
   app.add_middleware(Guard, token=served.token, max_body=served.limits.max_upload_bytes)
   return app
@@ -85,7 +84,7 @@ def add_page(app: FastAPI) -> None:
     return HTMLResponse(html)
 
 
-def info(served: Served) -> dict:
+def info(served: Served, batcher: Batcher) -> dict:
   where = None
   if served.corpus is not None:
     where = {"path": served.index_dir, "binaries": len(served.rows),
@@ -95,13 +94,31 @@ def info(served: Served) -> dict:
           "seq_len": int(model.cfg.seq_len), "pool": served.pool, "index": where,
           "limits": {"max_upload_bytes": served.limits.max_upload_bytes,
                      "max_functions": served.limits.max_functions,
-                     "max_texts": served.limits.max_texts, "max_k": served.limits.max_k}}
+                     "max_texts": served.limits.max_texts, "max_k": served.limits.max_k},
+          "batching": {"rows_per_batch": batcher.size, "wait_ms": 1000 * batcher.wait_s,
+                       "buckets": function_vectors.BUCKETS, "batches": batcher.batches,
+                       "functions": batcher.rows_run, "model_busy_s": batcher.busy_s,
+                       "waiting": batcher.waiting}}
 
 
-def add_info(app: FastAPI, served: Served) -> None:
+def health(served: Served, batcher: Batcher) -> JSONResponse:
+  """200 and the model's identity while the model thread runs (the server listens only once the
+  model and index are loaded: listening is ready); 503 when it has stopped."""
+  ok = batcher.alive
+  return JSONResponse({"status": "ok" if ok else "model thread stopped",
+                       "model": served.identity,
+                       "index_functions": len(served.corpus.names) if served.corpus else None},
+                      status_code=200 if ok else 503)
+
+
+def add_info(app: FastAPI, served: Served, batcher: Batcher) -> None:
   @app.get("/api/info")
   async def get_info():  # async: on the event loop, never behind the model's queue
-    return info(served)
+    return info(served, batcher)
+
+  # /healthz: outside /api/, so a load balancer polls it without the access token.
+  app.get("/healthz")(lambda: health(served, batcher))
+  app.get("/api/health")(lambda: health(served, batcher))
 
 
 def fill_mask(model, text: str, k: int) -> dict:
@@ -113,38 +130,64 @@ def fill_mask(model, text: str, k: int) -> dict:
   return {"text": text, "cut": bool(cut), "masks": masks}
 
 
+def encoded(model, texts: list[str]) -> list:
+  """(ids, cut) of each text, as ``lmscale embed`` encodes it."""
+  return [trained_model.encode(model, t) for t in texts]
+
+
+def embed_answer(pool: str, codes: list, vectors: np.ndarray) -> dict:
+  return {"dim": int(vectors.shape[1]), "pool": pool, "embeddings": vectors.tolist(),
+          "tokens": [len(ids) - 2 for ids, _ in codes], "cut": [bool(c) for _, c in codes]}
+
+
 def embed(model, texts: list[str]) -> dict:
-  """``lmscale embed``'s vectors (function_vectors.embed: not normalised) of each text."""
-  encoded = [trained_model.encode(model, t) for t in texts]
+  """/api/embed's answer by a direct call (function_vectors.embed, not normalised): what the
+  batched endpoint answers, without the batcher (benchmarks/bench_serve.py's peer)."""
+  codes = encoded(model, texts)
   out = function_vectors.embed(model, [(f"text{i}", "", ids, cut)
-                                       for i, (ids, cut) in enumerate(encoded)])
-  vectors = np.asarray(out["embeddings"], np.float32)
-  return {"dim": int(vectors.shape[1]), "pool": str(out["pool"]), "embeddings": vectors.tolist(),
-          "tokens": [len(ids) - 2 for ids, _ in encoded], "cut": [bool(c) for _, c in encoded]}
+                                       for i, (ids, cut) in enumerate(codes)])
+  return embed_answer(str(out["pool"]), codes, np.asarray(out["embeddings"], np.float32))
 
 
-def add_model_endpoints(app: FastAPI, served: Served, gate: ModelGate) -> None:
+async def batched_embed(served: Served, batcher: Batcher, texts: list[str]) -> dict:
+  codes = await anyio.to_thread.run_sync(encoded, served.model, texts)
+  vectors = await batcher.vectors([ids for ids, _ in codes])
+  return embed_answer(served.pool, codes, np.asarray(np.stack(vectors), np.float32))
+
+
+def add_model_endpoints(app: FastAPI, served: Served, batcher: Batcher) -> None:
   @app.post("/api/fill-mask")
   async def post_fill_mask(request: Request):
     doc = inputs.json_object(await request.body(), '{"text": "… [MASK] …", "k": 5}')
     text, k = inputs.text_of(doc), inputs.k_of(doc.get("k"), 5, served.limits)
-    return await gate.run(fill_mask, served.model, text, k)
+    return await batcher.call(fill_mask, served.model, text, k)
 
   @app.post("/api/embed")
   async def post_embed(request: Request):
     doc = inputs.json_object(await request.body(), '{"texts": ["push rbp [NEXT] …", …]}')
-    return await gate.run(embed, served.model, inputs.texts_of(doc, served.limits))
+    return await batched_embed(served, batcher, inputs.texts_of(doc, served.limits))
+
+
+def answers_of(served: Served, queries: list, k: int, vectors: np.ndarray, codes: list) -> dict:
+  """query.ranked's answers with each query's text and each result's binary's sha256."""
+  answers = query.ranked(served.corpus, queries, vectors, codes, k)
+  for a, (_, _, text) in zip(answers, queries):
+    a["text"] = text
+    a["results"] = [{**r, "sha256": served.sha256_of(r["binary"], r["function"], r["address"])}
+                    for r in a["results"]]
+  return {"k": k, "queries": answers}
 
 
 def search_answers(served: Served, queries: list, k: int) -> dict:
-  """query.search's answers with each query's text and each result's binary's sha256."""
-  answers = query.search(served.model, served.corpus, queries, k)
-  for a, (_, _, text) in zip(answers, queries):
-    a["text"] = text
-    a["results"] = [{"score": r["score"], "binary": r["binary"],
-                     "sha256": served.sha256_of(r["binary"], r["function"], r["address"]),
-                     "function": r["function"], "address": r["address"]} for r in a["results"]]
-  return {"k": k, "queries": answers}
+  """/api/search's answer by a direct call, without the batcher (bench_serve.py's peer)."""
+  vectors, codes = index.embed_texts(served.model, [(q[0], q[2]) for q in queries])
+  return answers_of(served, queries, k, vectors, codes)
+
+
+async def batched_search(served: Served, batcher: Batcher, queries: list, k: int) -> dict:
+  codes = await anyio.to_thread.run_sync(encoded, served.model, [q[2] for q in queries])
+  vectors = normalised(await batcher.vectors([ids for ids, _ in codes]))
+  return await anyio.to_thread.run_sync(answers_of, served, queries, k, vectors, codes)
 
 
 async def search_queries(request: Request, served: Served) -> tuple[list, int]:
@@ -167,13 +210,13 @@ async def search_queries(request: Request, served: Served) -> tuple[list, int]:
   return inputs.text_queries(inputs.text_of(doc), served.limits), k
 
 
-def add_search(app: FastAPI, served: Served, gate: ModelGate) -> None:
+def add_search(app: FastAPI, served: Served, batcher: Batcher) -> None:
   @app.post("/api/search")
   async def post_search(request: Request):
     if served.corpus is None:
       raise ApiError(404, "no index loaded: start lmscale serve with --index INDEX_DIR")
     queries, k = await search_queries(request, served)
-    return await gate.run(search_answers, served, queries, k)
+    return await batched_search(served, batcher, queries, k)
 
 
 def indexed_text(served: Served, sha256: str, address: int) -> dict:

@@ -84,28 +84,16 @@ def list_inputs(paths: list[str], max_input_bytes: int = 0,
       if real in seen:
         continue
       seen.add(real)
-      try:
-        st = os.stat(real)
-      except OSError:
-        count("broken_link")
-        if f == p:
+      reason = input_skip(real)
+      if reason:
+        count(reason)
+        if f == p and reason == "broken_link":
           notes.append(f"input {p!r} is a link to nothing: skipped (files_skipped.broken_link)")
+        elif f == p and reason == "not_regular":
+          notes.append(f"input {p!r} is {describe_non_regular(os.stat(real).st_mode)}, not a "
+                       "regular file: skipped (files_skipped.not_regular)")
         continue
-      if not stat.S_ISREG(st.st_mode):
-        count("not_regular")
-        if f == p:
-          notes.append(f"input {p!r} is {describe_non_regular(st.st_mode)}, not a regular "
-                       "file: skipped (files_skipped.not_regular)")
-        continue
-      try:
-        with open(real, "rb") as fh:
-          magic = fh.read(4)
-      except OSError:
-        count("unreadable")
-        continue
-      if magic != ELF_MAGIC:
-        count("not_elf")
-        continue
+      st = os.stat(real)
       if max_input_bytes and total + st.st_size > max_input_bytes:
         count("over_max_input_bytes")
         if smallest is None or st.st_size < smallest[0]:  # the first of equals
@@ -118,6 +106,35 @@ def list_inputs(paths: list[str], max_input_bytes: int = 0,
   if not out and smallest:
     raise nothing_fits(max_input_bytes, "ELF file", *smallest)
   return out
+
+
+def input_skip(path: str) -> str:
+  """Why a file is skipped before its ELF header is read ("" where it is an ELF file):
+  ``broken_link`` (a link to nothing), ``not_regular`` (a FIFO, device or socket: reading one
+  may never end), ``unreadable``, ``not_elf``. The one rule for preparation's listing and for
+  lmscale index (search/index.py), so both count a file under the same name."""
+  try:
+    st = os.stat(path)
+  except OSError:
+    return "broken_link"
+  if not stat.S_ISREG(st.st_mode):
+    return "not_regular"
+  try:
+    with open(path, "rb") as fh:
+      magic = fh.read(4)
+  except OSError:
+    return "unreadable"
+  return "" if magic == ELF_MAGIC else "not_elf"
+
+
+def header_skip(elf) -> str:
+  """Why an ELF file (a pyelftools ELFFile) is skipped on its header alone ("" where it is
+  x86-64 ELF64): ``machine=AArch64`` (another machine) or ``abi=x32`` (x86-64 code with 32-bit
+  pointers, in ELF32 tables, which section_headers does not read)."""
+  machine = elf["e_machine"]
+  if machine != "EM_X86_64":
+    return "machine=" + _MACHINE_NAMES.get(machine, str(machine).removeprefix("EM_"))
+  return "abi=x32" if elf.elfclass != 64 else ""
 
 
 def over_limit_note(path: str, size: int, max_input_bytes: int) -> str:
@@ -254,12 +271,8 @@ def iter_functions(path: str, res: FileResult, part: int = 0, parts: int = 1,
   try:
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
       elf = ELFFile(fh)
-      machine = elf["e_machine"]
-      if machine != "EM_X86_64":
-        res.skip = "machine=" + _MACHINE_NAMES.get(machine, str(machine).removeprefix("EM_"))
-        return
-      if elf.elfclass != 64:  # x86-64 code with 32-bit pointers, in ELF32 tables: counted as
-        res.skip = "abi=x32"  # corrupt before (section_headers reads ELF64 only)
+      res.skip = header_skip(elf)
+      if res.skip:
         return
       shdrs = section_headers(elf, data)
       executable = (shdrs["type"] == _SHT_PROGBITS) & ((shdrs["flags"] & _SHF_EXECINSTR) != 0)
