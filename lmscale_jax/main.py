@@ -22,6 +22,7 @@ to resume); 143 on SIGTERM before the run could checkpoint; a traceback only for
 
 import re
 import sys
+import textwrap
 
 from absl import app, flags, logging
 
@@ -30,9 +31,10 @@ from lmscale_jax.errors import ConfigError
 from lmscale_jax.train import startup
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", None, "Config file (configs/*.py); --config.<section>.<key>=VALUE "
-                    "overrides any of its keys.")
-flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and config.json.")
+flags.DEFINE_string("config", None, "A shipped config by name ({shipped}) or a file of your "
+                    "own with a get_config().")
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics.jsonl and config.json; "
+                    "rerun the same command to resume the run in it.")
 flags.DEFINE_bool("dry_run", False, "Print the resolved config, parameter count, FLOPs per "
                   "step and a memory estimate, then exit.")
 flags.DEFINE_bool("verify_data", False, "Before training, check the sha256 of every shard "
@@ -45,6 +47,26 @@ flags.DEFINE_bool("allow_config_change", False, "Resume a checkpoint under a con
 _REQUIRED = ("config", "workdir")
 _USAGE = ("usage: {prog} --config=configs/<name>.py --workdir=DIR [--config.data.path=DATASET] "
           "[--config.<section>.<key>=VALUE …] (--help for more)")
+# What --help prints: what a user types first; the developer's account is this module's
+# docstring and docs/design.md.
+_HELP = """\
+usage: {prog} --config CONFIG --workdir DIR [--config.SECTION.KEY=VALUE …]
+           [--dry-run] [--verify-data] [--allow-config-change]
+
+Pretrain a BERT masked-language model on a dataset that lmscale prepare wrote. Every key,
+resuming, several GPUs and nodes, and the exit codes: docs/training.md.
+
+{options}
+
+  e.g.  {prog} --config tiny --workdir runs/tiny --config.data.path=data/text
+        {prog} --config bert350m --workdir runs/350m --config.data.path=data/bin \\
+            --config.train.batch_size=256 --dry-run
+
+Exit 0: finished, or preempted with a checkpoint saved (rerun to resume); 1: one error: line
+naming what to fix; 130: Ctrl-C (rerun to resume)."""
+_OVERRIDES = ("Set any key of the config, typed by its default: --config.data.path=DATASET "
+              "(the dataset directory), --config.train.batch_size=256, --config.train.steps=N; "
+              "a key the config does not have is an error naming the closest.")
 _SPELLINGS = {f"--{flag.replace('_', '-')}": f"--{flag}"
               for flag in ("dry_run", "verify_data", "allow_config_change")}
 _config = None  # the run's config: parse_flags loads it (the loader), main runs it
@@ -119,8 +141,7 @@ def parse_flags(argv):
   not a traceback, and ``--help`` prints the usage and exits 0."""
   global _config
   if any(a in ("--help", "-h", "--helpshort", "-?") for a in argv[1:]):
-    text = (__doc__ or "").strip().replace("python -m lmscale_jax.main", _prog(argv))
-    print(f"{text}\n\n{FLAGS.module_help(sys.modules[__name__])}")
+    print(help_text(_prog(argv)))
     sys.exit(0)
   args = [_SPELLINGS.get(a.split("=")[0], a.split("=")[0]) + a[len(a.split("=")[0]):]
           for a in argv[1:]]
@@ -148,6 +169,21 @@ def parse_flags(argv):
     sys.exit(f"error: {e}")
   _config.lock()  # a key the config does not have is a typo, also in library code
   return rest
+
+
+def help_text(prog: str) -> str:
+  """``--help``: the usage, each option with its flag's own help, an example, the exits."""
+  rows = [("--config CONFIG", FLAGS["config"].help.format(shipped=", ".join(loader.shipped()))),
+          ("--workdir DIR", FLAGS["workdir"].help),
+          ("--config.SECTION.KEY=VALUE", _OVERRIDES)]
+  rows += [(flag, FLAGS[name[2:]].help) for flag, name in _SPELLINGS.items()]
+  return _HELP.format(prog=prog, options="\n".join(_option(*row) for row in rows))
+
+
+def _option(flag: str, text: str) -> str:
+  body = textwrap.wrap(text, 92 - 30)
+  lines = [f"  {flag:<28}{body[0]}" if len(flag) < 28 else f"  {flag}\n{' ' * 30}{body[0]}"]
+  return "\n".join(lines + [" " * 30 + line for line in body[1:]])
 
 
 def _first_line(e: BaseException) -> str:

@@ -597,7 +597,8 @@ def test_old_async_key_in_a_config_file_is_one_line(data):
 def test_help_is_the_usage_and_exits_0():
   r = main(["--help"])
   assert r.returncode == 0 and r.stderr == ""
-  assert r.stdout.startswith("lmscale_jax entry point") and "--allow_config_change" in r.stdout
+  assert r.stdout.startswith("usage: python -m lmscale_jax.main --config CONFIG --workdir DIR")
+  assert "--allow-config-change" in r.stdout and "docs/training.md" in r.stdout
   assert "--workdir" in r.stdout and "Traceback" not in r.stdout
 
 

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lmscale_jax.cli import args
 from lmscale_jax.errors import UserError
-from lmscale_jax.finetune import classify_run
-from lmscale_jax.finetune import labels as labels_lib
-from lmscale_jax.inference import trained_model
 from lmscale_jax.store import output_marks
+
+if TYPE_CHECKING:  # annotations only
+  from lmscale_jax.inference import trained_model
 
 TOOL = "lmscale classify"  # the parser's prog, and the mark its --json carries
 
@@ -45,11 +46,18 @@ def parser() -> argparse.ArgumentParser:
 def predictions(model: trained_model.TrainedModel, ids: np.ndarray,
                 batch_size: int) -> np.ndarray:
   """The predicted class of every row of ``ids``, ``batch_size`` rows at a time."""
+  from lmscale_jax.inference import trained_model
+
   return np.concatenate([np.argmax(trained_model.class_logits(model, ids[i:i + batch_size]), -1)
                          for i in range(0, len(ids), batch_size)])
 
 
 def score(a) -> dict:
+  # JAX and the model here, not at module level: --help answers without them (~1.8 s).
+  from lmscale_jax.finetune import classify_run
+  from lmscale_jax.finetune import labels as labels_lib
+  from lmscale_jax.inference import trained_model
+
   examples = labels_lib.read(a.labels, "--labels")  # before the model: a bad file costs nothing
   model = trained_model.from_workdir(a.workdir, a.step)
   if model.classifier is None:

@@ -23,7 +23,6 @@ import sys
 import numpy as np
 
 from lmscale_jax.cli import args
-from lmscale_jax.inference import function_vectors, trained_model
 from lmscale_jax.prep.elf import elf_functions
 from lmscale_jax.store import dataset, output_marks, records
 
@@ -45,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
 
 def elf_inputs(model, paths: list[str]):
   """(name, file, ids, truncated) per named function of the ELF files."""
+  from lmscale_jax.inference import trained_model
+
   for path in paths:
     for fn in elf_functions.functions(path):
       ids, cut = trained_model.encode(model, fn.text)
@@ -75,6 +76,9 @@ def main(argv=None) -> int:
     parser_.error("give --elf FILE… or --data DATASET_DIR (one of them)")
 
   def go() -> int:
+    # JAX and the model here, not at module level: --help answers without them (~1.3 s).
+    from lmscale_jax.inference import function_vectors, trained_model
+
     meta = dataset.DatasetMeta.load(a.data) if a.data is not None else None
     if meta is not None:
       args.check_split(meta, a.split)

@@ -17,11 +17,7 @@ import math
 import sys
 
 from lmscale_jax.cli import args
-from lmscale_jax.inference import model_files
-from lmscale_jax.input import loader
 from lmscale_jax.store import dataset
-from lmscale_jax.train import steps as steps_lib
-from lmscale_jax.train import trainer as train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,6 +51,12 @@ class WholeSplit:
 
 
 def evaluate(a) -> dict:
+  # JAX and the model here, not at module level: --help answers without them (~1.3 s).
+  from lmscale_jax.inference import model_files
+  from lmscale_jax.input import loader
+  from lmscale_jax.train import steps as steps_lib
+  from lmscale_jax.train import trainer as train
+
   config, record = model_files.read_run(a.workdir)
   config.data.path = a.data
   meta = dataset.DatasetMeta.load(a.data)

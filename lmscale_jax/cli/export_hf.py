@@ -37,15 +37,19 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from lmscale_jax.cli import args
 from lmscale_jax.errors import UserError
-from lmscale_jax.finetune import classify_run
-from lmscale_jax.inference import model_files, trained_model
-from lmscale_jax.model import (contrastive, flops, hf_classifier, hf_convert, hf_dir_checks,
-                               hf_remote_convert)
+from lmscale_jax.model import hf_dir_checks, hf_remote_convert
 from lmscale_jax.store import dir_lock, file_io
 from lmscale_jax.store import tokenizer as toklib
+
+if TYPE_CHECKING:  # annotations only
+  from lmscale_jax.inference import trained_model
+
+# The model's modules (model_files, trained_model, hf_convert, flops, …) import JAX (~1.5 s):
+# each function below imports what it uses, so that --help answers without them.
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,6 +73,8 @@ def check_output(out: str) -> None:
 def last_row(workdir: str, step: int, key: str) -> dict | None:
   """The last row of metrics.jsonl at or before ``step`` that has ``key`` (``eval_loss``: an
   evaluation row, ``loss``: a training row)."""
+  from lmscale_jax.inference import model_files
+
   rows = [r for r in model_files.metrics_rows(workdir) if key in r and r["step"] <= step]
   return rows[-1] if rows else None
 
@@ -92,6 +98,8 @@ def architecture(model: trained_model.TrainedModel) -> str:
 
 
 def model_card(model: trained_model.TrainedModel) -> str:
+  from lmscale_jax.model import flops
+
   c, cfg, run = model.run_config, model.cfg, model.source
   ev = last_row(run, model.step, "eval_loss")
   loss = (f"{number(ev['eval_loss'], '.4f')} (MLM accuracy "
@@ -225,12 +233,18 @@ classify("push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret")
 
 def read_scores(workdir: str) -> dict | None:
   """The run's last held-out scores (classify_run.EVAL_REPORT), None where it has none."""
+  from lmscale_jax.finetune import classify_run
+  from lmscale_jax.inference import model_files
+
   path = os.path.join(workdir, classify_run.EVAL_REPORT)
   return model_files.read_json(path, "a JSON object") if os.path.exists(path) else None
 
 
 def save(model: trained_model.TrainedModel, out_dir: str) -> str:
   """The model's files into ``out_dir``; returns its model card."""
+  from lmscale_jax.inference import trained_model
+  from lmscale_jax.model import contrastive, hf_classifier, hf_convert
+
   if model.classifier is not None:
     hf_classifier.save_classifier(trained_model.classifier_params(model), model.cfg,
                                   model.classifier["labels"], out_dir)
@@ -244,6 +258,8 @@ def save(model: trained_model.TrainedModel, out_dir: str) -> str:
 
 def what(model: trained_model.TrainedModel) -> str:
   """The one-line summary's description of what was exported."""
+  from lmscale_jax.model import hf_convert
+
   if model.classifier is not None:
     return (f"LmscaleForSequenceClassification, {len(model.classifier['labels'])} classes, "
             "remote code: load with trust_remote_code=True")
@@ -256,6 +272,9 @@ def what(model: trained_model.TrainedModel) -> str:
 
 
 def export(a) -> str:
+  from lmscale_jax.inference import model_files, trained_model
+  from lmscale_jax.model import hf_convert
+
   check_output(a.output)
   # Refuse what cannot be represented, or would fail at the end, before restoring anything.
   _, cfg, _, _ = trained_model.workdir_shape(a.workdir, a.tokenizer, "float32")

@@ -21,7 +21,6 @@ import sys
 import numpy as np
 
 from lmscale_jax.cli import args
-from lmscale_jax.inference import mask_predictions, trained_model
 from lmscale_jax.prep.elf import elf_functions
 
 
@@ -38,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def fill_function(model, path: str, name: str) -> dict:
+  from lmscale_jax.inference import mask_predictions
+
   fn = elf_functions.functions(path, only=name)[0]
   insns = fn.instructions
   rows = []
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
     parser_.error("--text has no [MASK]: put [MASK] where a token should be predicted")
 
   def go() -> int:
+    # JAX and the model here, not at module level: --help answers without them (~1.3 s).
+    from lmscale_jax.inference import mask_predictions, trained_model
+
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
     if a.text is not None:
       preds = mask_predictions.fill_text(model, a.text, a.top_k)

@@ -21,8 +21,6 @@ import sys
 
 from lmscale_jax.cli import args
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import model_files
-from lmscale_jax.model import hf_convert
 from lmscale_jax.store import dataset, file_io
 
 MODEL_KEYS = ("layers", "hidden", "heads", "ffn", "vocab_size", "seq_len", "type_vocab_size",
@@ -44,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def config_text(hf_dir: str, data_dir: str) -> str:
+  from lmscale_jax.inference import model_files
+
   model = model_files.hf_model_config(hf_dir)
   lines = [f"  c.model.{k} = {model[k]!r}" for k in MODEL_KEYS]
   return f'''"""Pretraining from {hf_dir} (written by lmscale import-hf).
@@ -64,6 +64,10 @@ def get_config():
 
 
 def run(a) -> str:
+  # JAX and the model here, not at module level: --help answers without them (~1.5 s).
+  from lmscale_jax.inference import model_files
+  from lmscale_jax.model import hf_convert
+
   meta = dataset.DatasetMeta.load(a.data)
   model_files.check_hf_files(a.hf)
   keys = hf_convert.model_keys(a.hf)

@@ -31,8 +31,6 @@ import sys
 
 from lmscale_jax.cli import args
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import trained_model
-from lmscale_jax.search import index, index_array, index_files
 from lmscale_jax.store import file_io
 
 
@@ -103,6 +101,8 @@ def finish(argv) -> int:
   a = finish_parser().parse_args(argv)
 
   def go() -> int:
+    from lmscale_jax.search import index, index_array  # JAX: not for --help
+
     done = index_array.finish(a.output)
     print(f"{a.output}: added {done['added']} binaries ({done['functions']} functions)"
           f"{skipped_note(done['files_skipped'])}")
@@ -121,8 +121,14 @@ def main(argv=None) -> int:
     parser().error(f"--task {a.task}: expected 0 .. {a.tasks - 1} (--tasks {a.tasks})")
 
   def go() -> int:
+    from lmscale_jax.inference import trained_model  # JAX: not for --help (~1.3 s)
+    from lmscale_jax.search import index, index_array, index_files, query
+
     elf = a.elf or listed(a.elf_list)
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
+    warning = query.similarity_warning(model)
+    if warning:
+      print(f"warning: {warning}", file=sys.stderr)
     if a.tasks > 1:
       part = index_array.run_task(model, elf, a.output, a.task, a.tasks, strict=a.strict)
       print(f"{a.output}: task {a.task} of {a.tasks} embedded {len(part['binaries'])} binaries"

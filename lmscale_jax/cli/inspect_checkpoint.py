@@ -22,10 +22,11 @@ import sys
 from lmscale_jax.cli import args
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import model_files
 from lmscale_jax.store import file_io
-from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import checkpoint_manifest as manifest_lib
+
+# model_files and train/checkpoint import JAX and Orbax (~1.3 s): each function below imports
+# what it uses, so that --help answers without them.
 
 _METRICS = ("loss", "mlm_accuracy", "learning_rate", "eval_loss", "eval_mlm_accuracy")
 
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
 
 def config_summary(workdir: str) -> str:
   """The run's config in one line; a damaged config.json raises its one line (UserError)."""
+  from lmscale_jax.inference import model_files
+
   saved = model_files.run_file(workdir)
   m, c = saved["model"], saved["config"]
   t, k = c["train"], c.get("checkpoint") if isinstance(c.get("checkpoint"), dict) else {}
@@ -57,6 +60,8 @@ def config_summary(workdir: str) -> str:
 
 
 def metrics_by_step(workdir: str) -> dict:
+  from lmscale_jax.inference import model_files
+
   rows: dict = {}
   for row in model_files.metrics_rows(workdir):
     rows.setdefault(row["step"], {}).update({k: row[k] for k in _METRICS if k in row})
@@ -78,6 +83,8 @@ def _committed(step_dir: str) -> str:
 
 
 def describe(workdir: str, step: int, metrics: dict) -> str:
+  from lmscale_jax.train import checkpoint as ckpt_lib
+
   path = ckpt_lib.step_dir(workdir, step)
   parts = manifest_lib.parts_present(path)
   count = max(parts.values(), default=0)
@@ -90,6 +97,8 @@ def describe(workdir: str, step: int, metrics: dict) -> str:
 def list_entries(workdir: str, whole: bool) -> list[str]:
   """Lists the checkpoints moved aside, the interrupted saves and (``whole``: no --step) the
   entries in place of a step that are no directory; returns what those entries are."""
+  from lmscale_jax.train import checkpoint as ckpt_lib
+
   root = ckpt_lib.checkpoints_dir(workdir)
   for name in sorted(os.listdir(root)):
     if ckpt_lib.CORRUPT_SUFFIX in name or name.endswith(".orbax-checkpoint-tmp"):
@@ -121,6 +130,8 @@ def run_files(workdir: str) -> tuple[list[str], dict]:
 
 def verify_steps(workdir: str, steps: list[int]) -> int:
   """How many of ``steps`` do not verify (each problem named on stderr)."""
+  from lmscale_jax.train import checkpoint as ckpt_lib
+
   bad = 0
   for s in steps:
     problems = manifest_lib.verify(ckpt_lib.step_dir(workdir, s))
@@ -135,6 +146,8 @@ def verify_steps(workdir: str, steps: list[int]) -> int:
 
 
 def inspect(workdir: str, step: int | None, verify: bool) -> int:
+  from lmscale_jax.train import checkpoint as ckpt_lib
+
   root = ckpt_lib.checkpoints_dir(workdir)
   if os.path.exists(root) and not os.path.isdir(root):
     raise UserError(f"{root} is {file_io.not_regular(root) or 'a file'}: expected the "

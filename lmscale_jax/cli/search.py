@@ -24,8 +24,7 @@ import os
 import sys
 
 from lmscale_jax.cli import args
-from lmscale_jax.inference import trained_model
-from lmscale_jax.search import listing, query
+from lmscale_jax.search import listing
 from lmscale_jax.store import output_marks, user_text
 
 TOOL = "lmscale search"  # the parser's prog, and the mark its --json carries
@@ -93,6 +92,9 @@ def main(argv=None) -> int:
     parser_.error("--function and --address pick a function of --elf FILE")
 
   def go() -> int:
+    from lmscale_jax.inference import trained_model  # JAX: not for --help (~1.3 s)
+    from lmscale_jax.search import query
+
     # The query first: a bad --elf or --function is one line before the model is restored.
     queries = (query.elf_queries(a.elf, a.function, a.address) if a.elf is not None
                else listing.queries(user_text.read_stdin("--text - (standard input)")
