@@ -18,6 +18,7 @@ import sys
 from lmscale_jax.cli import args
 from lmscale_jax.prep import cluster_extract, cluster_stages, prepare, worker_pool
 from lmscale_jax.prep import options as prep_options
+from lmscale_jax.prep.elf import eh_frame
 from lmscale_jax.store import dataset
 
 CLUSTER_HELP = """Data preparation as stages of Slurm job arrays: lmscale prepare binary's (or
@@ -72,6 +73,9 @@ def parser(kind: str) -> argparse.ArgumentParser:
                  help="replace the dataset an earlier run wrote there (only its own files), "
                  "once the new one is complete: until then both are on the disk")
   p.add_argument("--no-progress", action="store_true")
+  if kind == "binary":
+    p.add_argument("--functions", choices=list(eh_frame.SOURCES), default="auto",
+                   help=eh_frame.SOURCES_HELP)
   if kind == "text":
     p.add_argument("--text-field", default="text", help=".jsonl field holding the text")
     p.add_argument("--txt-docs", choices=["line", "blank"], default="line",
@@ -89,7 +93,7 @@ def options(kind: str, a: argparse.Namespace) -> prep_options.PrepareOptions:
       chunk_mb=a.chunk_mb,
       val_fraction=a.val_fraction, overwrite=a.overwrite, progress=not a.no_progress,
       **({"text_field": a.text_field, "txt_docs": a.txt_docs, "lowercase": a.lowercase}
-         if kind == "text" else {}))
+         if kind == "text" else {"functions": a.functions}))
 
 
 def run(kind: str, argv=None) -> int:

@@ -105,7 +105,8 @@ def load_plan(output: str) -> tuple[dict, PrepareOptions]:
     raise PrepareError(f"{path}: no plan; run the plan stage first (lmscale prepare cluster "
                        f"plan --input … --output {output})")
   p = read_json(path)
-  return p, PrepareOptions(**p["options"])
+  # A plan written before --functions read symbols only: its slices keep doing so.
+  return p, PrepareOptions(**{"functions": "symbols", **p["options"]})
 
 
 # ----------------------------------------------------------------------------- extract
@@ -135,7 +136,7 @@ def _extract_slice(work: str, p: dict, o: PrepareOptions, k: int, workers: int) 
   first, end = p["slices"][k]
   files = p["files"]
   tasks = [(i, (o.kind, files[i], part, parts, os.path.join(tmpdir, f"{t:06d}.tsv"), o.txt_docs,
-                o.text_field)) for t, (i, part, parts) in enumerate(p["tasks"][first:end], first)]
+                o.text_field, o.functions)) for t, (i, part, parts) in enumerate(p["tasks"][first:end], first)]
   sizes = {i: os.path.getsize(files[i]) for i, _ in tasks}
   lengths, digests, results = [], [], []
   corpus_extract.REPEATS.clear()

@@ -101,10 +101,10 @@ def extract_worker(args) -> tuple[FileResult, dict]:
   """Pool task: one part of an input file → its lines streamed to a temp file (bounded memory),
   with each line's byte length and digest (the duplicate check's input, done here in the worker
   rather than by parsing every line again in the parent)."""
-  kind, path, part, parts, tmp, txt_docs, text_field = args
+  kind, path, part, parts, tmp, txt_docs, text_field, functions = args
   t0 = time.perf_counter()
   res = FileResult(path=path, file_bytes=os.path.getsize(path))
-  it = (elf_corpus.iter_functions(path, res, part, parts, REPEATS) if kind == "binary"
+  it = (elf_corpus.iter_functions(path, res, part, parts, REPEATS, functions) if kind == "binary"
         else text_corpus.iter_documents(path, res, txt_docs, text_field))
   lengths, digests, repeats = [], [], 0
   with open(tmp, "wb") as f:
@@ -264,7 +264,8 @@ def extract(o: PrepareOptions, work: str, files: list[str], skipped: dict, secon
   writer = _ChunkWriter(work, len(done), stats)
   sizes = [os.path.getsize(p) for p in files]
   tasks = [(i, (o.kind, files[i], part, file_parts(o.kind, sizes[i]),
-                 os.path.join(tmpdir, f"{i:06d}-{part:02d}.tsv"), o.txt_docs, o.text_field))
+                 os.path.join(tmpdir, f"{i:06d}-{part:02d}.tsv"), o.txt_docs, o.text_field,
+                 o.functions))
            for i in range(start, len(files)) for part in range(file_parts(o.kind, sizes[i]))]
   bar = progress.bar(o.progress, total=sum(sizes), initial=sum(sizes[:start]), unit="B",
                      unit_scale=True, desc="extract")

@@ -9,6 +9,7 @@ import math
 import os
 
 from lmscale_jax.errors import PrepareError
+from lmscale_jax.prep.elf import eh_frame
 from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 
@@ -33,6 +34,7 @@ class PrepareOptions:
   val_fraction: float = 0.01
   txt_docs: str = "line"
   text_field: str = "text"
+  functions: str = "auto"         # binary: where function boundaries come from (eh_frame.SOURCES)
   overwrite: bool = False
   progress: bool = True
 
@@ -42,6 +44,8 @@ class PrepareOptions:
     d = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
     if d["compression"] == "zstd":  # the bytes of every run before the option: resumes match
       del d["compression"]
+    if d["functions"] == "symbols":  # likewise: every run before --functions read symbols only
+      del d["functions"]
     d["inputs"] = [os.path.abspath(p) for p in self.inputs]
     if self.tokenizer:
       d["tokenizer"] = file_io.sha256_file(self.tokenizer)
@@ -101,6 +105,8 @@ def check_options(o: PrepareOptions) -> None:
   _finite("--tokenizer-sample-mb", o.tokenizer_sample_mb, 1, 1 << 20)
   _finite("--workers", o.workers, 0, MAX_WORKERS)
   _finite("--max-input-bytes", o.max_input_bytes, 0, 1 << 62)
+  if o.functions not in eh_frame.SOURCES:
+    raise PrepareError(f"--functions {o.functions!r}: expected one of {list(eh_frame.SOURCES)}")
   if o.txt_docs not in ("line", "blank"):
     raise PrepareError(f"--txt-docs {o.txt_docs!r}: expected 'line' or 'blank'")
   if o.tokenizer and not os.path.isfile(o.tokenizer):

@@ -1,9 +1,10 @@
 """ELF files → functions → normalised pretoken text (one line per function).
 
 Function boundaries come from ``.symtab`` and ``.dynsym`` (``STT_FUNC`` symbols with a size, first
-name per address wins); bytes are read through the executable section that holds them and
-decoded by ``pretokenize.code_pretokenizer()`` (x86-64: capstone in C where the extension is
-built, else iced-x86).
+name per address wins) and, in a stripped file, from ``.eh_frame`` (``eh_frame.py``); bytes are
+read through the executable section that holds them and decoded by
+``pretokenize.code_pretokenizer()`` (x86-64: capstone in C where the extension is built, else
+iced-x86).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from typing import Iterator
 
 import numpy as np
+
+from lmscale_jax.prep.elf import eh_frame
 
 ELF_MAGIC = b"\x7fELF"
 # pyelftools e_machine → the short name used in skip reasons ("machine=AArch64").
@@ -190,10 +193,31 @@ def section_headers(elf, data) -> np.ndarray:
   return np.frombuffer(data, _SHDR_DTYPE, count=n, offset=off).copy()  # no view of the mmap
 
 
-def function_table(shdrs: np.ndarray, data) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(addresses, sizes, section indices), by address, of the sized STT_FUNC symbols of .symtab
-  then .dynsym, the first symbol of each address winning: all in numpy (a dict built per symbol
-  was ~0.4 s of 1.4 s of symbol reading on 21 MB of code, paid again by every part of a file)."""
+def function_table(shdrs: np.ndarray, data, source: str = "auto"
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(addresses, sizes, section indices), by address, of the functions of an ELF file, from
+  ``source`` (eh_frame.SOURCES): the sized STT_FUNC symbols of .symtab then .dynsym, the first
+  symbol of each address winning ("symbols"), the FDEs of .eh_frame ("eh_frame"), or both, the
+  symbols winning ("both"; "auto": both where the file has no .symtab, i.e. is stripped).
+  Raises eh_frame.EhFrameError (a ValueError) where a needed .eh_frame is damaged."""
+  if source not in eh_frame.SOURCES:
+    raise ValueError(f"function source {source!r}: expected one of {eh_frame.SOURCES}")
+  table = _symbol_table(shdrs, data) if source != "eh_frame" else _EMPTY
+  if source == "symbols" or (source == "auto" and (shdrs["type"] == _SHT_SYMTAB).any()):
+    return table
+  return eh_frame.add_fde_functions(table, shdrs, data, executable_sections(shdrs))
+
+
+def executable_sections(shdrs: np.ndarray) -> np.ndarray:
+  return (shdrs["type"] == _SHT_PROGBITS) & ((shdrs["flags"] & _SHF_EXECINSTR) != 0)
+
+
+_EMPTY = np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint16)
+
+
+def _symbol_table(shdrs: np.ndarray, data) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """function_table's "symbols": all in numpy (a dict built per symbol was ~0.4 s of 1.4 s of
+  symbol reading on 21 MB of code, paid again by every part of a file)."""
   tables = []
   for kind in (_SHT_SYMTAB, _SHT_DYNSYM):
     for sec in shdrs[shdrs["type"] == kind]:
@@ -206,15 +230,15 @@ def function_table(shdrs: np.ndarray, data) -> tuple[np.ndarray, np.ndarray, np.
       tables.append(syms[((syms["info"] & 0xF) == _STT_FUNC) & (syms["size"] > 0)
                          & (syms["shndx"] > 0) & (syms["shndx"] < _SHN_LORESERVE)])
   if not tables:
-    return np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint16)
+    return _EMPTY
   syms = np.concatenate(tables)
   addrs, first = np.unique(syms["value"], return_index=True)  # sorted; each one's first symbol
   return addrs, syms["size"][first], syms["shndx"][first]
 
 
-def function_symbols(shdrs: np.ndarray, data) -> dict:
-  """address → (size, section index) for sized STT_FUNC symbols of .symtab then .dynsym."""
-  addrs, sizes, shndx = function_table(shdrs, data)
+def function_symbols(shdrs: np.ndarray, data, source: str = "auto") -> dict:
+  """address → (size, section index) of the functions (:func:`function_table`)."""
+  addrs, sizes, shndx = function_table(shdrs, data, source)
   return dict(zip(addrs.tolist(), zip(sizes.tolist(), shndx.tolist())))
 
 
@@ -250,7 +274,8 @@ def _part(sizes: np.ndarray, part: int, parts: int) -> np.ndarray:
 
 
 def iter_functions(path: str, res: FileResult, part: int = 0, parts: int = 1,
-                   repeats: dict | None = None) -> Iterator[tuple[bytes, str | None]]:
+                   repeats: dict | None = None,
+                   source: str = "auto") -> Iterator[tuple[bytes, str | None]]:
   """Yields (digest, text) per function of one ELF file, streaming; fills ``res`` as it goes.
 
   ``part``/``parts`` select a contiguous slice of the file's functions (by address) so a large
@@ -258,6 +283,7 @@ def iter_functions(path: str, res: FileResult, part: int = 0, parts: int = 1,
   ``repeats`` (a dict the caller keeps across files): a function whose bytes it already holds
   is not decoded again and yields (digest, None). Its text is a function of its bytes alone
   (branch targets are classified by offset), so it is the same duplicate either way.
+  ``source``: where the function boundaries come from (:func:`function_table`).
 
   Never raises for a bad file: ``res.skip`` says why it was skipped. A file found corrupt part
   way has its already-yielded functions kept (their bytes decoded fine).
@@ -275,10 +301,9 @@ def iter_functions(path: str, res: FileResult, part: int = 0, parts: int = 1,
       if res.skip:
         return
       shdrs = section_headers(elf, data)
-      executable = (shdrs["type"] == _SHT_PROGBITS) & ((shdrs["flags"] & _SHF_EXECINSTR) != 0)
       sections = list(zip(shdrs["addr"].tolist(), shdrs["offset"].tolist(),
-                          shdrs["size"].tolist(), executable.tolist()))
-      addrs, sizes, shndxs = function_table(shdrs, data)
+                          shdrs["size"].tolist(), executable_sections(shdrs).tolist()))
+      addrs, sizes, shndxs = function_table(shdrs, data, source)
       function_text = code_pretokenizer().function_text
       mine = _part(sizes, part, parts)
       _add_seconds(res, "elf_parse", time.perf_counter() - t0)
