@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 
+from lmscale_jax.cli import index as index_cli
 from lmscale_jax.prep.elf import elf_functions
 from tests.helpers import ROOT
 from tests.test_hf_tools import run  # noqa: F401 (fixture)
@@ -55,7 +56,26 @@ def server(run, index_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def report(server, libs, tmp_path_factory):
+def twin_server(run, libs, tmp_path_factory):
+  """A server whose index holds maths_O0.so and a copy of it: each function has a twin of
+  identical text (the search marks those: same_text_as, same_text_as_query)."""
+  base = tmp_path_factory.mktemp("twin-server")
+  twin = base / "maths_twin.so"
+  shutil.copy(libs["O0"][2], twin)
+  with open(twin, "ab") as f:  # another sha256 (an identical file is indexed once), the same code
+    f.write(b"\0")
+  assert index_cli.main(["--workdir", str(run[1]), "--elf", libs["O0"][2], str(twin),
+                         "--output", str(base / "idx")]) == 0
+  p, url = start(["--workdir", run[1], "--index", base / "idx", "--token", TOKEN],
+                 base / "server.log")
+  try:
+    yield url, base
+  finally:
+    stop(p)
+
+
+@pytest.fixture(scope="module")
+def report(server, twin_server, libs, tmp_path_factory):
   """What the browser saw (tests/browser/drive_page.py's report) and the server's log."""
   python = browser_python()
   assert os.path.exists(python), f"LMSCALE_BROWSER_PYTHON={python}: no such interpreter"
@@ -66,7 +86,7 @@ def report(server, libs, tmp_path_factory):
          "asm": LONG_ASM, "fillmask": FILL_MASK, "bad": str(base / "notes.txt"),
          "big": str(base / "big.so"),
          "report": str(base / "report.json"), "screenshot": str(base / "page.png"),
-         "chromium": CHROMIUM}
+         "chromium": CHROMIUM, "twin_url": twin_server[0]}
   (base / "job.json").write_text(json.dumps(job))
   p = subprocess.run([python, os.path.join(ROOT, "tests", "browser", "drive_page.py"),
                       str(base / "job.json")], capture_output=True, text=True, timeout=300)
@@ -146,6 +166,36 @@ def test_a_non_elf_upload_is_one_error_and_the_next_search_works(report):
   assert seen["after_status"] == 200 and seen["after_error"] is None
   assert "power" in seen["after_queries"]
   assert "Traceback" not in report[1]
+
+
+def test_a_failed_search_clears_the_results_of_the_one_before(report):
+  """A refused upload (400) and one the page refuses itself: no earlier query's results are
+  left to be read as the failed one's."""
+  for seen in (report[0]["with_token"]["bad"], report[0]["with_token"]["too_big"]):
+    assert seen["before"]["rows"] > 0 and seen["before"]["queries"], seen["before"]
+    assert seen["left"] == {"rows": 0, "queries": [],
+                            "texts": ["", ""]}, seen["left"]
+
+
+def test_identical_texts_are_marked_and_the_warning_shown_as_the_api_says(report, twin_server,
+                                                                          libs):
+  """The page shows what /api/search answers for the same upload: "= #R" where a result's text
+  is the same as result R's, "= query" where it is the query's, and the answer's warning above
+  the results. (Before the search's same_text_as fields existed, no marks: asserted alike.)"""
+  seen = report[0]["twins"]
+  status, want = post_file(twin_server[0], "/api/search", open(libs["O0"][2], "rb").read(),
+                           "maths_O0.so", token=TOKEN, function="power", k="10")
+  assert status == seen["status"] == 200 and seen["error"] is None
+  results = want["queries"][0]["results"]
+  assert [r["function"] for r in seen["results"]] == [r["function"] for r in results]
+  assert [r["function"] for r in results[:2]] == ["power", "power"]  # the twins, first
+  marks = [([f"= #{r['same_text_as']}"] if r.get("same_text_as") else [])
+           + (["= query"] if r.get("same_text_as_query") else []) for r in results]
+  assert [r["marks"] for r in seen["results"]] == marks
+  if "same_text_as" in results[1]:
+    assert marks[1] == ["= #1", "= query"]
+  assert seen["warning"] == (want.get("warning") or None)
+  assert "exclusive" in seen["exclusive_note"] and seen["file_cleared_by_text"]
 
 
 def test_an_upload_over_the_limit_is_refused_by_the_page_before_it_is_sent(report):

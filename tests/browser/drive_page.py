@@ -7,7 +7,8 @@ JOB: {"url": the server's base URL, "token": the access token, "upload": an ELF 
 index holds), "pick": a function of it, "asm": normalised assembly text, "fillmask": a text with
 [MASK], "bad": a file that is not ELF, "big": one over the server's upload limit, "report":
 where the report goes, "screenshot": where the page goes (PNG, 1200×800, a query selected and a
-result compared), "chromium": the browser, optionally "k": results per query (default 10)}.
+result compared), "chromium": the browser, optionally "k": results per query (default 10) and
+"twin_url": a second server whose index holds two copies of "upload" (identical texts)}.
 
 Runs only the standard library and playwright (no lmscale_jax: this venv has no jax). The
 browser is the system's: Playwright's own download (``playwright install``) is never used.
@@ -30,6 +31,15 @@ WAIT_MS = 60_000  # one model call on a loaded 2-core machine: seconds; the limi
 ERROR_SHOWN = "!document.querySelector('#error').hidden"  # a wait ends on an error too
 SHOWN = ("document.querySelector('#result-text').textContent.trim() && "
          "!document.querySelector('#result-text .empty')")  # a result's text is in
+
+
+CELLS = ("r => [...r.cells].map(c => { const k = c.cloneNode(true); "
+         "k.querySelectorAll('.same-mark').forEach(m => m.remove()); return k.textContent; })")
+
+
+def cells(row) -> list[str]:
+  """A result row's cells as text, without its marks ("= #R", "= query": read apart)."""
+  return row.evaluate(CELLS)
 
 
 def texts(page, selector: str) -> list[str]:
@@ -72,7 +82,7 @@ def compare(page, job) -> dict:
   page.locator(".query-item", has_text=job["pick"]).first.click()
   page.wait_for_function("document.querySelector('#query-h').textContent.includes("
                          f"{json.dumps(job['pick'])})", timeout=WAIT_MS)
-  seen["results"] = [page.locator("tr.result-row").nth(i).locator("td").all_inner_texts()
+  seen["results"] = [cells(page.locator("tr.result-row").nth(i))
                      for i in range(page.locator("tr.result-row").count())]
   page.locator("tr.result-row").first.click()
   page.wait_for_function(f"({SHOWN}) || {ERROR_SHOWN}", timeout=WAIT_MS)
@@ -88,7 +98,7 @@ def compare(page, job) -> dict:
 
 def second_result(page) -> dict:
   """The second result of the same query, compared: the lines only one side has marked."""
-  name = page.locator("tr.result-row").nth(1).locator("td").nth(2).inner_text()
+  name = cells(page.locator("tr.result-row").nth(1))[2]
   page.locator("tr.result-row").nth(1).click()
   page.wait_for_function(f"document.querySelector('#pair-note').textContent.trim() || "
                          f"{ERROR_SHOWN}", timeout=WAIT_MS)
@@ -122,10 +132,19 @@ def fill_mask(page, job) -> dict:
   return {"status": answer.value.status, "error": error_shown(page), "masks": masks}
 
 
+def shown_results(page) -> dict:
+  return {"rows": page.locator("tr.result-row").count(),
+          "queries": texts(page, ".query-item .name"),
+          "texts": [page.inner_text(pre) for pre in ("#query-text", "#result-text")]}
+
+
 def bad_upload_then_search(page, job) -> dict:
-  """A non-ELF upload shows one error; the next (good) search clears it and answers."""
+  """A non-ELF upload shows one error and clears the results shown before it; the next (good)
+  search clears the error and answers."""
+  before = shown_results(page)
   page.set_input_files("#file", job["bad"])
-  seen = {"status": search(page), "error": error_shown(page)}
+  seen = {"before": before, "status": search(page), "error": error_shown(page),
+          "left": shown_results(page)}
   page.set_input_files("#file", job["upload"])
   seen["after_status"] = search(page)
   seen["after_error"] = error_shown(page)
@@ -135,11 +154,35 @@ def bad_upload_then_search(page, job) -> dict:
 
 def too_big_upload(page, job, requests: list) -> dict:
   """A file over the server's upload limit: refused by the page, before it is sent."""
+  before = shown_results(page)
   page.set_input_files("#file", job["big"])
   sent = len(requests)
   page.click("#search-btn")
   page.wait_for_selector("#error:not([hidden])", timeout=WAIT_MS)
-  return {"error": error_shown(page), "requests": requests[sent:]}
+  return {"error": error_shown(page), "requests": requests[sent:], "before": before,
+          "left": shown_results(page)}
+
+
+def twins(browser, job) -> dict:
+  """The twin server's page: an upload's function against two copies of it; each result's
+  marks ("= #R", "= query") and the warning above the results, as shown."""
+  page = browser.new_page()
+  page.goto(f"{job['twin_url']}/#token={job['token']}")
+  page.wait_for_function("document.querySelector('#info').textContent.startsWith('Model ')",
+                         timeout=WAIT_MS)
+  page.set_input_files("#file", job["upload"])
+  page.fill("#function", job["pick"])
+  seen = {"status": search(page), "error": error_shown(page)}
+  rows = page.locator("tr.result-row")
+  seen["results"] = [{"function": cells(rows.nth(i))[2],
+                      "marks": rows.nth(i).locator(".same-mark").all_inner_texts()}
+                     for i in range(rows.count())]
+  seen["warning"] = page.inner_text("#search-warning") if page.is_visible("#search-warning") \
+      else None
+  seen["exclusive_note"] = page.inner_text("#exclusive-note")
+  page.fill("#asm", "push rbp")  # typing text clears the chosen file, as the note says
+  seen["file_cleared_by_text"] = page.eval_on_selector("#file", "e => e.files.length == 0")
+  return seen
 
 
 def with_token(browser, job) -> dict:
@@ -161,8 +204,8 @@ def with_token(browser, job) -> dict:
   seen["second_result"] = second_result(page)
   seen["asm"] = asm_search(page, job)
   seen["fillmask"] = fill_mask(page, job)
-  seen["too_big"] = too_big_upload(page, job, requests)
   seen["bad"] = bad_upload_then_search(page, job)
+  seen["too_big"] = too_big_upload(page, job, requests)
   seen["outside_requests"], seen["page_errors"] = outside, page_errors
   return seen
 
@@ -177,6 +220,8 @@ def main(job_path: str) -> int:
     try:
       report = {"without_token": without_token(browser, job),
                 "with_token": with_token(browser, job)}
+      if job.get("twin_url"):
+        report["twins"] = twins(browser, job)
     finally:
       browser.close()
   with open(job["report"], "w") as f:
