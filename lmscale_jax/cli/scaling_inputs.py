@@ -201,6 +201,8 @@ def step_inputs(a, model: dict) -> dict:
     raise cm.ModelError("--step-time is required with --params, --grad-mb or --config (or "
                         "give --step-times, --step-times-from, --step-profile or --workdir)")
   fixed = pick(a.fixed_ms, profile, "fixed_s", "--fixed-ms", a.step_profile)
+  if fixed[1] == NOT_GIVEN and curve is not None:
+    fixed = intercept(curve, where)
   jitter = pick(a.jitter_ms, profile, "jitter_s", "--jitter-ms", a.step_profile)
   return {"step_time": step_time, "curve": curve, "fixed": fixed[0], "jitter": jitter[0],
           "given": [f"step time: {where}", f"fixed per-step cost: {fixed[1]}",
@@ -221,12 +223,52 @@ def step_curve(a, profile: dict):
   return None, ""
 
 
+NOT_GIVEN = "0 (not given)"
+
+
 def pick(flag_ms, profile: dict, key: str, flag: str, path) -> tuple[float, str]:
   if flag_ms is not None:
     return flag_ms / 1e3, f"{flag_ms:g} ms ({flag})"
   if key in profile:
     return max(0.0, float(profile[key])), f"{profile[key] * 1e3:.3g} ms (--step-profile {path})"
-  return 0.0, "0 (not given)"
+  return 0.0, NOT_GIVEN
+
+
+def intercept(curve: cm.StepCurve, where: str) -> tuple[float, str]:
+  """The fixed per-step cost as the least-squares intercept of step time against batch (what
+  does not grow with the batch), for step times measured in any framework; 0 where the
+  batches do not show one (one batch, a line that does not rise or meets 0 above batch 0)."""
+  t0 = curve.intercept()
+  if t0 is None:
+    return 0.0, f"{NOT_GIVEN}; step times at two or more batches give it (the intercept)"
+  if t0 <= 0 or curve.line()[1] <= 0:
+    return 0.0, (f"0 (the intercept of the {where} is {t0 * 1e3:.3g} ms: no fixed part to "
+                 "see; --fixed-ms gives one)")
+  return t0, (f"{t0 * 1e3:.3g} ms, the intercept of the {where} (its step time at batch 0; "
+              "--fixed-ms replaces it)")
+
+
+def batch_warnings(given: dict, batches: list[int]) -> list[str]:
+  """What a table takes that was not measured: one step time serving several batches, or a
+  line's step time at a batch outside the measured ones (one line each)."""
+  curve, source = given["curve"], given["given"][0].removeprefix("step time: ")
+  if curve is None:
+    if len(batches) < 2:
+      return []
+    return [f"one step time, {source}, serves every --per-device-batch "
+            f"({', '.join(map(str, batches))}): each table takes the same step time; give "
+            "--step-times B:S,… for one per batch"]
+  outside = [b for b in batches if curve.extrapolates(b)]
+  if not outside:
+    return []
+  lo, hi = curve.measured()
+  times = ", ".join(f"{curve.at(b):.4g} s" for b in outside)
+  head = f"--per-device-batch {', '.join(map(str, outside))}: "
+  if lo == hi:
+    return [head + f"only batch {lo} was measured ({source}): the step time is taken as "
+            f"proportional to the batch ({times}); measure two or more batches"]
+  return [head + f"outside the measured batches {lo}–{hi} ({source}): step times "
+          f"extrapolated along the line ({times})"]
 
 
 def compute_at(given: dict, batch: int) -> cm.Compute:
@@ -306,6 +348,10 @@ def transport_curve(a, nic: links.Link) -> tuple[links.TransportCurve, str]:
   if a.transport in links.TRANSPORTS:
     curve = links.TRANSPORTS[a.transport]
     return curve, f"{curve.name} (--transport; {curve.source})"
+  if not os.path.exists(a.transport) and not any(c in a.transport for c in "/."):  # a name
+    raise cm.ModelError(f"--transport {a.transport}: neither a transport ("
+                        f"{', '.join(links.TRANSPORTS)}) nor a file; give one of those names, "
+                        "or the output of benchmarks/bench_allreduce.py")
   curve = links.load_transport(a.transport)
   return curve, f"{curve.name} (--transport {a.transport})"
 

@@ -45,7 +45,9 @@ def parser() -> args.Parser:
   inp.add_cluster_flags(p.add_argument_group("the cluster"))
   run = p.add_argument_group("the run")
   run.add_argument("--dtype", type=inp.csv(str, tuple(cm.GRAD_BYTES), "dtype"),
-                   default=["float32", "bfloat16"], help="gradient dtypes (float32,bfloat16)")
+                   default=["float32", "bfloat16"],
+                   help=f"gradient dtypes, any of {','.join(cm.GRAD_BYTES)} (default "
+                   "float32,bfloat16)")
   run.add_argument("--overlap", type=inp.csv(str, ov.OVERLAPS, "overlap"),
                    default=list(ov.OVERLAPS),
                    help="none (reduce after backward), bucketed (bucket by bucket during the "
@@ -148,7 +150,7 @@ def run(a) -> dict:
                             overlaps=tuple(a.overlap), k=a.accum_steps, target=a.target,
                             per_device_batch=b, bucket_bytes=a.bucket_mib * 2 ** 20))
   return {"given": given["given"] + cluster_given + inp.run_given(a), "params": given["params"],
-          "batches": parts}
+          "warnings": inp.batch_warnings(given, a.per_device_batch), "batches": parts}
 
 
 def main(argv=None) -> int:
@@ -160,6 +162,8 @@ def main(argv=None) -> int:
       print(json.dumps(result, indent=1) if a.json else render_validation(result))
       return 0
     result = run(a)
+    for warning in result["warnings"]:
+      print(f"warning: {warning}", file=sys.stderr)
     print(json.dumps(result, indent=1) if a.json else render(result, a.overlap))
     return 0
 

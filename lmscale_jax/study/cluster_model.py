@@ -49,7 +49,7 @@ from lmscale_jax.study import cluster_overlap as ov
 from lmscale_jax.study.cluster_links import (NVLINK_BRIDGE, Link, ModelError, Network, link,
                                              positive, read_jsonl)
 
-GRAD_BYTES = {"float32": 4, "bfloat16": 2}
+GRAD_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_NODES = tuple(2 ** i for i in range(11))  # 1 … 1024
 K_MAX = 1024
 
@@ -81,6 +81,21 @@ class StepCurve:
     slope, intercept = statistics.linear_regression([b for b, _ in self.points],
                                                     [t for _, t in self.points])
     return intercept, slope
+
+  def measured(self) -> tuple[int, int]:
+    """The smallest and largest measured batch."""
+    return self.points[0][0], self.points[-1][0]
+
+  def extrapolates(self, batch: int) -> bool:
+    """Whether the step time at ``batch`` is not between measured batches (one point: any
+    other batch, taken as proportional to it)."""
+    lo, hi = self.measured()
+    return not lo <= batch <= hi or (lo == hi and batch != lo)
+
+  def intercept(self) -> float | None:
+    """``t0`` of the line, the step time at batch 0: what does not grow with the batch
+    (optimizer update, launch, host work); None with fewer than two distinct batches."""
+    return self.line()[0] if len({b for b, _ in self.points}) >= 2 else None
 
   def at(self, batch: int) -> float:
     t0, t1 = self.line()
@@ -185,7 +200,11 @@ def predict(c: Compute | float, params: int, cluster: Cluster, *, nodes=DEFAULT_
   rows = [row(c, cluster, params, dtype, overlap, n, k_for(k_by_nodes, n), target,
               per_device_batch, bucket_bytes)
           for dtype in dtypes for overlap in overlaps for n in nodes]
-  per_node_reference(rows)
+  # 1 node, whether or not --nodes lists it: what "vs node" compares every row against.
+  one_node = {(dtype, overlap): row(c, cluster, params, dtype, overlap, 1, k_for(k_by_nodes, 1),
+                                    target, per_device_batch, bucket_bytes)
+              for dtype in dtypes for overlap in overlaps}
+  per_node_reference(rows, one_node)
   return {"step_time_s": c.step_time, "fixed_s": c.fixed, "jitter_s": c.jitter,
           "gradient_profile": c.profile.name, "params": params, "target": target,
           "per_device_batch": per_device_batch or None, "bucket_bytes": bucket_bytes,
@@ -212,14 +231,14 @@ def row(c: Compute, cluster: Cluster, params: int, dtype: str, overlap: str, n: 
                                            if per_device_batch and kk else None)}
 
 
-def per_node_reference(rows: list[dict]) -> None:
-  """Adds ``efficiency_vs_node``: per-GPU throughput against the same dtype/overlap's 1 node
-  (or the smallest node count in the table)."""
+def per_node_reference(rows: list[dict], one_node: dict) -> None:
+  """Adds ``efficiency_vs_node``: per-GPU throughput against the same dtype/overlap on 1 node
+  (``one_node``: its rows, computed even where the table does not list 1 node; it was the
+  table's smallest node count, which --nodes 16,128 made 16)."""
   for r in rows:
-    same = [x for x in rows if (x["dtype"], x["overlap"]) == (r["dtype"], r["overlap"])]
-    base = min(same, key=lambda x: x["nodes"])
+    base = one_node[r["dtype"], r["overlap"]]
     r["efficiency_vs_node"] = (r["k"] / r["step_s"]) / (base["k"] / base["step_s"])
-    r["reference_nodes"] = base["nodes"]
+    r["reference_nodes"] = 1
 
 
 def describe_cluster(cluster: Cluster) -> dict:
