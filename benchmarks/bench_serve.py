@@ -2,7 +2,17 @@
 same work done by direct function calls (the server's overhead as a ratio).
 
   python benchmarks/bench_serve.py (--workdir RUN | --hf DIR) --index INDEX_DIR --elf FILE
-      [--clients 50] [--requests 1500] [--seconds 300] [--peer-requests 300] [--out FILE]
+      [--clients 50] [--requests 1500] [--seconds 300] [--peer-requests 300]
+      [--batch-texts 1 8] [--batch-functions 3000] [--lone-requests 40] [--out FILE]
+
+Batching (first; ``--batch-texts`` empty: skipped): for each size T of ``--batch-texts``, POST
+/api/embed requests of T texts each (the functions of ``--elf`` in turn, ``--batch-functions``
+functions in all), sent by one client alone (``--lone-requests`` of them: a lone request's
+latency), by ``--clients`` clients and by half as many; beside the offline ``lmscale embed``
+throughput (``function_vectors.embed`` after encoding, what ``lmscale embed`` runs, in this
+process, warmed) on the same functions, measured before and after the server's runs (the
+machine is shared: the mean of the two). The goals (issue 56): served functions/s at
+``--clients`` >= 0.8x offline, and p99 at half the clients <= 3x the lone request's p50.
 
 The server is the real one (``python -m lmscale_jax.cli.lmscale serve``, its own process, on
 127.0.0.1 and a free port: never another host). ``--clients`` threads (standard library
@@ -23,7 +33,7 @@ client's seconds over the peer's (what HTTP, JSON and a second process cost per 
 overlaps uploads' ELF extraction with the model's calls, which are one at a time: below 1 is
 possible).
 
-Writes one JSON document to ``--out`` (default ``benchmarks/results/<date>-cpu-serve.json``):
+The mix (``--requests 0``: skipped) follows. Writes one JSON document to ``--out`` (default ``benchmarks/results/<date>-cpu-serve.json``):
 date, device, code version, the load, the server's count, errors (must be 0), statuses,
 p50/p99 latency overall and per kind, throughput, /api/info under load, the peer row and the
 ratios. Exit 1 (one line) if any request failed.
@@ -65,9 +75,14 @@ def parser() -> Parser:
   p.add_argument("--index", required=True, help="an index lmscale index built with that model")
   p.add_argument("--elf", required=True, type=input_file, help="the uploaded/queried ELF file")
   p.add_argument("--clients", type=number(int, 1, 200), default=50)
-  p.add_argument("--requests", type=number(int, 1, 100_000), default=1500)
+  p.add_argument("--requests", type=number(int, 0, 100_000), default=1500,
+                 help="requests of the mix (0: the batching runs only)")
   p.add_argument("--seconds", type=number(float, 1, 3600), default=300)
   p.add_argument("--peer-requests", type=number(int, 1, 100_000), default=300)
+  p.add_argument("--batch-texts", type=number(int, 1, 256), nargs="*", default=[1, 8],
+                 help="texts per /api/embed request of the batching runs (none: skipped)")
+  p.add_argument("--batch-functions", type=number(int, 1, 1_000_000), default=3000)
+  p.add_argument("--lone-requests", type=number(int, 1, 10_000), default=40)
   p.add_argument("--out", default=os.path.join(
       ROOT, "benchmarks", "results", f"{datetime.date.today().isoformat()}-cpu-serve.json"))
   return p
@@ -217,6 +232,84 @@ def server_row(rows: list, info: list, elapsed: float) -> dict:
                               **summary([t for _, t in info])}}
 
 
+# ---------------------------------------------------------------------------------- batching
+def texts_of(i: int, size: int, fns: list) -> list[str]:
+  """The texts of batching request ``i`` of ``size`` texts: the functions in turn."""
+  return [fns[(i * size + j) % len(fns)][1] for j in range(size)]
+
+
+def embed_load(port: int, clients: int, bodies: list[bytes]) -> dict:
+  """``clients`` threads, one connection each, sharing the POST /api/embed ``bodies``."""
+  lock, next_i, rows = threading.Lock(), [0], []
+
+  def client():
+    c = Client(port)
+    while True:
+      with lock:
+        i, next_i[0] = next_i[0], next_i[0] + 1
+      if i >= len(bodies):
+        return
+      t = time.perf_counter()
+      status, answer = c.send("POST", "/api/embed", bodies[i], "application/json")
+      rows.append((status, time.perf_counter() - t, answer[:200]))
+
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+    for f in [pool.submit(client) for _ in range(clients)]:
+      f.result()
+  elapsed = time.perf_counter() - start
+  failed = [f"{s} {a.decode(errors='replace')}" for s, _, a in rows if s != 200]
+  if failed:
+    raise UserError(f"batching, {clients} clients: {len(failed)} requests failed: {failed[0]}")
+  return {"clients": clients, "requests": len(rows), "seconds": elapsed,
+          "requests_per_s": len(rows) / elapsed, **summary([t for _, t, _ in rows])}
+
+
+def offline(model, texts: list[str]) -> float:
+  """Functions/s of ``lmscale embed``'s work on ``texts``: encoding, then
+  function_vectors.embed (the offline length buckets)."""
+  from lmscale_jax.inference import function_vectors, trained_model
+
+  start = time.perf_counter()
+  codes = [trained_model.encode(model, t) for t in texts]
+  function_vectors.embed(model, [(f"f{i}", "", ids, cut) for i, (ids, cut) in enumerate(codes)])
+  return len(texts) / (time.perf_counter() - start)
+
+
+def batching(a, port: int, fns: list, model) -> list:
+  """Per size of --batch-texts: lone, --clients and half as many, and offline (see above)."""
+  warm = [json.dumps({"texts": texts_of(i, 32, fns)}).encode()
+          for i in range(-(-len(fns) // 32))]
+  embed_load(port, 1, warm)  # every bucket's program compiled in the server, untimed
+  offline(model, [f[1] for f in fns])  # and here
+  out = []
+  for size in a.batch_texts:
+    n = max(1, a.batch_functions // size)
+    bodies = [json.dumps({"texts": texts_of(i, size, fns)}).encode() for i in range(n)]
+    texts = [t for i in range(n) for t in texts_of(i, size, fns)]
+    before = offline(model, texts)
+    lone = embed_load(port, 1, bodies[:a.lone_requests])
+    full = embed_load(port, a.clients, bodies)
+    half = embed_load(port, max(1, a.clients // 2), bodies)
+    after = offline(model, texts)
+    out.append(batching_row(size, len(texts), lone, full, half, before, after))
+    print(json.dumps({k: out[-1][k] for k in ("texts_per_request", "throughput_ratio",
+                                              "p99_half_over_lone")}), flush=True)
+  return out
+
+
+def batching_row(size, functions, lone, full, half, before, after) -> dict:
+  offline_fps = (before + after) / 2
+  for row in (lone, full, half):
+    row["functions_per_s"] = row["requests_per_s"] * size
+  return {"texts_per_request": size, "functions": functions, "lone": lone, "clients": full,
+          "half_clients": half, "offline_functions_per_s": {"before": before, "after": after,
+                                                            "mean": offline_fps},
+          "throughput_ratio": full["functions_per_s"] / offline_fps,
+          "p99_half_over_lone": half["p99_ms"] / lone["p50_ms"],
+          "goals": {"throughput_ratio_min": 0.8, "p99_half_over_lone_max": 3.0}}
+
+
 # --------------------------------------------------------------------------------------- peer
 def direct_calls(a, fns: list, data: bytes):
   """``call(i)``: request ``i`` of the mix by the server's functions in this process, warmed
@@ -264,19 +357,41 @@ def sequential_row(times: list) -> dict:
           "per_kind": {k: summary([t for kind, t in times if kind == k]) for k in KINDS}}
 
 
+def batching_policy() -> dict:
+  from lmscale_jax.inference import function_vectors
+  from lmscale_jax.serve import batcher
+
+  return {"rows_per_batch_per_device": function_vectors.BATCH,
+          "buckets": f"a batch is padded to the next multiple of seq_len / "
+                     f"{function_vectors.BUCKETS} above its longest function",
+          "window_batches": function_vectors.WINDOW, "wait_ms": 1000 * batcher.WAIT_S}
+
+
+def mix(a, port: int, fns: list, data: bytes) -> dict:
+  """The mix under --clients, one client alone, and the peer (see above)."""
+  warm_up(a, port, fns, data)
+  server = load_server(a, port, fns, data, a.clients, a.requests)
+  call, _ = direct_calls(a, fns, data)
+  one, direct = paired(a, port, fns, data, call)
+  return {"server": server, "server_one_client": one, "peer": direct,
+          "overhead_ratio": one["seconds"] / direct["seconds"],
+          "overhead_ratio_loaded": direct["throughput_rps"] / server["throughput_rps"]}
+
+
 def main(argv=None) -> int:
   a = parser().parse_args(argv)
   if bool(a.workdir) == bool(a.hf):
     parser().error("give --workdir RUN or --hf DIR (one of them)")
 
   def go() -> int:
+    from lmscale_jax.inference import trained_model
+
     fns, data = work(a.elf)
+    model = trained_model.load(a.workdir, a.hf)
     p, port, log = start_server(a)
     try:
-      warm_up(a, port, fns, data)
-      server = load_server(a, port, fns, data, a.clients, a.requests)
-      call, functions = direct_calls(a, fns, data)
-      one, direct = paired(a, port, fns, data, call)
+      batched = batching(a, port, fns, model) if a.batch_texts else []
+      mixed = mix(a, port, fns, data) if a.requests else {}
     finally:
       stop_process_group(p)
     import jax
@@ -284,28 +399,26 @@ def main(argv=None) -> int:
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": f"{_host.host_description(ROOT)}; jax {jax.devices()[0].platform}",
            "code": _host.code_version(), "model": a.workdir or a.hf, "index": a.index,
-           "index_functions": functions, "elf": a.elf, "elf_functions": len(fns),
+           "elf": a.elf, "elf_functions": len(fns), "batching_policy": batching_policy(),
+           "batching": batched,
            "load": {"clients": a.clients, "requests": a.requests, "seconds_limit": a.seconds,
                     "mix": list(KINDS), "k": K, "embed_texts": EMBED_TEXTS, "host": "127.0.0.1"},
-           "server": server, "server_one_client": one, "peer": direct,
-           "overhead_ratio": one["seconds"] / direct["seconds"],
-           "overhead_ratio_loaded": direct["throughput_rps"] / server["throughput_rps"],
-           "loadavg_1m": os.getloadavg()[0]}
-    if server["errors"]:
+           **mixed, "loadavg_1m": os.getloadavg()[0]}
+    errors = mixed.get("server", {}).get("errors", 0)
+    if errors:
       doc["server_log"] = log
     with open(a.out, "w") as f:
       json.dump(doc, f, indent=1)
-    print(json.dumps({k: doc[k] for k in ("index_functions", "overhead_ratio",
-                                          "overhead_ratio_loaded")}
-                     | {"server": {k: server[k] for k in ("count", "errors", "p50_ms", "p99_ms",
-                                                         "throughput_rps")},
-                        "info_under_load": server["info_under_load"],
-                        "one_client": {k: one[k] for k in ("p50_ms", "p99_ms", "throughput_rps")},
-                        "peer": {k: direct[k] for k in ("p50_ms", "p99_ms", "throughput_rps")}},
-                     indent=1))
-    if server["errors"]:
-      raise UserError(f"{server['errors']} of {server['count']} requests failed: "
-                      f"{server['first_errors'][0]}")
+    print(json.dumps({"batching": [{k: b[k] for k in ("texts_per_request", "throughput_ratio",
+                                                      "p99_half_over_lone")} for b in batched]}
+                     | ({"overhead_ratio": mixed["overhead_ratio"],
+                         "server": {k: mixed["server"][k] for k in
+                                    ("count", "errors", "p50_ms", "p99_ms", "throughput_rps")},
+                         "info_under_load": mixed["server"]["info_under_load"]}
+                        if mixed else {}), indent=1))
+    if errors:
+      raise UserError(f"{errors} of {mixed['server']['count']} requests failed: "
+                      f"{mixed['server']['first_errors'][0]}")
     return 0
 
   return guarded(go, "the benchmark stopped; nothing was written")
