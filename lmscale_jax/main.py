@@ -23,6 +23,7 @@ to resume); 143 on SIGTERM before the run could checkpoint; a traceback only for
 import re
 import sys
 import textwrap
+import time
 
 from absl import app, flags, logging
 
@@ -82,7 +83,15 @@ def main(argv):
                        exit_at_once=True)
   # The checks before any data is read, in order: lmscale_jax/config/checks.py.
   return startup.run(config, workdir, lambda _: _train(config, workdir),
-                     checks=lambda: startup.check_before_runtime(config), exit_at_once=True)
+                     checks=lambda: _checks(config), exit_at_once=True)
+
+
+def _checks(config) -> None:
+  """Before the runtime and the workdir lock: a run refused here leaves nothing behind."""
+  if not str(config.data.path):  # not a dataset '' that does not exist
+    raise ConfigError("config.data.path is not set: give --config.data.path=DATASET, the "
+                      "directory lmscale prepare wrote (or set data.path in the config file)")
+  startup.check_before_runtime(config)
 
 
 def _describe(config, workdir: str) -> None:
@@ -115,8 +124,41 @@ def _train(config, workdir: str) -> None:
     distributed.agree("data verification", lambda: dataset_checks.verify_shards(
         meta, log=_progress, **reads))
   logging.info("workdir %s", workdir)
-  trainer.train_and_evaluate(config, workdir, meta=meta,
-                             allow_config_change=FLAGS.allow_config_change)
+  started = time.time()
+  row = trainer.train_and_evaluate(config, workdir, meta=meta,
+                                   allow_config_change=FLAGS.allow_config_change)
+  if jax.process_index() == 0:
+    line = summary(row, int(config.train.steps), workdir, time.time() - started)
+    if line:
+      startup.show_log()
+      print(line, flush=True)
+
+
+def summary(row: dict, total: int, workdir: str, seconds: float) -> str:
+  """The run's last line: a finished run's step, losses, time and checkpoint; a rerun of a
+  finished run, that there was nothing to do; "" for a preempted run (it said so)."""
+  from lmscale_jax.train import checkpoint as ckpt_lib
+
+  step = int(row.get("step", 0))
+  checkpoint = ckpt_lib.step_dir(workdir, step)
+  if "loss" not in row and step >= total:
+    return (f"{workdir} is finished: step {step} of train.steps={total}, nothing to do "
+            f"(checkpoint {checkpoint}; a larger --config.train.steps continues it)")
+  if step < total:
+    return ""
+  evaluated = (f", eval loss {_number(row['eval_loss'])}" if "eval_loss" in row else "")
+  return (f"done: step {step} of {total}, loss {_number(row.get('loss'))}{evaluated}, "
+          f"{_duration(seconds)}; checkpoint {checkpoint} (lmscale evaluate, fill-mask, embed, "
+          f"export-hf --workdir {workdir})")
+
+
+def _number(value) -> str:
+  return "non-finite" if value is None else f"{value:.4f}"
+
+
+def _duration(seconds: float) -> str:
+  minutes, s = divmod(round(seconds), 60)
+  return f"{minutes} min {s} s" if minutes else f"{seconds:.1f} s"
 
 
 def _progress(line: str) -> None:

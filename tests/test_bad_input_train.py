@@ -137,7 +137,8 @@ def test_lock_holder_refuses_a_whole_multi_process_job(data, tmp_path):
       r.stderr[-3000:]
   assert any(line.startswith("[1] error: process 1:") and "workdir lock failed" in line
              and holder in line for line in lines), r.stderr[-3000:]
-  assert sorted(os.listdir(workdir)) == [".lock"]
+  # Nothing but the holder's lock was in it, and the holder made it: its release removed both.
+  assert not workdir.exists(), sorted(os.listdir(workdir))
 
 
 def test_lock_is_released_when_a_library_run_returns(data, tmp_path):
@@ -640,8 +641,8 @@ def test_eval_batches_beyond_the_split_warn_once(data, tmp_path, caplog):
                              str(tmp_path / "w"))
   warnings = [r.getMessage() for r in caplog.records if "train.eval_batches" in r.getMessage()]
   assert warnings == [
-      f"train.eval_batches=10 but the validation split (32 records in {data}) holds 4 distinct "
-      "batches of train.batch_size=8: each evaluation repeats records about 2.5 times. Set "
+      f"train.eval_batches=10 batches of 8 rows but the validation split (32 records in "
+      f"{data}) fills 4: each evaluation reads each record about 2.5 times. Set "
       "train.eval_batches<=4 for a non-repeating evaluation"]
   caplog.clear()
   with caplog.at_level(logging.WARNING):

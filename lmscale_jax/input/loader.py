@@ -194,16 +194,15 @@ def ignore_signals_in_worker(worker_index: int, worker_count: int) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def distinct_eval_batches(config, meta: dataset.DatasetMeta, *, process_index: int = 0,
-                          process_count: int = 1) -> int:
-  """How many evaluation batches the validation split fills before its records repeat (the
-  eval stream wraps around, see :func:`make_dataset`): a stream over ``n`` records in
-  batches of ``b`` rows holds ``n // b`` distinct batches (the global stream and global batch,
-  or in by-shard mode this process's records and local batch)."""
+def eval_stream(config, meta: dataset.DatasetMeta, *, process_index: int = 0,
+                process_count: int = 1) -> tuple[int, int]:
+  """The evaluation stream's records ``n`` and rows per batch ``b`` (the global stream and
+  global batch, or in by-shard mode this process's records and local batch): it fills
+  ``n // b`` batches before its records repeat (it wraps around, see :func:`make_dataset`)."""
   loader = make_batch_loader(config, meta, "validation", train=False,
                              process_index=process_index, process_count=process_count)
   rows = loader.local_batch if loader.local_stream else loader.local_batch * process_count
-  return len(loader.records) // rows
+  return len(loader.records), rows
 
 
 def make_dataset(config, meta: dataset.DatasetMeta, split: str, *, train: bool,

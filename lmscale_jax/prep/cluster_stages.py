@@ -153,11 +153,13 @@ def _tokenizer(work: str, o: PrepareOptions, kept_at: list[int], total: int, wor
                                      for k in range(len(kept_at) - 1)]):
           counts.update(c)
       tok = toklib.from_pretoken_counts(counts, o.vocab_size)
+      prepare.warn_small_vocabulary(o, tok)
     else:
       texts = (t for k in range(len(kept_at) - 1) for t in _sampled_texts(work, k, kept_at, stride))
       tok = toklib.train(texts, vocab_size=o.vocab_size, kind=o.kind, model=o.tokenizer_model,
                          lowercase=o.lowercase)
       prepare.check_trained_size(o, tok)
+      prepare.warn_small_vocabulary(o, tok)
   except toklib.TokenizerError as e:
     raise PrepareError(str(e)) from None
   file_io.atomic_write_bytes(path, tok.to_str().encode())

@@ -90,15 +90,29 @@ def _tokenizer(o: PrepareOptions, work: str, chunks: list[str], pmap):
       tok = toklib.load(o.tokenizer)
     elif o.kind == "binary":
       tok = toklib.from_pretoken_counts(_sample_counts(o, work, chunks, pmap), o.vocab_size)
+      warn_small_vocabulary(o, tok)
     else:
       tok = toklib.train(corpus_extract.iter_texts(chunks, o.tokenizer_sample_mb << 20),
                          vocab_size=o.vocab_size, kind=o.kind, model=o.tokenizer_model,
                          lowercase=o.lowercase)
       check_trained_size(o, tok)
+      warn_small_vocabulary(o, tok)
   except toklib.TokenizerError as e:
     raise PrepareError(str(e)) from None
   file_io.atomic_write_bytes(path, tok.to_str().encode())
   return tok
+
+
+def warn_small_vocabulary(o: PrepareOptions, tok) -> None:
+  """One line on stderr where the trained vocabulary is smaller than --vocab-size asked: the
+  corpus has fewer distinct tokens (a small corpus), and the dataset and every model trained on
+  it have the smaller size (--vocab-size 4096 silently gave 563)."""
+  size = tok.get_vocab_size(with_added_tokens=True)
+  if size < o.vocab_size:
+    print(f"warning: --vocab-size {o.vocab_size}: the corpus gave only {size} tokens (too few "
+          "distinct pieces in its tokenizer sample, up to --tokenizer-sample-mb "
+          f"{o.tokenizer_sample_mb}: a small corpus); the dataset's vocab_size is {size}",
+          file=sys.stderr, flush=True)
 
 
 def check_trained_size(o: PrepareOptions, tok) -> None:

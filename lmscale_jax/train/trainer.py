@@ -201,15 +201,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> None:
   """Warned, not refused: a small validation split still gives a usable (if noisier than it
   looks) eval loss, and smoke tests on tiny datasets rely on it."""
-  available = loader.distinct_eval_batches(config, meta, **process)
-  wanted = int(config.train.eval_batches)
+  records, rows = loader.eval_stream(config, meta, **process)
+  wanted, available = int(config.train.eval_batches), records // rows
   if wanted > available and jax.process_index() == 0:
+    fix = (f"Set train.eval_batches<={available} for a non-repeating evaluation" if available
+           else "Prepare the dataset with a larger --val-fraction (or more input) for a "
+           "non-repeating evaluation")
     logging.warning(
-        "train.eval_batches=%d but the validation split (%d records in %s) holds %d distinct "
-        "batches of train.batch_size=%d: each evaluation repeats records about %.1f times. "
-        "Set train.eval_batches<=%d for a non-repeating evaluation", wanted,
-        meta.num_records("validation"), meta.path, available, int(config.train.batch_size),
-        wanted / max(available, 1), available)
+        "train.eval_batches=%d batches of %d rows but the validation split (%d records in %s) "
+        "fills %d: each evaluation reads each record about %.1f times. %s", wanted, rows,
+        meta.num_records("validation"), meta.path, available, wanted * rows / max(records, 1),
+        fix)
 
 
 def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
@@ -269,7 +271,8 @@ class Pretraining(run_loop.RunTask):
     self.eval_batches = loader.make_dataset(config, meta, "validation", train=False, **process)
 
   def resumed(self, step: int) -> None:
-    logging.info("resumed from %s", ckpt_lib.step_dir(self.workdir, step))
+    if step < int(self.config.train.steps):  # a finished run: main says so, once
+      logging.info("resumed from %s", ckpt_lib.step_dir(self.workdir, step))
 
   def init_state(self):
     state = self.steps.init(jax.random.key(self.config.train.seed))

@@ -367,6 +367,7 @@ class WorkdirBusy(UserError, RuntimeError):
 # The workdirs this process holds: real path -> the open lock file (the lock lives as long as
 # that file description, i.e. until release or process exit, even a kill -9).
 _held: dict[str, int] = {}
+_made: set[str] = set()  # the workdirs lock_workdir created (a run that wrote nothing removes them)
 
 
 def make_workdir(workdir: str) -> None:
@@ -403,6 +404,8 @@ def lock_workdir(workdir: str) -> bool:
   key = os.path.realpath(workdir)
   if key in _held:
     return False
+  if not os.path.lexists(workdir):
+    _made.add(key)
   make_workdir(workdir)
   path = os.path.join(workdir, LOCK_FILE)
   try:
@@ -421,11 +424,26 @@ def lock_workdir(workdir: str) -> bool:
 
 
 def unlock_workdir(workdir: str) -> None:
-  """Releases a lock :func:`lock_workdir` took (the file stays, as a record of the last run's
-  holder)."""
-  fd = _held.pop(os.path.realpath(workdir), None)
-  if fd is not None:
-    dir_lock.release(fd)
+  """Releases a lock :func:`lock_workdir` took. The file stays, as a record of the last run's
+  holder, unless the run left nothing else: a run refused before it wrote anything (no
+  dataset, a bad one) leaves the workdir as it found it, and removes it if it made it (it left
+  a lone ``.lock``)."""
+  key = os.path.realpath(workdir)
+  fd = _held.pop(key, None)
+  made = key in _made
+  _made.discard(key)
+  if fd is None:
+    return
+  try:
+    untouched = os.listdir(workdir) == [LOCK_FILE]
+  except OSError:
+    untouched = False
+  dir_lock.release(fd, remove=os.path.join(workdir, LOCK_FILE) if untouched else "")
+  if untouched and made:
+    try:
+      os.rmdir(workdir)
+    except OSError:  # something appeared meanwhile: it stays
+      pass
 
 
 RUN_STATE = run_state.FILE
