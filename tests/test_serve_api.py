@@ -185,17 +185,21 @@ def test_search_by_upload_equals_the_search_command(server, run, index_dir, libs
   code, _, err = run_tool("search", ["--index", index_dir, "--workdir", run[1], "--elf", so,
                                      "--k", 5, "--json", tmp_path / "s.json"], capsys)
   assert code == 0, err
-  want = json.loads((tmp_path / "s.json").read_text())["queries"]
+  want_doc = json.loads((tmp_path / "s.json").read_text())
+  want = want_doc["queries"]
   status, got = post_file(server[0], "/api/search", open(so, "rb").read(), "maths_O2.so", k="5")
   assert status == 200 and got["k"] == 5, got
+  assert got["warning"] == want_doc["warning"] and "not fine-tuned" in got["warning"]  # MLM
   texts = {f.name: f.text for f in elf_functions.functions(so)}
   digests = {p: hashlib.sha256(open(p, "rb").read()).hexdigest() for p in libs["O0"]}
   for g, w in zip(got["queries"], want, strict=True):
     assert (g["query"], g["address"], g["tokens"], g["cut"]) == (
         w["query"], w["address"], w["tokens"], w["cut"])
     assert g["text"] == texts[g["query"]]
-    assert [(r["binary"], r["function"], r["address"]) for r in g["results"]] == [
-        (r["binary"], r["function"], r["address"]) for r in w["results"]]
+    assert [(r["binary"], r["function"], r["address"], r["same_text_as"],
+             r["same_text_as_query"]) for r in g["results"]] == [
+        (r["binary"], r["function"], r["address"], r["same_text_as"], r["same_text_as_query"])
+        for r in w["results"]]
     np.testing.assert_allclose([r["score"] for r in g["results"]],
                                [r["score"] for r in w["results"]], atol=1e-5)
     assert all(r["sha256"] == digests[r["binary"]] for r in g["results"])

@@ -126,9 +126,6 @@ def main(argv=None) -> int:
 
     elf = a.elf or listed(a.elf_list)
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
-    warning = query.similarity_warning(model)
-    if warning:
-      print(f"warning: {warning}", file=sys.stderr)
     if a.tasks > 1:
       part = index_array.run_task(model, elf, a.output, a.task, a.tasks, strict=a.strict)
       print(f"{a.output}: task {a.task} of {a.tasks} embedded {len(part['binaries'])} binaries"
@@ -146,6 +143,9 @@ def main(argv=None) -> int:
           f"{skipped_note(done['files_skipped'])}")
     if done["added"] or done["rebuilt"]:
       index.prepare_search(a.output)
+    warning = query.similarity_warning(model)  # at the end: a failed build says only why
+    if warning:
+      print(f"warning: {warning}", file=sys.stderr)
     return 0
 
   return args.guarded(go, f"{a.output} holds every binary indexed so far; rerun to continue")

@@ -8,7 +8,13 @@ A query is every named function of an ELF file, one of them, or text: normalised
 or an objdump -d listing (`objdump -d bin | lmscale search … --text -`: each function in it,
 re-decoded from its bytes as preparation decodes them; search/listing.py);
 the answer is, per query, the k best: score (cosine), binary, function name and address, as
-rows and (--json) as a JSON file. The model must be the one that built the index. A query
+rows and (--json) as a JSON file. Functions whose normalised text is the same score the same
+(which of them ranks first is arbitrary): each result says so, `= query` (the query's own
+text) or `= #R` (the text of the result ranked R), in the JSON "same_text_as_query" and
+"same_text_as" (null where the index, written before text digests were kept, cannot tell). An
+encoder not fine-tuned for similarity (MLM pretraining only) scores unrelated functions near 1:
+one warning line on stderr, and "warning" in the JSON, says so and names the fine-tuned route.
+The model must be the one that built the index. A query
 longer than the model's sequence length is cut (the model sees its first tokens, as it sees an
 indexed function's): a line above its rows says how many tokens were used and how many dropped,
 and the JSON has "cut", "tokens" (used) and "dropped" per query. The search is exact up to
@@ -46,11 +52,19 @@ def with_dropped(model, answers: list, queries: list) -> list:
   return answers
 
 
+def same_text(result: dict) -> str:
+  """A result's mark: ``= query`` (its normalised text is the query's), ``= #R`` (it is that of
+  the result ranked R: search/query.mark_same_text), or ""."""
+  if result.get("same_text_as_query"):
+    return "= query"
+  return f"= #{result['same_text_as']}" if result.get("same_text_as") else ""
+
+
 def table(answers: list, seq_len: int, recall: float | None = None) -> str:
-  """The answers as rows: query, rank, score, function @ address, binary; a cut query's line
-  says how much of it the model saw; ``recall``: the search was approximate, with that
-  recall@10."""
-  lines = [f"{'query':<24} {'rank':>4} {'score':>8}  function @ address  binary"]
+  """The answers as rows: query, rank, score, same text (:func:`same_text`), function @
+  address, binary; a cut query's line says how much of it the model saw; ``recall``: the search
+  was approximate, with that recall@10."""
+  lines = [f"{'query':<24} {'rank':>4} {'score':>8} {'same':<7}  function @ address  binary"]
   if recall is not None:
     lines.insert(0, f"# approximate search (HNSW graph, recall@10 {recall:.3f} measured on the "
                  "index's own rows); --exact: the exact answer")
@@ -59,8 +73,9 @@ def table(answers: list, seq_len: int, recall: float | None = None) -> str:
       lines.append(f"# {a['query']}: cut to the model's sequence length ({seq_len} tokens): "
                    f"its first {a['tokens']} tokens used, {a['dropped']} dropped")
     for rank, r in enumerate(a["results"], 1):
-      lines.append(f"{a['query'][:24]:<24} {rank:>4} {r['score']:>8.4f}  {r['function']} @ "
-                   f"{r['address']:#x}  {os.path.basename(r['binary'])}")
+      lines.append(f"{a['query'][:24]:<24} {rank:>4} {r['score']:>8.4f} "
+                   f"{same_text(r):<7}  {r['function']} @ {r['address']:#x}  "
+                   f"{os.path.basename(r['binary'])}")
   return "\n".join(lines)
 
 
@@ -105,11 +120,14 @@ def main(argv=None) -> int:
     answers = with_dropped(model, query.search(model, corpus, queries, a.k), queries)
     searcher = corpus.prepared()  # built by the search: whether it was approximate
     recall = searcher.recall if searcher.approximate else None
+    warning = query.similarity_warning(model)
+    if warning:
+      print(f"warning: {warning}", file=sys.stderr)
     print(table(answers, model.cfg.seq_len, recall))
     if a.json:
       output_marks.write_json(a.json, TOOL, {
           "index": a.index, "k": a.k, "exact": recall is None, "recall_at_10": recall,
-          "seq_len": model.cfg.seq_len, "queries": answers})
+          "seq_len": model.cfg.seq_len, "warning": warning, "queries": answers})
     return 0
 
   return args.guarded(go, "nothing was written")

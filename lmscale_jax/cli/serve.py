@@ -77,6 +77,7 @@ def main(argv=None) -> int:
   a = parser_.parse_args(argv)
   # JAX, the model and the server here, not at module level: --help answers without them.
   from lmscale_jax.inference import trained_model
+  from lmscale_jax.search import query
   from lmscale_jax.serve import app as serve_app
   from lmscale_jax.serve import batcher as serve_batcher
   from lmscale_jax.serve import served as served_lib
@@ -99,6 +100,9 @@ def main(argv=None) -> int:
     port = sock.getsockname()[1]
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s: %(message)s")
     functions = len(served.corpus.names) if served.corpus is not None else 0
+    warning = query.similarity_warning(model) if served.corpus is not None else None
+    if warning:  # what /api/search answers carry too ("warning")
+      print(f"warning: {warning}", file=sys.stderr, flush=True)
     print(f"serving http://{a.host}:{port}/ (model {model.source}, "
           + (f"index {a.index}: {functions} functions" if a.index else "no index") + ")",
           flush=True)

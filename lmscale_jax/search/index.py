@@ -123,6 +123,13 @@ def elf_functions_of(path: str) -> list:
   return fns
 
 
+def text_digest(text: str) -> str:
+  """A function's normalised text → the hex of preparation's digest of it
+  (``elf_corpus.function_digest``, by which prepare finds a function it already holds): two
+  functions whose texts are the same have the same vector, and the same digest."""
+  return elf_corpus.function_digest(text).hex()
+
+
 def embed_texts(model, named_texts: list[tuple[str, str]]) -> tuple[np.ndarray, list]:
   """(name, text) pairs → (L2-normalised float32 vectors [n, dim], (ids, cut) per text)."""
   encoded = [trained_model.encode(model, text) for _, text in named_texts]
@@ -138,12 +145,15 @@ def binary_shard(model, path: str) -> tuple[np.ndarray, list[dict]]:
     fns = elf_functions_of(path)
   except Skipped:
     raise
+  except elf_functions.NoFunctionsFound as e:  # stripped, and no .eh_frame to find them by
+    raise Skipped(path, "no_functions", str(e).removeprefix(f"{path}: ")) from None
   except UserError as e:  # its header passed check_elf; its tables do not parse
     raise Skipped(path, "corrupt", str(e).removeprefix(f"{path}: ")) from None
   sizes = function_sizes(path)
   vectors, encoded = embed_texts(model, [(f.name, f.text) for f in fns])
   rows = [{"name": f.name, "address": f.address, "bytes": sizes.get(f.address, 0),
-           "instructions": len(f.instructions), "tokens": len(ids) - 2, "cut": bool(cut)}
+           "instructions": len(f.instructions), "tokens": len(ids) - 2, "cut": bool(cut),
+           index_files.TEXT_DIGEST: text_digest(f.text)}
           for f, (ids, cut) in zip(fns, encoded)]
   return vectors, rows
 

@@ -2,7 +2,8 @@
 
   INDEX_DIR/index.json                 format, the model's identity, pool, dim, the binaries
   INDEX_DIR/shards/<sha256>.npz        ``vectors`` float32 [n, dim], L2-normalised
-  INDEX_DIR/shards/<sha256>.jsonl      per function: name, address, bytes, instructions, tokens, cut
+  INDEX_DIR/shards/<sha256>.jsonl      per function: name, address, bytes, instructions, tokens, cut,
+                                       text_digest (an index written before it: absent)
 
 A shard is written under a temp name and renamed, then index.json is rewritten atomically: a
 binary is in the index only once both its shard files are complete (a crash loses at most the
@@ -32,6 +33,9 @@ FORMAT = "lmscale_jax.search_index/1"
 INDEX = "index.json"
 SHARDS = "shards"
 ROW_KEYS = ("name", "address", "bytes", "instructions", "tokens", "cut")
+# A row's digest of its normalised text (index.text_digest): identical texts are found by it
+# (query.mark_same_text). Not in ROW_KEYS: the shards of older indexes have none and still load.
+TEXT_DIGEST = "text_digest"
 SHARD_FILES = {".npz": "npz_sha256", ".jsonl": "jsonl_sha256"}  # a shard's files, their digests
 
 

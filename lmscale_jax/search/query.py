@@ -30,6 +30,9 @@ class Corpus:
   exact: bool = False
   searcher: vector_search.Searcher | None = dataclasses.field(default=None, repr=False)
   entries: list[dict] = dataclasses.field(default_factory=list, repr=False)
+  # per row, the digest of its normalised text (index.text_digest); None where the shard was
+  # written before digests were kept (its ties are unknown, not absent)
+  digests: list[str | None] = dataclasses.field(default_factory=list, repr=False)
 
   def prepared(self, build: bool = False) -> vector_search.Searcher:
     """The searcher, made once. Above the exact size: the kept HNSW graph of these rows, else
@@ -46,16 +49,17 @@ def load(index_dir: str, model) -> Corpus:
   if doc is None:
     raise UserError(f"{index_dir}: no {index_files.INDEX} (build the index with lmscale index)")
   index.check_model(doc, index.identity(model), index_dir)
-  parts, binaries, names, addresses = [], [], [], []
+  parts, binaries, names, addresses, digests = [], [], [], [], []
   for b in doc["binaries"]:
     vectors, rows = index_files.read_shard(index_dir, b, doc["dim"])
     parts.append(vectors)
     binaries += [b["path"]] * len(rows)
     names += [r["name"] for r in rows]
     addresses += [int(r["address"]) for r in rows]
+    digests += [r.get(index_files.TEXT_DIGEST) for r in rows]
   vectors = np.concatenate(parts) if parts else np.zeros((0, doc["dim"]), np.float32)
   return Corpus(vectors, binaries, names, addresses, index_dir=index_dir,
-                entries=doc["binaries"])
+                entries=doc["binaries"], digests=digests)
 
 
 def top_k(corpus: Corpus, queries: np.ndarray, k: int,
@@ -106,24 +110,44 @@ def ranked(corpus: Corpus, queries: list[tuple[str, int | None, str]], vectors: 
            encoded: list, k: int) -> list:
   """:func:`search`'s answers from the queries' vectors (``index.embed_texts``'s normalised
   vectors and (ids, cut) per query): the server embeds its requests' queries together, in
-  shared batches, and ranks each request's here."""
+  shared batches, and ranks each request's here. Each result says which texts it shares
+  (:func:`mark_same_text`)."""
   idx, scores = top_k(corpus, vectors, k)
   out = []
-  for (qname, qaddr, _), (ids, cut), row, score in zip(queries, encoded, idx, scores):
+  for (qname, qaddr, text), (ids, cut), row, score in zip(queries, encoded, idx, scores):
     results = [{"score": float(s), "binary": corpus.binaries[i], "function": corpus.names[i],
                 "address": corpus.addresses[i]} for i, s in zip(row, score)]
+    digests = [corpus.digests[i] if corpus.digests else None for i in row]
     out.append({"query": qname, "address": qaddr, "tokens": len(ids) - 2, "cut": bool(cut),
-                "results": results})
+                "results": mark_same_text(results, digests, index.text_digest(text))})
   return out
 
 
-def table(answers: list, seq_len: int) -> str:
-  """The answers as rows: query, rank, score, binary, function, address."""
-  lines = [f"{'query':<24} {'rank':>4} {'score':>8}  function @ address  binary"]
-  for a in answers:
-    if a["cut"]:
-      lines.append(f"# {a['query']}: cut to the model's sequence length ({seq_len} tokens)")
-    for rank, r in enumerate(a["results"], 1):
-      lines.append(f"{a['query'][:24]:<24} {rank:>4} {r['score']:>8.4f}  {r['function']} @ "
-                   f"{r['address']:#x}  {os.path.basename(r['binary'])}")
-  return "\n".join(lines)
+def mark_same_text(results: list[dict], digests: list, query_digest: str) -> list[dict]:
+  """Each result with ``same_text_as``: the 1-based rank of the first result above it whose
+  normalised text is the same (identical texts embed to the same vector and score the same:
+  thunks, aliases such as gzopen/gzopen64; which of them ranks first is arbitrary), else None;
+  and ``same_text_as_query``: its text is the query's. A row of an index written before text
+  digests were kept (``digests`` None there) is unknown: None in both."""
+  first: dict[str, int] = {}
+  for rank, (r, digest) in enumerate(zip(results, digests), 1):
+    r["same_text_as"] = first.get(digest) if digest else None
+    r["same_text_as_query"] = digest == query_digest if digest else None
+    if digest:
+      first.setdefault(digest, rank)
+  return results
+
+
+def similarity_warning(model) -> str | None:
+  """One line for whoever reads a search's scores where the encoder was not trained for
+  similarity (no projection head: MLM pretraining only, a classification fine-tune or an
+  export of either), else None. Its mean-pooled vectors share one dominant direction: the
+  cosine of unrelated functions comes out near 1 (random pairs of 8,125 indexed functions:
+  median 0.968 with demo/run's 50-step model; 0.98-0.99 for the 2nd hits of issue 56's
+  model), so only the order of the answers says anything."""
+  if model.head is not None:  # a contrastive fine-tune (lmscale finetune), or its export
+    return None
+  return (f"{model.source} is not fine-tuned for similarity (an encoder with no projection "
+          "head): its scores put unrelated functions near 1 too, so read the ranks, not the "
+          "scores; for scores that separate, fine-tune it contrastively (lmscale finetune: "
+          "docs/finetune.md, docs/similarity.md) and index with that model")

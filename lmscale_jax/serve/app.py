@@ -169,13 +169,14 @@ def add_model_endpoints(app: FastAPI, served: Served, batcher: Batcher) -> None:
 
 
 def answers_of(served: Served, queries: list, k: int, vectors: np.ndarray, codes: list) -> dict:
-  """query.ranked's answers with each query's text and each result's binary's sha256."""
+  """query.ranked's answers with each query's text and each result's binary's sha256, and the
+  model's warning about its scores (query.similarity_warning; null for a similarity model)."""
   answers = query.ranked(served.corpus, queries, vectors, codes, k)
   for a, (_, _, text) in zip(answers, queries):
     a["text"] = text
     a["results"] = [{**r, "sha256": served.sha256_of(r["binary"], r["function"], r["address"])}
                     for r in a["results"]]
-  return {"k": k, "queries": answers}
+  return {"k": k, "warning": query.similarity_warning(served.model), "queries": answers}
 
 
 def search_answers(served: Served, queries: list, k: int) -> dict:

@@ -79,6 +79,11 @@ def functions(path: str, only: str | None = None, source: str = "auto") -> list[
     raise UserError(f"{path}: unreadable ELF file ({type(e).__name__}: {e})") from None
 
 
+class NoFunctionsFound(UserError):
+  """A stripped file with no .eh_frame: its functions cannot be found (lmscale index counts it
+  as preparation does, under no_functions)."""
+
+
 def _table(path: str, shdrs, data, source: str) -> dict:
   """elf_corpus.function_symbols, with the two ways a stripped file cannot be read as one line
   each: a damaged .eh_frame, and none at all (removed, or never written). One that is there
@@ -90,10 +95,11 @@ def _table(path: str, shdrs, data, source: str) -> dict:
     raise UserError(f"{path}: damaged .eh_frame ({e}); its functions cannot be found from it "
                     "(give an undamaged copy, or the unstripped file)") from None
   if not funcs and source != "symbols" and not eh_frame.has_eh_frame(shdrs, data) \
-      and elf_corpus.executable_sections(shdrs).any():
-    raise UserError(f"{path}: stripped (no function symbols) and no .eh_frame section to find "
-                    "its functions by (removed, or linked without one); give the unstripped "
-                    "file")
+      and elf_corpus.executable_sections(shdrs).any() \
+      and not (shdrs["type"] == elf_corpus._SHT_SYMTAB).any():  # data alone (gcc -c): not this
+    raise NoFunctionsFound(f"{path}: stripped (no function symbols) and no .eh_frame section "
+                           "to find its functions by (removed, or linked without one); give the "
+                           "unstripped file")
   return funcs
 
 
