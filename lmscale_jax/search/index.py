@@ -84,8 +84,8 @@ _WHY = {"broken_link": "a link to nothing", "not_regular": "not a regular file (
         "or socket)", "unreadable": "not readable (permissions)",
         "not_elf": "not an ELF file (the index takes x86-64 ELF binaries)",
         "abi=x32": "an x32 (ELF32) file; the model reads x86-64 ELF64 code",
-        "no_functions": "no named x86-64 functions (a stripped binary, or no code); the index "
-        "needs function symbols"}
+        "no_functions": "no named x86-64 functions (no function symbol and no .eh_frame entry "
+        "of one: data alone, or stripped without unwind tables); the index needs functions"}
 
 
 def skip(path: str, reason: str, detail: str = "") -> Skipped:
