@@ -32,8 +32,8 @@ from lmscale_jax.errors import ConfigError
 from lmscale_jax.train import startup
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", None, "A shipped config by name ({shipped}) or a file of your "
-                    "own with a get_config().")
+flags.DEFINE_string("config", None, "A shipped config by name or a file of your own with a "
+                    "get_config().")
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics.jsonl and config.json; "
                     "rerun the same command to resume the run in it.")
 flags.DEFINE_bool("dry_run", False, "Print the resolved config, parameter count, FLOPs per "
@@ -215,7 +215,8 @@ def parse_flags(argv):
 
 def help_text(prog: str) -> str:
   """``--help``: the usage, each option with its flag's own help, an example, the exits."""
-  rows = [("--config CONFIG", FLAGS["config"].help.format(shipped=", ".join(loader.shipped()))),
+  names = f"by name ({', '.join(loader.shipped())})"
+  rows = [("--config CONFIG", FLAGS["config"].help.replace("by name", names, 1)),
           ("--workdir DIR", FLAGS["workdir"].help),
           ("--config.SECTION.KEY=VALUE", _OVERRIDES)]
   rows += [(flag, FLAGS[name[2:]].help) for flag, name in _SPELLINGS.items()]
