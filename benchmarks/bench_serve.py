@@ -44,8 +44,10 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import http.client
+import itertools
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -265,6 +267,34 @@ def embed_load(port: int, clients: int, bodies: list[bytes]) -> dict:
           "requests_per_s": len(rows) / elapsed, **summary([t for _, t, _ in rows])}
 
 
+def open_load(port: int, rate: float, bodies: list[bytes], seed: int = 0) -> dict:
+  """The POST /api/embed ``bodies`` sent at ``rate`` requests/s, Poisson arrivals (an open
+  loop: a request is sent when it is due, whether or not earlier ones were answered, as users
+  of a shared server send them). Latency counts from when it was due, so a client pool too
+  small to send it on time would show (64 connections: far above the requests in flight at
+  half load). Closed-loop clients, which send again the moment they are answered, keep any
+  server saturated whatever their number: their latency is the queue, not the server's."""
+  rng, local, rows = random.Random(seed), threading.local(), []
+  dues = list(itertools.accumulate(rng.expovariate(rate) for _ in bodies))
+
+  def send(body: bytes, due: float):
+    local.client = getattr(local, "client", None) or Client(port)
+    time.sleep(max(0.0, due - time.perf_counter()))
+    status, answer = local.client.send("POST", "/api/embed", body, "application/json")
+    rows.append((status, time.perf_counter() - due, answer[:200]))
+
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(64) as pool:
+    for f in [pool.submit(send, b, start + d) for b, d in zip(bodies, dues)]:
+      f.result()
+  elapsed = time.perf_counter() - start
+  failed = [f"{s} {a.decode(errors='replace')}" for s, _, a in rows if s != 200]
+  if failed:
+    raise UserError(f"batching, open load: {len(failed)} requests failed: {failed[0]}")
+  return {"offered_requests_per_s": rate, "requests": len(rows), "seconds": elapsed,
+          "requests_per_s": len(rows) / elapsed, **summary([t for _, t, _ in rows])}
+
+
 def offline(model, texts: list[str]) -> float:
   """Functions/s of ``lmscale embed``'s work on ``texts``: encoding, then
   function_vectors.embed (the offline length buckets)."""
@@ -291,23 +321,25 @@ def batching(a, port: int, fns: list, model) -> list:
     lone = embed_load(port, 1, bodies[:a.lone_requests])
     full = embed_load(port, a.clients, bodies)
     half = embed_load(port, max(1, a.clients // 2), bodies)
+    half_load = open_load(port, full["requests_per_s"] / 2, bodies)
     after = offline(model, texts)
-    out.append(batching_row(size, len(texts), lone, full, half, before, after))
+    out.append(batching_row(size, len(texts), lone, full, half, half_load, before, after))
     print(json.dumps({k: out[-1][k] for k in ("texts_per_request", "throughput_ratio",
-                                              "p99_half_over_lone")}), flush=True)
+                                              "p99_half_load_over_lone")}), flush=True)
   return out
 
 
-def batching_row(size, functions, lone, full, half, before, after) -> dict:
+def batching_row(size, functions, lone, full, half, half_load, before, after) -> dict:
   offline_fps = (before + after) / 2
-  for row in (lone, full, half):
+  for row in (lone, full, half, half_load):
     row["functions_per_s"] = row["requests_per_s"] * size
   return {"texts_per_request": size, "functions": functions, "lone": lone, "clients": full,
-          "half_clients": half, "offline_functions_per_s": {"before": before, "after": after,
-                                                            "mean": offline_fps},
+          "half_clients": half, "half_load": half_load,
+          "offline_functions_per_s": {"before": before, "after": after, "mean": offline_fps},
           "throughput_ratio": full["functions_per_s"] / offline_fps,
-          "p99_half_over_lone": half["p99_ms"] / lone["p50_ms"],
-          "goals": {"throughput_ratio_min": 0.8, "p99_half_over_lone_max": 3.0}}
+          "p99_half_load_over_lone": half_load["p99_ms"] / lone["p50_ms"],
+          "p99_half_clients_over_lone": half["p99_ms"] / lone["p50_ms"],
+          "goals": {"throughput_ratio_min": 0.8, "p99_half_load_over_lone_max": 3.0}}
 
 
 # --------------------------------------------------------------------------------------- peer
@@ -410,7 +442,7 @@ def main(argv=None) -> int:
     with open(a.out, "w") as f:
       json.dump(doc, f, indent=1)
     print(json.dumps({"batching": [{k: b[k] for k in ("texts_per_request", "throughput_ratio",
-                                                      "p99_half_over_lone")} for b in batched]}
+                                                      "p99_half_load_over_lone")} for b in batched]}
                      | ({"overhead_ratio": mixed["overhead_ratio"],
                          "server": {k: mixed["server"][k] for k in
                                     ("count", "errors", "p50_ms", "p99_ms", "throughput_rps")},
