@@ -53,6 +53,8 @@ GROUPS = (
          "retrieval quality of a model on a benchmark"),
         ("provenance-build", "lmscale_jax.cli.provenance_build",
          "the compiler-provenance task: a labelled split by library"),
+        ("naming-build", "lmscale_jax.cli.naming_build",
+         "the function-naming task: names split by library"),
     ]),
     ("scaling study", [
         ("sweep", "lmscale_jax.cli.sweep", "run a grid of short training runs"),

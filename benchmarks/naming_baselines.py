@@ -1,0 +1,160 @@
+"""The function-naming baselines, on a task built by lmscale naming-build: the most frequent
+training tokens, and nearest-neighbour name transfer with TF-IDF.
+
+  python benchmarks/naming_baselines.py --task DIR [--test-task DIR2] [--json OUT.json]
+
+* ``frequent_tokens``: every test function gets the same suggestion, the k sub-tokens most
+  training names hold (task.json's ``train_token_counts`` order: count, then the token), k the
+  training names' mean number of distinct sub-tokens, rounded (chosen on training data only).
+* ``tfidf_nearest``: scikit-learn's TfidfVectorizer over the pretokens (each pretoken a term,
+  the similarity and provenance baselines' features) fitted on train.jsonl; each test function
+  gets the tokens of its nearest training function by cosine similarity (ties: the first in
+  train.jsonl's order).
+
+Both are scored by lmscale_jax/evals/naming.py's ``score`` (micro sub-token precision, recall,
+F1 and exact-name accuracy: the fine-tuned head's scores) on test.jsonl, or on ``--test-task``'s
+test.jsonl (another build of the same split, e.g. one variant per function where this task
+trained on all; its test libraries must not be among this task's training ones). Prints and
+writes (--json, atomically) the scores with the task's unseen-token shares, the date, the
+machine and the code's commit.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import _host  # noqa: E402
+from lmscale_jax.cli import args as cli_args  # noqa: E402  one line, exit 1 for a bad argument
+from lmscale_jax.errors import UserError  # noqa: E402
+from lmscale_jax.evals import naming, retrieval  # noqa: E402
+from lmscale_jax.store import file_io, output_marks  # noqa: E402
+
+TOOL = "benchmarks/naming_baselines.py"
+CHUNK = 512  # test rows per similarity product: CHUNK × training rows of float64 at a time
+
+
+def parser():
+  p = cli_args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
+  p.add_argument("--task", required=True, metavar="DIR",
+                 help="a task directory of lmscale naming-build")
+  p.add_argument("--test-task", default=None, metavar="DIR",
+                 help="score on this task's test.jsonl instead (the same libraries split)")
+  p.add_argument("--json", type=cli_args.output_file, default=None, metavar="OUT",
+                 help="also write the result here")
+  return p
+
+
+def read_split(task: str, name: str) -> list[dict]:
+  path = os.path.join(task, f"{name}.jsonl")
+  if not os.path.isfile(path):
+    raise UserError(f"--task {task}: no {name}.jsonl (build the task with lmscale "
+                    "naming-build)")
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for i, line in enumerate(f, 1):
+      try:
+        row = json.loads(line)
+        rows.append({"text": row["text"], "tokens": list(row["tokens"]),
+                     "library": row["library"]})
+      except (json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"{path}:{i}: expected a JSON object with \"text\", \"tokens\" and "
+                        "\"library\"") from None
+  if not rows:
+    raise UserError(f"{path}: no examples")
+  return rows
+
+
+def frequent_tokens(train: list[dict]) -> tuple[int, list[str]]:
+  """(k, the k tokens most training names hold)."""
+  held = collections.Counter(t for r in train for t in set(r["tokens"]))
+  k = max(1, round(sum(len(set(r["tokens"])) for r in train) / len(train)))
+  return k, [t for t, _ in sorted(held.items(), key=lambda kv: (-kv[1], kv[0]))[:k]]
+
+
+def nearest(train: list[dict], test: list[dict]) -> tuple[list[int], dict]:
+  """The index of each test row's nearest training row (TF-IDF cosine)."""
+  import numpy as np
+
+  start = time.perf_counter()
+  vectorizer = retrieval.tfidf_vectorizer()
+  a = vectorizer.fit_transform([r["text"] for r in train])
+  b = vectorizer.transform([r["text"] for r in test])
+  found = []
+  for i in range(0, b.shape[0], CHUNK):
+    sims = (b[i:i + CHUNK] @ a.T).toarray()  # rows are unit length: the dot is the cosine
+    found += np.argmax(sims, axis=1).tolist()  # the first of equals
+  return found, {"features": len(vectorizer.vocabulary_),
+                 "seconds": round(time.perf_counter() - start, 2)}
+
+
+def run(task: str, test_task: str | None = None) -> dict:
+  train = read_split(task, "train")
+  test = read_split(test_task or task, "test")
+  if overlap := sorted({r["library"] for r in train} & {r["library"] for r in test}):
+    raise UserError(f"--test-task {test_task}: its test libraries {', '.join(overlap[:5])} are "
+                    f"in {task}'s training split (build both with the same --seed and files)")
+  truth = [r["tokens"] for r in test]
+  k, top = frequent_tokens(train)
+  found, fit = nearest(train, test)
+  return {"date": datetime.date.today().isoformat(), "device": _host.cpu_name(),
+          "code": _host.code_version(), "task": task, "task_json_sha256": task_sha(task),
+          "test_task": test_task or task,
+          "examples": {"train": len(train), "test": len(test)},
+          "unseen_in_training": unseen(task, test_task),
+          "baselines": {
+              "frequent_tokens": {"k": k, "tokens": top,
+                                  "scores": naming.score([top] * len(test), truth)},
+              "tfidf_nearest": {**fit, "scores": naming.score(
+                  [train[j]["tokens"] for j in found], truth)}}}
+
+
+def task_sha(task: str) -> str | None:
+  path = os.path.join(task, "task.json")
+  return file_io.sha256_file(path) if os.path.isfile(path) else None
+
+
+def unseen(task: str, test_task: str | None) -> dict | None:
+  """task.json's unseen-token shares (where the test split is the task's own)."""
+  path = os.path.join(task, "task.json")
+  if test_task or not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f).get("unseen_in_training")
+
+
+def summary(doc: dict) -> str:
+  lines = [f"{doc['task']}: {doc['examples']['train']} training, {doc['examples']['test']} "
+           f"test examples (test from {doc['test_task']})"]
+  for name, b in doc["baselines"].items():
+    s = b["scores"]
+    lines.append(f"{name:<16} P {s['precision']:.4f}  R {s['recall']:.4f}  F1 {s['f1']:.4f}  "
+                 f"exact {s['exact']:.4f}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  a = parser().parse_args(argv)
+
+  def go() -> int:
+    for d in filter(None, (a.task, a.test_task)):
+      if not os.path.isdir(d):
+        raise UserError(f"--task {d}: no such directory (build one with lmscale naming-build)")
+    doc = run(a.task, a.test_task)
+    print(summary(doc))
+    if a.json:
+      output_marks.write_json(a.json, TOOL, doc)
+    return 0
+
+  return cli_args.guarded(go, "nothing was written")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
