@@ -1,4 +1,4 @@
-"""Fine-tune an encoder: for binary code similarity (contrastive), or as a classifier.
+"""Fine-tune an encoder: for binary code similarity (contrastive), as a classifier, or to name functions.
 
   lmscale finetune --pairs PAIRS.jsonl --workdir OUT
       (--init-workdir RUN [--step N] [--tokenizer F] | --init-hf DIR | --init-random RUN_OR_DIR)
@@ -9,6 +9,8 @@
   lmscale finetune --task classify --labels TRAIN.jsonl --eval-labels TEST.jsonl --workdir OUT
       (--init-workdir RUN …) [--eval-every 500] [the flags above but --pairs, --temperature,
       --proj-dim, --pool, --max-groups]
+  lmscale finetune --task name --labels DIR/train.jsonl --eval-labels DIR/test.jsonl
+      --workdir OUT (--init-workdir RUN …) [the classify flags]
 
 The default task, contrastive: PAIRS is a file in the similarity benchmark's format (lmscale
 similarity-build): each step takes --batch-size distinct source functions and two of their
@@ -25,6 +27,14 @@ lmscale embed, lmscale eval-similarity --workdir OUT and lmscale export-hf --wor
 "label": "<class>"} objects; a masked-mean-pooled linear head learns the labels, and TEST's
 accuracy and macro-F1 are logged every --eval-every steps and after the last (OUT's
 classification_eval.json); lmscale classify --workdir OUT --labels FILE scores any file.
+
+--task name: TRAIN and TEST are a naming task's files (lmscale naming-build: {"text", "name",
+"tokens": [sub-tokens]} per line); a masked-mean-pooled head of one sigmoid per name sub-token
+seen in --config.finetune.name_min_count (2) training names learns them; the prediction rule
+(a probability threshold, or the k best tokens) is chosen on a slice of TRAIN's libraries
+held out of training (--config.finetune.name_calibration, 0.1), and TEST's token precision,
+recall, F1 and exact-name accuracy are logged every --eval-every steps and after the last
+(OUT's naming_eval.json); lmscale name --workdir OUT --elf FILE names a binary's functions.
 
 Several processes start as lmscale train does, through the same start-up and exit codes
 (lmscale_jax.train.startup: LMSCALE_* variables or Slurm; the config's distributed section).
@@ -56,16 +66,17 @@ def parser() -> argparse.ArgumentParser:
   p = cli_args.Parser(prog="lmscale finetune", description=__doc__.splitlines()[0],
                       epilog="--config.SECTION.KEY=VALUE sets any key of "
                       "lmscale_jax/config/finetune.py (after the flags above)")
-  p.add_argument("--task", choices=["contrastive", "classify"], default=None,
-                 help="contrastive (pairs, the default) or classify (labels)")
+  p.add_argument("--task", choices=["contrastive", "classify", "name"], default=None,
+                 help="contrastive (pairs, the default), classify or name (labels)")
   p.add_argument("--pairs", default="", type=cli_args.input_file, metavar="PAIRS.jsonl",
                  help="(contrastive) a similarity-benchmark-format file (lmscale "
                  "similarity-build)")
   p.add_argument("--labels", default="", type=cli_args.input_file, metavar="TRAIN.jsonl",
-                 help='(classify) the training examples: {"text", "label"} per line')
+                 help='(classify) the training examples: {"text", "label"} per line; (name) '
+                 'a naming task\'s train.jsonl')
   p.add_argument("--eval-labels", "--eval_labels", dest="eval_labels", default="",
                  type=cli_args.input_file, metavar="TEST.jsonl",
-                 help="(classify) the held-out examples, scored every --eval-every steps")
+                 help="(classify, name) the held-out examples, scored every --eval-every steps")
   p.add_argument("--workdir", required=True, metavar="OUT", help="the run's directory")
   start = p.add_mutually_exclusive_group(required=True)
   start.add_argument("--init-workdir", metavar="RUN", help="a pretraining run's --workdir")
@@ -91,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
       ("log_every", int, 1, 1 << 40, "steps per metrics row"),
       ("max_groups", int, 0, 1 << 40, "train on a seeded random subset of this many groups "
        "(0: all; learning curves)"),
-      ("eval_every", int, 1, 1 << 40, "(classify) steps between held-out scores")):
+      ("eval_every", int, 1, 1 << 40, "(classify, name) steps between held-out scores")):
     names = dict.fromkeys([f"--{flag.replace('_', '-')}", f"--{flag}"])  # both spellings
     p.add_argument(*names, dest=flag, default=None, type=num(kind, lo, hi), help=what)
   p.add_argument("--pool", choices=["mean", "cls"], default=None,
@@ -139,6 +150,9 @@ def run(config, workdir: str, allow_change: bool) -> int:
 
 
 def _task_module(config):
+  if config.finetune.task == "name":
+    from lmscale_jax.finetune import name_run
+    return name_run
   if config.finetune.task == "classify":
     from lmscale_jax.finetune import classify_run
     return classify_run
@@ -156,6 +170,12 @@ def _finetune(config, workdir: str, allow_change: bool, inputs) -> None:
     done = (f"held-out accuracy {row.get('eval_accuracy', float('nan')):.3f}, macro-F1 "
             f"{row.get('eval_macro_f1', float('nan')):.3f} ({workdir}/classification_eval.json); "
             "the model: lmscale classify --workdir, lmscale export-hf --workdir")
+  elif config.finetune.task == "name":
+    row = _task_module(config).finetune(config, workdir, allow_config_change=allow_change,
+                                        inputs=inputs, say=say)
+    done = (f"held-out token F1 {row.get('eval_f1', float('nan')):.3f}, exact "
+            f"{row.get('eval_exact', float('nan')):.3f} ({workdir}/naming_eval.json); the "
+            "model: lmscale name --workdir, lmscale export-hf --workdir")
   else:
     row = _task_module(config).finetune(config, workdir, allow_config_change=allow_change,
                                         pairs=inputs, say=say)

@@ -1,5 +1,5 @@
 """The configuration of fine-tuning (``finetune.task``: contrastive, finetune/contrastive_run.py;
-classify, finetune/classify_run.py): an ml_collections
+classify, finetune/classify_run.py; name, finetune/name_run.py): an ml_collections
 config like ``configs/*.py``, so ``--config.section.key=value`` overrides it
 (lmscale finetune), with the same ``train``, ``checkpoint`` and ``distributed``
 sections as pretraining (its optimizer, checkpointing and multi-process start-up read them).
@@ -15,7 +15,8 @@ from lmscale_jax.config import modes
 from lmscale_jax.errors import ConfigError
 
 INIT_SOURCES = ("workdir", "hf", "random")
-TASKS = ("contrastive", "classify")
+TASKS = ("contrastive", "classify", "name")
+LABELLED = ("classify", "name")  # the tasks of a --labels/--eval-labels pair of files
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -32,9 +33,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.init.tokenizer = ""          # (workdir, random) the dataset's tokenizer.json if moved
 
   c.finetune = ml_collections.ConfigDict()
-  c.finetune.task = "contrastive"  # contrastive (pairs) | classify (labels: a JSONL file)
-  c.finetune.labels = ""         # (classify) the training file: {"text", "label"} per line
-  c.finetune.eval_labels = ""    # (classify) the held-out file scored every train.eval_every
+  c.finetune.task = "contrastive"  # contrastive (pairs) | classify | name (labels: JSONL files)
+  c.finetune.labels = ""         # (classify, name) the training file: {"text", "label"} per
+                                 # line (name: {"text", "tokens"}, lmscale naming-build's)
+  c.finetune.eval_labels = ""    # (classify, name) the held-out file scored every eval_every
+  c.finetune.name_min_count = 2  # (name) a sub-token is an output if this many training names
+                                 # hold it (XFL's vocabulary)
+  c.finetune.name_calibration = 0.1  # (name) the share of training rows (whole libraries) held
+                                 # out to choose the prediction rule on
   c.finetune.temperature = 0.05  # InfoNCE logits = cosine / temperature
   c.finetune.proj_dim = 128      # the projection head's output size
   c.finetune.pool = "mean"       # mean (non-pad tokens) | cls
@@ -74,8 +80,9 @@ _INTS = (("train.batch_size", 2), ("train.steps", 1), ("train.warmup_steps", 0),
          ("train.grad_accum_steps", 1),
          ("train.max_consecutive_nonfinite", 1), ("checkpoint.every", 1),
          ("checkpoint.keep", 1), ("finetune.proj_dim", 1), ("finetune.freeze_layers", 0),
-         ("init.step", -1), ("data.max_groups", 0))
+         ("init.step", -1), ("data.max_groups", 0), ("finetune.name_min_count", 1))
 _FLOATS = (("finetune.temperature", 0.0, 100.0, True, False),
+           ("finetune.name_calibration", 0.0, 0.5, True, True),
            ("finetune.dropout", 0.0, 1.0, False, True),
            ("train.learning_rate", 0.0, float("inf"), True, True),
            ("train.end_lr_frac", 0.0, 1.0, False, False),
@@ -118,16 +125,16 @@ def _check_task_inputs(config) -> None:
   if f.task == "contrastive" and not config.data.pairs:
     raise ConfigError("data.pairs is empty: give the pairs file (--pairs FILE)")
   if f.task == "contrastive" and (f.labels or f.eval_labels):
-    raise ConfigError("finetune.labels/eval_labels are the classification task's files: give "
-                      "--task classify with them, or leave them out")
-  if f.task != "classify":
+    raise ConfigError("finetune.labels/eval_labels are the classification and naming tasks' "
+                      "files: give --task classify or --task name with them, or leave them out")
+  if f.task not in LABELLED:
     return
   if config.data.pairs:
-    raise ConfigError("data.pairs (--pairs) is the contrastive task's file: --task classify "
+    raise ConfigError(f"data.pairs (--pairs) is the contrastive task's file: --task {f.task} "
                       "trains on --labels FILE")
   if not f.labels or not f.eval_labels:
-    raise ConfigError("finetune.labels and finetune.eval_labels: --task classify needs both "
+    raise ConfigError(f"finetune.labels and finetune.eval_labels: --task {f.task} needs both "
                       "(--labels TRAIN.jsonl --eval-labels TEST.jsonl)")
   if f.pool != "mean":
-    raise ConfigError(f"finetune.pool={f.pool}: the classification head pools by the mean over "
+    raise ConfigError(f"finetune.pool={f.pool}: the {f.task} head pools by the mean over "
                       "non-pad tokens (undertale's); leave --pool out")

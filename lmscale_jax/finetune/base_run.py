@@ -182,6 +182,7 @@ class FinetuneLog(metrics_lib.StepLog):
   its console line through ``say`` (``rows``: what a row of the batch is called there)."""
 
   rows = "rows"
+  score = "accuracy"  # the task's batch metric (the naming task's: f1)
 
   def __init__(self, config, workdir: str, start: int, checkpointer, batches,
                say: Callable[[str], None]):
@@ -200,7 +201,7 @@ class FinetuneLog(metrics_lib.StepLog):
         tokens=float(sum(m["tokens"] for m in timed)), flops_per_step=0.0,
         peak_flops_total=None)
     return {"loss": float(np.mean([m["loss"] for m in good])),
-            "accuracy": float(np.mean([m["accuracy"] for m in good])),
+            self.score: float(np.mean([m[self.score] for m in good])),
             "learning_rate": float(host[-1]["learning_rate"]),
             "grad_norm": float(good[-1]["grad_norm"]),
             **{k: rates[k] for k in ("samples_per_sec", "tokens_per_sec", "step_time")},
@@ -214,5 +215,5 @@ class FinetuneLog(metrics_lib.StepLog):
     if "loss" not in row:  # an evaluation row: the task's own line
       return
     rate = f" | {self.rows}/s {row['samples_per_sec']:.1f}" if row["samples_per_sec"] else ""
-    self.say(f"step {step}/{self.train_config.steps} | loss {row['loss']:.4f} | accuracy "
-             f"{row['accuracy']:.3f} | lr {row['learning_rate']:.2e}{rate}")
+    self.say(f"step {step}/{self.train_config.steps} | loss {row['loss']:.4f} | {self.score} "
+             f"{row[self.score]:.3f} | lr {row['learning_rate']:.2e}{rate}")

@@ -175,7 +175,8 @@ def predict(steps: steps_lib.Steps, params, ids: np.ndarray, batch_size: int,
             pad_id: int) -> np.ndarray:
   """The predicted class of every row of ``ids`` [N,S] (every process holds them all), in
   global batches of ``batch_size`` rows (the last padded with [PAD] rows), each process
-  giving its share of the rows as in training."""
+  giving its share of the rows as in training. (Any ``eval_step`` whose outputs, a tree of
+  arrays, are per row: the naming task's top tokens.)"""
   share = batch_size // jax.process_count()
   first = jax.process_index() * share
   out = []
@@ -185,5 +186,6 @@ def predict(steps: steps_lib.Steps, params, ids: np.ndarray, batch_size: int,
     full[:len(chunk)] = chunk
     batch = jax.make_array_from_process_local_data(steps.batch_sharding,
                                                    full[first:first + share])
-    out.append(np.asarray(jax.device_get(steps.eval_step(params, batch)))[:len(chunk)])
-  return np.concatenate(out)
+    out.append(jax.tree.map(lambda a, n=len(chunk): np.asarray(a)[:n],
+                            jax.device_get(steps.eval_step(params, batch))))
+  return jax.tree.map(lambda *parts: np.concatenate(parts), *out)

@@ -2,7 +2,8 @@
 training workdir's checkpoint or from a Hugging Face directory, with its tokenizer, and the
 three things done with it: MLM logits at given positions, the last hidden layer, and (a
 fine-tuned model: finetune/contrastive_run.py) its embeddings, pooled, projected and normalised,
-or (a classification fine-tune: finetune/classify_run.py) its class logits.
+or (a classification fine-tune: finetune/classify_run.py) its class logits, or (a naming
+fine-tune: finetune/name_run.py) its name sub-tokens' probabilities.
 
 A workdir needs no dataset: the model's shape is in the run's ``config.json`` (its ``model``
 block holds the resolved vocab_size/seq_len); the parameters, and only they, come from its
@@ -12,7 +13,9 @@ read from the run's ``data.path`` (or ``--tokenizer``). Inference runs in float3
 transformers does. A fine-tuning workdir (its config.json has a ``finetune`` section) keeps its
 tokenizer in the workdir and its projection head beside the encoder (``head``), or, a
 classification run (``finetune.task="classify"``), its classifier and class names
-(``classifier``, the workdir's ``labels.json``); an exported one has ``projection.*`` files.
+(``classifier``, the workdir's ``labels.json``), or a naming run (``"name"``) the same head
+over its name sub-tokens (``namer``, the workdir's ``name_vocab.json``); an exported one has
+``projection.*`` files.
 
 Every file is read, and checked, by :mod:`lmscale_jax.inference.model_files`.
 """
@@ -33,7 +36,7 @@ from lmscale_jax.errors import UserError
 from lmscale_jax.inference import model_files
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import classifier as classifier_lib
-from lmscale_jax.model import contrastive, hf_convert, hf_dir_checks
+from lmscale_jax.model import contrastive, hf_convert, hf_dir_checks, name_head
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import workdir as workdir_lib
@@ -50,6 +53,8 @@ class TrainedModel:
   head: dict | None = None         # fine-tuned: {"pool", "projection": {"kernel", "bias"}}
   # a classification fine-tune: {"labels": class names, "kernel" [H,C], "bias" [C]}
   classifier: dict | None = None
+  # a naming fine-tune: {"tokens": name sub-tokens, "kernel" [H,V], "bias" [V]}
+  namer: dict | None = None
 
   @property
   def special_ids(self) -> dict:
@@ -106,7 +111,7 @@ def abstract_params(run_config, cfg, classes: int = 0):
   classification run ``{"bert", "classifier"}`` (``classes`` outputs). Pretraining's
   parameters do not depend on ``predictions`` (``model.bert.init_params``)."""
   bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
-  if is_classifier(run_config):
+  if is_classifier(run_config) or is_namer(run_config):
     bert = {"bert": bert, "classifier": jax.eval_shape(
         lambda: classifier_lib.init_head(cfg, classes, jax.random.key(0)))}
   elif is_finetuned(run_config):
@@ -124,6 +129,11 @@ def is_finetuned(run_config) -> bool:
 def is_classifier(run_config) -> bool:
   """A classification fine-tune's run (config.legacy: an older fine-tune is contrastive)."""
   return is_finetuned(run_config) and run_config.finetune.task == "classify"
+
+
+def is_namer(run_config) -> bool:
+  """A naming fine-tune's run (finetune/name_run.py)."""
+  return is_finetuned(run_config) and run_config.finetune.task == "name"
 
 
 def workdir_shape(workdir: str, tokenizer_path: str, dtype: str | None):
@@ -148,16 +158,19 @@ def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = ""
   if data is not None:
     model_files.check_dataset(cfg, data, workdir, same_seq_len=False, record=record)
   names = classifier_lib.load_labels(workdir) if is_classifier(run_config) else []
-  step, params = model_files.restore_params(workdir, step,
-                                            abstract_params(run_config, cfg, len(names)))
-  params, head, classes = jax.device_get(params), None, None
+  tokens = name_head.load_vocab(workdir)["tokens"] if is_namer(run_config) else []
+  step, params = model_files.restore_params(
+      workdir, step, abstract_params(run_config, cfg, len(names) or len(tokens)))
+  params, head, classes, namer = jax.device_get(params), None, None, None
   if names:
     params, classes = params["bert"], {"labels": names, **params["classifier"]}
+  elif tokens:
+    params, namer = params["bert"], {"tokens": tokens, **params["classifier"]}
   elif is_finetuned(run_config):
     params, head = params["bert"], {"pool": run_config.finetune.pool,
                                     "projection": params["projection"]}
   return TrainedModel(cfg=cfg, params=params, tokenizer=tok, source=workdir, step=step,
-                      run_config=run_config, head=head, classifier=classes)
+                      run_config=run_config, head=head, classifier=classes, namer=namer)
 
 
 def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
@@ -200,7 +213,7 @@ def random_init(model: TrainedModel, seed: int) -> TrainedModel:
   (seed ``seed``): eval_similarity.py's random-init row, finetune's ``init.source=random``."""
   params = _init_fn(model.cfg.to_json())(jax.random.key(seed))
   return dataclasses.replace(model, params=jax.device_get(params), source="random-init",
-                             step=None, head=None, classifier=None)
+                             step=None, head=None, classifier=None, namer=None)
 
 
 def load(workdir: str = "", hf: str = "", step: int | None = None,
@@ -294,3 +307,20 @@ def class_logits(model: TrainedModel, ids: np.ndarray) -> np.ndarray:
   """ids [B,S] → a classification fine-tune's logits, float32 [B,C] (class ``i``:
   ``model.classifier["labels"][i]``)."""
   return classifier_lib.logits(model.cfg, classifier_params(model), ids)
+
+
+def namer_params(model: TrainedModel) -> dict:
+  """A naming fine-tune's parameters as its run trains them, ``{"bert", "classifier":
+  {"kernel", "bias"}}`` (the classifier's tree: model/name_head.py)."""
+  if model.namer is None:
+    raise UserError(f"{model.source} has no naming head: not a naming fine-tune (lmscale "
+                    "finetune --task name makes one)")
+  return {"bert": model.params,
+          "classifier": {k: model.namer[k] for k in ("kernel", "bias")}}
+
+
+def name_probs(model: TrainedModel, ids: np.ndarray) -> np.ndarray:
+  """ids [B,S] → a naming fine-tune's probability of each name sub-token, float32 [B,V]
+  (token ``i``: ``model.namer["tokens"][i]``)."""
+  return name_head.sigmoid(classifier_lib.logits(model.cfg, namer_params(model), ids)
+                           ).astype(np.float32)

@@ -113,6 +113,30 @@ def classification_task(model, labels: Callable, pad_id: int) -> SumTask:
                  metrics=metrics, compute_cast=head_in_float32("classifier"))
 
 
+def naming_task(model, labels: Callable, pad_id: int) -> SumTask:
+  """A naming fine-tune's loss (:mod:`lmscale_jax.model.name_head`): binary cross-entropy of
+  one sigmoid per name sub-token, summed over the vocabulary and the rows of batches ``{"ids"
+  [B,S], "targets" [B,V]}`` / the rows. Its metric: the batch's micro token F1 at p >= 0.5
+  (``f1``; true positives, predicted and true tokens summed over devices first)."""
+
+  def loss_sum(params, batch, rng):
+    logits = model.apply({"params": stop_frozen(params, labels)}, batch["ids"],
+                         deterministic=False, rngs={"dropout": rng}).astype(jnp.float32)
+    target = batch["targets"].astype(jnp.float32)
+    bce = optax.sigmoid_binary_cross_entropy(logits, target).sum(-1)
+    said = (logits >= 0).astype(jnp.float32)
+    return bce.sum(), {"hit": (said * target).sum(), "said": said.sum(), "real": target.sum(),
+                       "tokens": (batch["ids"] != pad_id).sum()}
+
+  def metrics(sums):
+    hit = sums["hit"]
+    return {"f1": 2 * hit / jnp.maximum(sums["said"] + sums["real"], 1.0),
+            "tokens": sums["tokens"]}
+
+  return SumTask(loss_sum=loss_sum, weight=lambda b: jnp.asarray(b["ids"].shape[0], jnp.float32),
+                 metrics=metrics, compute_cast=head_in_float32("classifier"))
+
+
 def stop_frozen(params, labels: Callable):
   """``params`` with no gradient through the leaves ``labels(params)`` calls "frozen" (none is
   then computed at all; the optimizer also zeroes their updates)."""

@@ -1,0 +1,246 @@
+"""A function-naming fine-tuning run (``finetune.task="name"``; XFL's multi-label form of the
+naming task): the encoder, masked-mean pooling and a Dense head to one logit per name sub-token
+of the run's vocabulary (:mod:`lmscale_jax.model.name_head`), trained with binary
+cross-entropy on a naming task's training file (:mod:`lmscale_jax.finetune.name_labels`) and
+scored on its held-out file by :func:`lmscale_jax.evals.naming.score`.
+
+  finetune(config, workdir)   # config: get_config() with finetune.task="name",
+                              # finetune.labels, finetune.eval_labels and init.* set
+
+A task of hooks on the shared run core (:mod:`lmscale_jax.finetune.base_run`,
+:mod:`lmscale_jax.train.run_loop`), as the classification task is; the step is pretraining's
+with :func:`tasks.naming_task` (every ``train.*`` lever). The head's bias starts at each
+token's log-odds in the training names (the loss then starts near the names' entropy, not at
+V·ln 2). The workdir also holds ``name_vocab.json`` (output ``i`` is ``tokens[i]``; a resume
+whose task gives another vocabulary is refused) and, after each evaluation (every
+``train.eval_every`` steps and after the last), ``naming_eval.json``: the prediction rule
+chosen on the calibration slice of the training file (the best F1 among
+:data:`name_head.RULES`, each at its best threshold or k), its precision, recall, F1 and
+exact-name accuracy on the held-out file, every rule's scores there too, and one prediction
+per held-out function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from lmscale_jax.config import finetune as finetune_config
+from lmscale_jax.evals import naming
+from lmscale_jax.finetune import base_run, classify_run
+from lmscale_jax.finetune import labels as labels_lib
+from lmscale_jax.finetune import name_labels
+from lmscale_jax.model import bert as model_lib
+from lmscale_jax.model import classifier as classifier_lib
+from lmscale_jax.model import name_head
+from lmscale_jax.store import file_io
+from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import finetune_state
+from lmscale_jax.train import steps as steps_lib
+from lmscale_jax.train import tasks
+
+EVAL_REPORT = "naming_eval.json"
+TOP = 32  # tokens per function the evaluation reads back (every rule chooses among them)
+THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(1, 20))
+KS = tuple(range(1, 7))
+
+
+@dataclasses.dataclass
+class NamingTask:
+  """The two files of a naming task, read and checked, the vocabulary and the split of the
+  training rows into those trained on and the calibration slice."""
+  train: name_labels.Named
+  test: name_labels.Named
+  tokens: list[str]
+  fit: name_labels.Named
+  calibration: name_labels.Named
+
+
+# ----------------------------------------------------------------------------- steps
+def build_steps(config, cfg, prior: np.ndarray, mesh=None, *,
+                manual: bool | None = None) -> steps_lib.Steps:
+  """The one train step of the naming task (``prior``: each token's share of the training
+  names, the bias's start). ``eval_step``: (params, ids [B,S]) -> (the TOP best tokens'
+  probabilities [B,K], their indices [B,K])."""
+  outputs = len(prior)
+  model = classifier_lib.SequenceClassifier(cfg, outputs)
+  optimizer, labels = finetune_state.optimizer(config)
+  p = np.clip(np.asarray(prior, np.float64), 1e-6, 1 - 1e-6)
+  bias = jnp.asarray(np.log(p / (1 - p)), jnp.float32)
+
+  def init_state(bert, rng):
+    head = classifier_lib.init_head(cfg, outputs, rng)
+    params = {"bert": bert, "classifier": {**head, "bias": bias}}
+    return steps_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                opt_state=optimizer.init(params))
+
+  def predict(params, ids):
+    logits = model.apply({"params": params}, ids, deterministic=True)
+    return jax.lax.top_k(jax.nn.sigmoid(logits.astype(jnp.float32)), min(TOP, outputs))
+
+  bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
+  task = tasks.naming_task(model, labels, int(cfg.pad_id))
+  return steps_lib.build_task_steps(config, task, model, optimizer, init_state,
+                                    (bert, jax.random.key(0)), compute_dtype=str(cfg.dtype),
+                                    mesh=mesh, manual=manual, eval_step=predict)
+
+
+# ----------------------------------------------------------------------------- scores
+def best_tokens(tokens: list[str], top: tuple[np.ndarray, np.ndarray]):
+  """(each function's best tokens, best first; their probabilities [N,K])."""
+  probs, index = (np.asarray(a) for a in top)
+  return [[tokens[i] for i in row] for row in index.tolist()], probs
+
+
+def rules():
+  """Every rule the calibration slice chooses among."""
+  for kind in ("threshold", "threshold_min1"):
+    for t in THRESHOLDS:
+      yield {"kind": kind, "threshold": t}
+  for k in KS:
+    yield {"kind": "topk", "k": k}
+
+
+def choose_rule(names: list[list[str]], probs: np.ndarray, truth: list[list[str]]) -> dict:
+  """The rule of the best F1 on the calibration slice ({"kind", its parameter, "f1"}); the
+  best of each kind under ``by_kind``."""
+  scored = [(naming.score(name_head.apply_rule(r, names, probs), truth)["f1"], i, r)
+            for i, r in enumerate(rules())]
+  by_kind = {}
+  for f1, _, r in scored:
+    if f1 > by_kind.get(r["kind"], (-1.0, None))[0]:
+      by_kind[r["kind"]] = (f1, r)
+  best = max(scored, key=lambda x: (x[0], -x[1]))
+  return {**best[2], "calibration_f1": best[0],
+          "by_kind": {k: {**r, "calibration_f1": f1} for k, (f1, r) in by_kind.items()}}
+
+
+def report(test: name_labels.Named, tokens: list[str], rule: dict, names, probs,
+           shown: int = 5) -> dict:
+  """The held-out scores of ``rule`` (and of each kind's best rule), the share of test
+  sub-tokens outside the vocabulary, and one prediction per function."""
+  predicted = name_head.apply_rule(rule, names, probs)
+  known = set(tokens)
+  real = [t for name in test.tokens for t in name]
+  out = {"file": os.path.abspath(test.path), "sha256": test.sha256, "vocabulary": len(tokens),
+         "rule": {k: v for k, v in rule.items() if k != "by_kind"},
+         **naming.score(predicted, test.tokens),
+         "test_tokens_outside_vocabulary": sum(t not in known for t in real) / max(1, len(real)),
+         "rules": {k: {**r, **naming.score(name_head.apply_rule(r, names, probs), test.tokens)}
+                   for k, r in rule.get("by_kind", {}).items()}}
+  out["predictions"] = [
+      {"line": line, "tokens": truth, "predicted": guess,
+       "top": [[t, round(float(p), 4)] for t, p in zip(n[:shown], ps[:shown])], **info}
+      for line, truth, guess, n, ps, info in zip(test.lines, test.tokens, predicted, names,
+                                                 probs, test.info)]
+  return out
+
+
+class NameLog(base_run.FinetuneLog):
+  """The rows of a naming fine-tune: binary cross-entropy summed over the vocabulary, the
+  batch's micro token F1 at p >= 0.5 (``f1``), functions and tokens per second; evaluation
+  rows ``eval_precision``, ``eval_recall``, ``eval_f1``, ``eval_exact``."""
+
+  rows = "functions"
+  score = "f1"
+  advice = "Lower train.learning_rate (train.nonfinite=skip skips such steps instead)"
+
+
+# ----------------------------------------------------------------------------- the run
+def check_inputs(config, workdir: str) -> NamingTask:
+  """The checks that need no runtime and write nothing: the config, both files, the
+  vocabulary, the calibration split, and (a new run) the model to start from."""
+  finetune_config.check_config(config)
+  f = config.finetune
+  train = name_labels.read(f.labels, "--labels")
+  test = name_labels.read(f.eval_labels, "--eval-labels")
+  tokens = name_labels.vocabulary(train, int(f.name_min_count))
+  fit_rows, held = name_labels.calibration_split(train, float(f.name_calibration),
+                                                 int(config.train.seed))
+  fit, calibration = train.subset(fit_rows), train.subset(held)
+  labels_lib.check_enough(fit, config.train.batch_size)
+  check_vocab(workdir, tokens)
+  base_run.check_start(config, workdir)
+  return NamingTask(train=train, test=test, tokens=tokens, fit=fit, calibration=calibration)
+
+
+def check_vocab(workdir: str, tokens: list[str]) -> None:
+  """A workdir that holds a naming run's vocabulary holds this task's."""
+  if os.path.exists(os.path.join(workdir, name_head.VOCAB)):
+    saved = name_head.load_vocab(workdir)["tokens"]
+    name_head.check_same(saved, tokens, f"--workdir {workdir}",
+                         "resume with the task (and finetune.name_min_count) it was trained "
+                         "on, or give a new --workdir")
+
+
+def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=None,
+             say: Callable[[str], None] = logging.info) -> dict:
+  """Fine-tunes a naming head (resuming from ``workdir`` if it holds a checkpoint); returns
+  the last row (with the last evaluation's ``eval_f1`` …)."""
+  inputs = inputs or check_inputs(config, workdir)
+  return base_run.run(NameFinetune(config, workdir, inputs, say), allow_config_change)
+
+
+class NameFinetune(base_run.FinetuneRun):
+  """Naming fine-tuning in the one loop: batches of the training rows outside the calibration
+  slice (:class:`name_labels.NameBatches`, its position saved), the rule chosen and the
+  held-out file scored every ``train.eval_every`` steps and after the last."""
+
+  def __init__(self, config, workdir: str, inputs: NamingTask, say: Callable[[str], None]):
+    super().__init__(config, workdir, say)
+    self.inputs = inputs
+    self.eval_every = int(self.config.train.eval_every)
+
+  def check_resume(self, step: int) -> None:  # refused before anything is written
+    labels_lib.check_resume(self.inputs.train, ckpt_lib.step_dir(self.workdir, step),
+                            jax.process_index(), jax.process_count())
+
+  def build(self) -> None:
+    t, inputs, f = self.config.train, self.inputs, self.config.finetune
+    if jax.process_index() == 0:
+      name_head.save_vocab(self.workdir, inputs.tokens, int(f.name_min_count),
+                           inputs.train.sha256)
+    prior = name_labels.targets(inputs.fit, inputs.tokens).mean(0)
+    self.steps = build_steps(self.config, self.model.cfg, prior)
+    self.batches = name_labels.NameBatches(inputs.fit, inputs.tokens, self.model, seed=t.seed,
+                                           batch_size=t.batch_size,
+                                           process_index=jax.process_index(),
+                                           process_count=jax.process_count())
+    self.calibration_ids, _ = labels_lib.encode_all(self.model, inputs.calibration.texts)
+    self.test_ids, _ = labels_lib.encode_all(self.model, inputs.test.texts)
+
+  def describe(self) -> str:
+    i = self.inputs
+    return (f"{len(i.fit)} functions from {i.train.path} ({len(i.calibration)} more held out "
+            f"to choose the prediction rule), {len(i.test)} scored in {i.test.path}, head "
+            f"{self.model.cfg.hidden}→{len(i.tokens)} name sub-tokens (sigmoid, mean pooling)")
+
+  def make_log(self, start: int, checkpointer) -> NameLog:
+    return NameLog(self.config, self.workdir, start, checkpointer, self.batches, self.say)
+
+  def best(self, params, ids: np.ndarray):
+    top = classify_run.predict(self.steps, params, ids, self.config.train.batch_size,
+                               self.model.special_ids["[PAD]"])
+    return best_tokens(self.inputs.tokens, top)
+
+  def evaluate(self, state) -> dict:
+    i = self.inputs
+    rule = choose_rule(*self.best(state.params, self.calibration_ids), i.calibration.tokens)
+    scores = report(i.test, i.tokens, rule, *self.best(state.params, self.test_ids))
+    step = int(jax.device_get(state.step))
+    if jax.process_index() == 0:
+      file_io.atomic_write_json(os.path.join(self.workdir, EVAL_REPORT),
+                                {"step": step, "calibration_functions": len(i.calibration),
+                                 **scores})
+    r = scores["rule"]
+    self.say(f"step {step}: held-out token precision {scores['precision']:.3f}, recall "
+             f"{scores['recall']:.3f}, F1 {scores['f1']:.3f}, exact {scores['exact']:.3f} "
+             f"({len(i.test)} functions; rule {r['kind']} "
+             f"{r.get('threshold', r.get('k'))}, chosen on {len(i.calibration)})")
+    return {f"eval_{k}": scores[k] for k in ("precision", "recall", "f1", "exact")}

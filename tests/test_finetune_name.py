@@ -1,0 +1,139 @@
+"""Function-naming fine-tuning end to end (lmscale finetune --task name,
+finetune/name_run.py): a small naming task built as lmscale naming-build builds one (each of
+tests/data/similarity's functions compiled by the machine's gcc at -O0 and -O3; its name split
+into sub-tokens; split by library: strings.c's functions held out), started from
+tests/test_finetune.py's real 2-step pretraining run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from lmscale_jax.evals import naming
+from lmscale_jax.finetune import name_run
+from lmscale_jax.inference import trained_model
+from lmscale_jax.model import name_head
+from tests.test_finetune import bench, pretrained, rows  # noqa: F401 (fixtures)
+from tests.test_hf_tools import run_tool
+
+STEPS = 60
+EVAL_EVERY = 30
+TEST_LIBRARY = "similarity/strings.c"
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+
+
+def sub_tokens(name: str) -> list[str]:
+  """snake_case, camelCase and digits → lowercase sub-tokens (naming-build's split)."""
+  spaced = re.sub(r"([a-z])([A-Z])", r"\1 \2", name)
+  return [t.lower() for t in re.findall(r"[A-Za-z]+|[0-9]+", spaced)]
+
+
+def write_jsonl(path, objects) -> None:
+  path.write_text("".join(json.dumps(o) + "\n" for o in objects))
+
+
+@pytest.fixture(scope="module")
+def task_dir(bench, tmp_path_factory):
+  """DIR with train.jsonl and test.jsonl in naming-build's format."""
+  groups = [json.loads(x) for x in open(bench).read().splitlines()[1:]]
+  out = tmp_path_factory.mktemp("naming")
+
+  def functions(part):
+    return [{"text": v["text"], "name": g["name"], "tokens": sub_tokens(g["name"]),
+             "library": g["source"], "function": g["name"], "binary": variant}
+            for g in part for variant, v in sorted(g["variants"].items())]
+
+  write_jsonl(out / "train.jsonl", functions([g for g in groups if g["source"] != TEST_LIBRARY]))
+  write_jsonl(out / "test.jsonl", functions([g for g in groups if g["source"] == TEST_LIBRARY]))
+  return out
+
+
+def args(task_dir, pretrained, workdir, *extra) -> list[str]:
+  return [str(a) for a in (
+      "--task", "name", "--labels", task_dir / "train.jsonl", "--eval-labels",
+      task_dir / "test.jsonl", "--workdir", workdir, "--init-workdir", pretrained[1],
+      "--steps", STEPS, "--batch-size", 16, "--learning-rate", 2e-3, "--warmup-steps", 3,
+      "--dropout", 0.0, "--log-every", 1, "--eval-every", EVAL_EVERY, "--checkpoint-every", 30,
+      *extra)]
+
+
+def train_rows(workdir, key="loss") -> dict:
+  return {r["step"]: r[key] for r in rows(workdir) if key in r}
+
+
+@pytest.fixture(scope="module")
+def named(task_dir, pretrained, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("name") / "run"
+  from lmscale_jax.cli import finetune
+
+  assert finetune.main(args(task_dir, pretrained, workdir)) == 0
+  return workdir
+
+
+def test_a_naming_finetune_lowers_its_loss_and_writes_its_scores(named, task_dir):
+  loss = train_rows(named)
+  first, last = np.mean([loss[s] for s in range(1, 6)]), np.mean(
+      [loss[s] for s in range(STEPS - 4, STEPS + 1)])
+  report = json.load(open(named / name_run.EVAL_REPORT))
+  print(f"BCE loss steps 1-5 {first:.3f} → {last:.3f}; held-out precision "
+        f"{report['precision']:.3f} recall {report['recall']:.3f} F1 {report['f1']:.3f} exact "
+        f"{report['exact']:.3f}; rule {report['rule']}; rules {report['rules']}")
+  assert sorted(loss) == list(range(1, STEPS + 1)) and last < 0.9 * first  # 9.50 → 7.93
+  assert report["step"] == STEPS and report["functions"] == len(report["predictions"])
+  test = [json.loads(x) for x in open(task_dir / "test.jsonl").read().splitlines()]
+  assert report["functions"] == len(test)
+  # The report's numbers are evals/naming.score's of its own predictions.
+  again = naming.score([p["predicted"] for p in report["predictions"]],
+                       [p["tokens"] for p in report["predictions"]])
+  assert {k: report[k] for k in again} == again
+  assert report["rule"]["kind"] in name_head.RULES
+  assert set(report["rules"]) == set(name_head.RULES)
+  first_p = report["predictions"][0]
+  assert first_p["tokens"] == test[0]["tokens"] and first_p["function"] == test[0]["function"]
+  assert len(first_p["top"]) == 5 and first_p["top"][0][1] >= first_p["top"][1][1]
+  vocab = name_head.load_vocab(str(named))
+  assert report["vocabulary"] == len(vocab["tokens"]) and vocab["min_count"] == 2
+  evals = train_rows(named, "eval_f1")
+  assert sorted(evals) == [EVAL_EVERY, STEPS] and evals[STEPS] == report["f1"]
+  assert "f1" in rows(named)[0]
+  model = trained_model.load(workdir=str(named))
+  assert model.namer["tokens"] == vocab["tokens"] and model.classifier is None
+  assert model.namer["kernel"].shape == (64, len(vocab["tokens"]))
+
+
+def test_an_empty_name_is_refused_in_one_line_before_work(task_dir, pretrained, tmp_path,
+                                                          capsys):
+  bad = tmp_path / "train.jsonl"
+  write_jsonl(bad, [{"text": "ret", "tokens": ["ret"]}, {"text": "ret", "tokens": []}])
+  argv = args(task_dir, pretrained, tmp_path / "w")
+  argv[argv.index("--labels") + 1] = str(bad)
+  code, _, err = run_tool("finetune", argv, capsys)
+  assert code == 1 and err.count("\n") == 1, err
+  assert f"{bad}:2: \"tokens\" is [], expected a non-empty list" in err
+  assert not (tmp_path / "w").exists()
+
+
+def test_a_file_without_a_frequent_token_has_no_usable_names(task_dir, pretrained, tmp_path,
+                                                             capsys):
+  bad = tmp_path / "train.jsonl"
+  write_jsonl(bad, [{"text": "ret", "tokens": [f"t{i}"]} for i in range(40)])
+  argv = args(task_dir, pretrained, tmp_path / "w")
+  argv[argv.index("--labels") + 1] = str(bad)
+  code, _, err = run_tool("finetune", argv, capsys)
+  assert code == 1 and err.count("\n") == 1, err
+  assert "no usable names to learn" in err and "name_min_count=2" in err
+
+
+def test_a_task_whose_vocabulary_is_not_the_runs_is_refused_in_one_line(named, task_dir,
+                                                                       pretrained, capsys):
+  before = sorted(p.name for p in named.iterdir())
+  code, _, err = run_tool("finetune", args(task_dir, pretrained, named, "--steps", STEPS + 10,
+                                           "--config.finetune.name_min_count=3"), capsys)
+  assert code == 1 and err.count("\n") == 1, err
+  assert "the model's name vocabulary" in err and "is not this task's" in err
+  assert sorted(p.name for p in named.iterdir()) == before
