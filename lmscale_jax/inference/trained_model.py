@@ -159,8 +159,16 @@ def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = ""
     model_files.check_dataset(cfg, data, workdir, same_seq_len=False, record=record)
   names = classifier_lib.load_labels(workdir) if is_classifier(run_config) else []
   tokens = name_head.load_vocab(workdir)["tokens"] if is_namer(run_config) else []
-  step, params = model_files.restore_params(
-      workdir, step, abstract_params(run_config, cfg, len(names) or len(tokens)))
+  try:
+    step, params = model_files.restore_params(
+        workdir, step, abstract_params(run_config, cfg, len(names) or len(tokens)))
+  except ValueError as e:  # Orbax: a head of another size than the vocabulary says
+    if not tokens or "shape" not in str(e):
+      raise
+    raise name_head.NameVocabError(
+        f"{workdir}: its {name_head.VOCAB} has {len(tokens)} tokens, not the size of the "
+        "checkpoint's naming head: not the vocabulary this model was trained with (restore "
+        "its own name_vocab.json)") from None
   params, head, classes, namer = jax.device_get(params), None, None, None
   if names:
     params, classes = params["bert"], {"labels": names, **params["classifier"]}

@@ -1,0 +1,148 @@
+"""Suggest names for the functions of an ELF file with a naming fine-tune.
+
+  lmscale name --workdir RUN [--step N] --elf FILE
+      [--function NAME | --address ADDR] [--top 5] [--json OUT.json] [--batch-size 64]
+
+RUN is a lmscale finetune --task name workdir. Every
+function of FILE (a stripped file's too: found by .eh_frame, named sub_<hex address>), or the
+one named (a symbol name or sub_<hex>) or starting at ADDR, is read as the model saw
+functions in training; for each, the suggested name (the sub-tokens the run's prediction rule
+keeps, joined by "_": the rule chosen on held-out training libraries, its naming_eval.json)
+and the --top best sub-tokens with their probabilities, as a table or (--json) one object per
+function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from lmscale_jax.cli import args
+from lmscale_jax.errors import UserError
+from lmscale_jax.store import output_marks
+
+TOOL = "lmscale name"  # the parser's prog, and the mark its --json carries
+DEFAULT_RULE = {"kind": "threshold_min1", "threshold": 0.5}  # a run never evaluated
+
+
+def address(text: str) -> int:
+  try:
+    return int(text, 16)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a hexadecimal address (0x401000)")
+
+
+def parser() -> argparse.ArgumentParser:
+  p = args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", required=True, help="a lmscale finetune --task name run")
+  p.add_argument("--step", type=args.number(int, 0, 1 << 62), default=None,
+                 help="its checkpoint; default the latest")
+  p.add_argument("--elf", required=True, type=args.input_file, metavar="FILE",
+                 help="an x86-64 ELF file (stripped or not)")
+  which = p.add_mutually_exclusive_group()
+  which.add_argument("--function", metavar="NAME", help="only this function (symbol name or "
+                     "sub_<hex address>)")
+  which.add_argument("--address", type=address, metavar="ADDR",
+                     help="only the function starting at this hexadecimal address")
+  p.add_argument("--top", type=args.number(int, 1, 1000), default=5,
+                 help="sub-token suggestions per function")
+  p.add_argument("--json", default="", type=args.output_file, metavar="OUT.json",
+                 help="write the suggestions as JSON")
+  p.add_argument("--batch-size", "--batch_size", dest="batch_size", default=64,
+                 type=args.number(int, 1, 1 << 16), help="functions per forward pass")
+  return p
+
+
+def load(a):
+  """(the model, its vocabulary, its prediction rule)."""
+  from lmscale_jax.finetune import name_run
+  from lmscale_jax.inference import trained_model
+  from lmscale_jax.model import name_head
+
+  model = trained_model.from_workdir(a.workdir, a.step)
+  if model.namer is None:
+    raise UserError(f"--workdir {a.workdir} is not a naming fine-tune (lmscale finetune "
+                    "--task name makes one)")
+  name_head.check_fits(model.namer["tokens"], model.namer["bias"].shape[0], a.workdir)
+  return model, saved_rule(os.path.join(a.workdir, name_run.EVAL_REPORT))
+
+
+def saved_rule(path: str) -> dict:
+  import json
+
+  try:
+    with open(path) as f:
+      rule = json.load(f).get("rule") or {}
+  except (OSError, ValueError, AttributeError):
+    return dict(DEFAULT_RULE)
+  return rule if rule.get("kind") in ("threshold", "threshold_min1", "topk") else dict(
+      DEFAULT_RULE)
+
+
+def functions(a) -> list:
+  from lmscale_jax.prep.elf import elf_functions
+
+  found = elf_functions.functions(a.elf, only=a.function)
+  if a.address is not None:
+    found = [f for f in found if f.address == a.address]
+    if not found:
+      raise UserError(f"{a.elf}: no function starts at {a.address:#x} (lmscale name --elf "
+                      f"{a.elf} lists them)")
+  if not found:
+    raise UserError(f"{a.elf}: no x86-64 function with code to name")
+  return found
+
+
+def suggest(a) -> dict:
+  """Every wanted function's suggestions."""
+  import numpy as np
+
+  from lmscale_jax.finetune import labels as labels_lib
+  from lmscale_jax.inference import trained_model
+  from lmscale_jax.model import name_head
+
+  found = functions(a)  # before the model: a bad file costs nothing
+  model, rule = load(a)
+  tokens = model.namer["tokens"]
+  ids, _ = labels_lib.encode_all(model, [f.text for f in found])
+  probs = np.concatenate([trained_model.name_probs(model, ids[i:i + a.batch_size])
+                          for i in range(0, len(ids), a.batch_size)])
+  keep = max(a.top, 32)
+  order = np.argsort(-probs, axis=1, kind="stable")[:, :keep]
+  best = [[tokens[j] for j in row] for row in order.tolist()]
+  top_p = np.take_along_axis(probs, order, 1)
+  named = name_head.apply_rule(rule, best, top_p)
+  return {"elf": os.path.abspath(a.elf), "model": a.workdir, "step": model.step,
+          "rule": rule, "functions": [
+              {"function": f.name, "address": f"{f.address:#x}", "suggested": "_".join(n),
+               "tokens": [[t, round(float(p), 4)] for t, p in zip(b[:a.top], ps[:a.top])]}
+              for f, n, b, ps in zip(found, named, best, top_p)]}
+
+
+def table(out: dict) -> str:
+  rows = [(f["address"], f["function"], f["suggested"] or "-",
+           " ".join(f"{t}:{p:.2f}" for t, p in f["tokens"])) for f in out["functions"]]
+  head = ("address", "function", "suggested", "best sub-tokens")
+  widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3]
+                   for r in [head, *rows])
+
+
+def main(argv=None) -> int:
+  a = parser().parse_args(argv)
+
+  def go() -> int:
+    out = suggest(a)
+    if a.json:
+      output_marks.write_json(a.json, TOOL, out)
+      print(f"{len(out['functions'])} functions of {a.elf} named; wrote {a.json}")
+    else:
+      print(table(out))
+    return 0
+
+  return args.guarded(go, f"nothing was written to {a.json}" if a.json else "nothing named")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
