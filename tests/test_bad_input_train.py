@@ -383,7 +383,9 @@ def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, re
                                             "train.max_consecutive_nonfinite",
                                             "train.inject_nonfinite_steps",
                                             "train.warmup_fraction", "finetune.task",
-                                            "finetune.labels", "finetune.eval_labels"}
+                                            "finetune.labels", "finetune.eval_labels",
+                                            "finetune.name_min_count",
+                                            "finetune.name_calibration"}
   with pytest.raises(checkpoint.IncompatibleCheckpoint, match="model.packed_attention='cross', "
                      "this run has model.packed_attention='segment'"):
     train.train_and_evaluate(small_train_config(data, steps=4), str(resumable))

@@ -33,6 +33,10 @@ VALUES = {
     "finetune.task": "contrastive",
     "finetune.labels": "",
     "finetune.eval_labels": "",
+    # The naming task's keys (finetune.task=name): unread by the tasks before it, so a run
+    # from before them resumes unchanged under today's defaults.
+    "finetune.name_min_count": 2,
+    "finetune.name_calibration": 0.1,
 }
 
 
