@@ -26,6 +26,9 @@ lines that embed a function with them in transformers. A classification fine-tun
 finetune --task classify) exports as LmscaleForSequenceClassification (masked-mean pooling →
 its classifier, id2label its classes; remote code): AutoModelForSequenceClassification or
 pipeline("text-classification", …, trust_remote_code=True) (lmscale_jax/model/hf_classifier.py).
+A naming fine-tune (--task name) exports as the same class with one sigmoid per name sub-token:
+id2label its vocabulary, problem_type "multi_label_classification", naming_rule the run's
+prediction rule (naming_eval.json); lmscale name --hf OUT reads it.
 """
 
 from __future__ import annotations
@@ -231,24 +234,78 @@ classify("push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret")
 """
 
 
-def read_scores(workdir: str) -> dict | None:
-  """The run's last held-out scores (classify_run.EVAL_REPORT), None where it has none."""
-  from lmscale_jax.finetune import classify_run
+def namer_card(model: trained_model.TrainedModel, rule: dict) -> str:
+  c, cfg, run = model.run_config, model.cfg, model.source
+  tokens = model.namer["tokens"]
+  scores = read_scores(run, naming=True)
+  held_out = (f"token precision {scores['precision']:.3f}, recall {scores['recall']:.3f}, F1 "
+              f"{scores['f1']:.3f}, exact names {scores['exact']:.3f} on {scores['functions']} "
+              "functions of libraries never trained on" if scores else
+              "not measured (no naming_eval.json)")
+  kept = (f"the {rule['k']} most probable sub-tokens" if rule["kind"] == "topk" else
+          f"every sub-token of probability ≥ {rule['threshold']}" +
+          (" (the most probable one where none is)" if rule["kind"] == "threshold_min1" else ""))
+  return f"""---
+library_name: transformers
+pipeline_tag: text-classification
+tags: [bert, function-naming, multi-label-classification, lmscale_jax]
+---
+# Binary-code function namer (lmscale_jax, fine-tuned)
+
+Fine-tuned with lmscale_jax (masked-mean pooling → Linear {cfg.hidden}→{len(tokens)}, one
+sigmoid per name sub-token, binary cross-entropy) from `{c.init.source}:{c.init.path}` on
+`{c.finetune.labels}`, exported by `lmscale export-hf` from `{os.path.abspath(run)}` at step
+{model.step}. Its code is in this directory (`modeling_lmscale.py`): load it with
+`trust_remote_code=True`.
+
+| | |
+|---|---|
+| name sub-tokens | {len(tokens)} (`id2label`; e.g. {", ".join(f"`{t}`" for t in tokens[:8])}) |
+| prediction rule | {kept}, joined by `_` (`naming_rule` in config.json, chosen on held-out training libraries) |
+| held out | {held_out} |
+| encoder | {cfg.layers} layers × {cfg.hidden}, {cfg.heads} heads, vocabulary {cfg.vocab_size}, {cfg.seq_len} tokens, {cfg.norm}-LN, {cfg.positions} positions |
+
+```python
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("OUT", trust_remote_code=True)
+model = AutoModelForSequenceClassification.from_pretrained("OUT", trust_remote_code=True).eval()
+x = tok(["push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret"], return_tensors="pt",
+        padding=True, truncation=True)
+with torch.no_grad():
+  p = torch.sigmoid(model(**x).logits)[0]
+print([(model.config.id2label[int(i)], float(p[i])) for i in p.argsort(descending=True)[:5]])
+```
+
+`lmscale name --hf OUT --elf FILE` suggests names for every function of an ELF file with it.
+"""
+
+
+def read_scores(workdir: str, naming: bool = False) -> dict | None:
+  """The run's last held-out scores (classify_run.EVAL_REPORT, ``naming``:
+  name_run.EVAL_REPORT), None where it has none."""
+  from lmscale_jax.finetune import classify_run, name_run
   from lmscale_jax.inference import model_files
 
-  path = os.path.join(workdir, classify_run.EVAL_REPORT)
+  path = os.path.join(workdir, (name_run if naming else classify_run).EVAL_REPORT)
   return model_files.read_json(path, "a JSON object") if os.path.exists(path) else None
 
 
 def save(model: trained_model.TrainedModel, out_dir: str) -> str:
   """The model's files into ``out_dir``; returns its model card."""
+  from lmscale_jax.finetune import name_run
   from lmscale_jax.inference import trained_model
-  from lmscale_jax.model import contrastive, hf_classifier, hf_convert
+  from lmscale_jax.model import contrastive, hf_classifier, hf_convert, name_head
 
   if model.classifier is not None:
     hf_classifier.save_classifier(trained_model.classifier_params(model), model.cfg,
                                   model.classifier["labels"], out_dir)
     return classifier_card(model)
+  if model.namer is not None:
+    rule = name_head.saved_rule(os.path.join(model.source, name_run.EVAL_REPORT))
+    hf_classifier.save_namer(trained_model.namer_params(model), model.cfg,
+                             model.namer["tokens"], rule, out_dir)
+    return namer_card(model, rule)
   hf_convert.save_model(model.params, model.cfg, out_dir)
   if model.head is not None:
     contrastive.save_head(model.head, out_dir)
@@ -263,6 +320,9 @@ def what(model: trained_model.TrainedModel) -> str:
   if model.classifier is not None:
     return (f"LmscaleForSequenceClassification, {len(model.classifier['labels'])} classes, "
             "remote code: load with trust_remote_code=True")
+  if model.namer is not None:
+    return (f"LmscaleForSequenceClassification, multi-label over {len(model.namer['tokens'])} "
+            "name sub-tokens, remote code: load with trust_remote_code=True")
   kind = ("LmscaleForMaskedLM, remote code: load with trust_remote_code=True"
           if remote_code(model) else hf_convert.ARCHITECTURE)
   head = "" if model.head is None else (

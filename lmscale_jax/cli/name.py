@@ -1,9 +1,10 @@
 """Suggest names for the functions of an ELF file with a naming fine-tune.
 
-  lmscale name --workdir RUN [--step N] --elf FILE
+  lmscale name (--workdir RUN [--step N] | --hf DIR) --elf FILE
       [--function NAME | --address ADDR] [--top 5] [--json OUT.json] [--batch-size 64]
 
-RUN is a lmscale finetune --task name workdir. Every
+RUN is a lmscale finetune --task name workdir, DIR its lmscale export-hf directory (the same
+suggestions: the export carries the vocabulary as id2label and the rule in config.json). Every
 function of FILE (a stripped file's too: found by .eh_frame, named sub_<hex address>), or the
 one named (a symbol name or sub_<hex>) or starting at ADDR, is read as the model saw
 functions in training; for each, the suggested name (the sub-tokens the run's prediction rule
@@ -23,7 +24,6 @@ from lmscale_jax.errors import UserError
 from lmscale_jax.store import output_marks
 
 TOOL = "lmscale name"  # the parser's prog, and the mark its --json carries
-DEFAULT_RULE = {"kind": "threshold_min1", "threshold": 0.5}  # a run never evaluated
 
 
 def address(text: str) -> int:
@@ -35,7 +35,9 @@ def address(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
   p = args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
-  p.add_argument("--workdir", required=True, help="a lmscale finetune --task name run")
+  model = p.add_mutually_exclusive_group(required=True)
+  model.add_argument("--workdir", help="a lmscale finetune --task name run")
+  model.add_argument("--hf", metavar="DIR", help="its lmscale export-hf directory")
   p.add_argument("--step", type=args.number(int, 0, 1 << 62), default=None,
                  help="its checkpoint; default the latest")
   p.add_argument("--elf", required=True, type=args.input_file, metavar="FILE",
@@ -60,24 +62,18 @@ def load(a):
   from lmscale_jax.inference import trained_model
   from lmscale_jax.model import name_head
 
-  model = trained_model.from_workdir(a.workdir, a.step)
+  if a.hf and a.step is not None:
+    raise UserError("--step is a training run's checkpoint: give it with --workdir, not --hf")
+  model = (trained_model.from_hf(a.hf, naming=True) if a.hf else
+           trained_model.from_workdir(a.workdir, a.step))
+  source = f"--workdir {a.workdir}" if a.workdir else f"--hf {a.hf}"
   if model.namer is None:
-    raise UserError(f"--workdir {a.workdir} is not a naming fine-tune (lmscale finetune "
-                    "--task name makes one)")
-  name_head.check_fits(model.namer["tokens"], model.namer["bias"].shape[0], a.workdir)
-  return model, saved_rule(os.path.join(a.workdir, name_run.EVAL_REPORT))
-
-
-def saved_rule(path: str) -> dict:
-  import json
-
-  try:
-    with open(path) as f:
-      rule = json.load(f).get("rule") or {}
-  except (OSError, ValueError, AttributeError):
-    return dict(DEFAULT_RULE)
-  return rule if rule.get("kind") in ("threshold", "threshold_min1", "topk") else dict(
-      DEFAULT_RULE)
+    raise UserError(f"{source} is not a naming fine-tune (lmscale finetune --task name "
+                    "makes one; lmscale export-hf exports it)")
+  name_head.check_fits(model.namer["tokens"], model.namer["bias"].shape[0], source)
+  if a.hf:
+    return model, model.namer["rule"]
+  return model, name_head.saved_rule(os.path.join(a.workdir, name_run.EVAL_REPORT))
 
 
 def functions(a) -> list:
@@ -113,7 +109,7 @@ def suggest(a) -> dict:
   best = [[tokens[j] for j in row] for row in order.tolist()]
   top_p = np.take_along_axis(probs, order, 1)
   named = name_head.apply_rule(rule, best, top_p)
-  return {"elf": os.path.abspath(a.elf), "model": a.workdir, "step": model.step,
+  return {"elf": os.path.abspath(a.elf), "model": a.workdir or a.hf, "step": model.step,
           "rule": rule, "functions": [
               {"function": f.name, "address": f"{f.address:#x}", "suggested": "_".join(n),
                "tokens": [[t, round(float(p), 4)] for t, p in zip(b[:a.top], ps[:a.top])]}

@@ -15,7 +15,8 @@ tokenizer in the workdir and its projection head beside the encoder (``head``), 
 classification run (``finetune.task="classify"``), its classifier and class names
 (``classifier``, the workdir's ``labels.json``), or a naming run (``"name"``) the same head
 over its name sub-tokens (``namer``, the workdir's ``name_vocab.json``); an exported one has
-``projection.*`` files.
+``projection.*`` files, an exported naming run is a multi-label classifier
+(model/hf_classifier.py: ``namer`` from its ``id2label`` and ``naming_rule``).
 
 Every file is read, and checked, by :mod:`lmscale_jax.inference.model_files`.
 """
@@ -36,7 +37,7 @@ from lmscale_jax.errors import UserError
 from lmscale_jax.inference import model_files
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import classifier as classifier_lib
-from lmscale_jax.model import contrastive, hf_convert, hf_dir_checks, name_head
+from lmscale_jax.model import contrastive, hf_classifier, hf_convert, hf_dir_checks, name_head
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import workdir as workdir_lib
@@ -53,7 +54,8 @@ class TrainedModel:
   head: dict | None = None         # fine-tuned: {"pool", "projection": {"kernel", "bias"}}
   # a classification fine-tune: {"labels": class names, "kernel" [H,C], "bias" [C]}
   classifier: dict | None = None
-  # a naming fine-tune: {"tokens": name sub-tokens, "kernel" [H,V], "bias" [V]}
+  # a naming fine-tune: {"tokens": name sub-tokens, "kernel" [H,V], "bias" [V]} (its
+  # lmscale export-hf directory: + "rule", the prediction rule its config.json carries)
   namer: dict | None = None
 
   @property
@@ -191,10 +193,18 @@ def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
   return cfg, tok
 
 
-def from_hf(hf_dir: str, data: dataset.DatasetMeta | None = None) -> TrainedModel:
+def from_hf(hf_dir: str, data: dataset.DatasetMeta | None = None,
+            naming: bool = False) -> TrainedModel:
+  """An HF directory's model; ``naming``: a naming export's too (its encoder has no MLM head,
+  which every other tool's model runs: for them it stays refused, as a classifier is, by
+  ``hf_convert.load_params``)."""
   cfg, tok = _hf_shape(hf_dir)
   if data is not None:
     model_files.check_dataset(cfg, data, hf_dir, same_seq_len=False)
+  if naming and hf_classifier.is_namer(hf_convert.read_config(hf_dir)):
+    params, tokens, rule = hf_classifier.load_namer(hf_dir, cfg)
+    return TrainedModel(cfg=cfg, params=params["bert"], tokenizer=tok, source=hf_dir,
+                        namer={"tokens": tokens, "rule": rule, **params["classifier"]})
   return TrainedModel(cfg=cfg, params=hf_convert.load_params(hf_dir, cfg), tokenizer=tok,
                       source=hf_dir, head=contrastive.load_head(hf_dir, cfg.hidden))
 

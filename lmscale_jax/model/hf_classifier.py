@@ -12,6 +12,11 @@ has ``id2label``/``label2id``. Always remote code, whatever the encoder: BERT's 
 the [CLS] vector through a tanh pooler, not this mean. Parameter names: the encoder's as in
 :mod:`lmscale_jax.model.hf_convert` (``bert.…``) + ``classifier.weight`` [C, H] and
 ``classifier.bias`` [C]. The tokenizer files are the caller's (``store/tokenizer.write_hf_files``).
+
+A naming fine-tune (model/name_head.py) is the same network read as independent sigmoids:
+:func:`save_namer` writes it with its name sub-tokens as ``id2label``,
+``problem_type: "multi_label_classification"`` (transformers' own key for that reading) and
+the run's prediction rule as ``naming_rule``; :func:`load_namer` reads it back.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 
 from lmscale_jax.model import hf_convert
 from lmscale_jax.model import hf_remote_convert as remote
+from lmscale_jax.model.name_head import RULES
 
 HFError = hf_convert.HFError
 
@@ -54,17 +60,22 @@ def classifier_from_state_dict(sd, cfg: ml_collections.ConfigDict, classes: int,
   return {"bert": hf_convert.from_hf_state_dict(sd, cfg, where, mlm=False), "classifier": head}
 
 
+MULTI_LABEL = "multi_label_classification"
+RULE_KEY = "naming_rule"
+
+
 def save_classifier(params, cfg: ml_collections.ConfigDict, labels: list[str],
-                    out_dir: str) -> None:
-  """config.json (``id2label``/``label2id`` from ``labels``), model.safetensors and the
-  modeling code into ``out_dir`` (an existing directory). ``cfg``: the resolved model config."""
+                    out_dir: str, extra: dict | None = None) -> None:
+  """config.json (``id2label``/``label2id`` from ``labels``, plus ``extra``'s keys),
+  model.safetensors and the modeling code into ``out_dir`` (an existing directory). ``cfg``:
+  the resolved model config."""
   hf_convert.check_exportable(cfg)
   classes = int(np.shape(params["classifier"]["bias"])[0])
   if len(labels) != classes or len(set(labels)) != classes:
     raise HFError(f"the classifier has {classes} classes but {len(labels)} labels "
                   f"({len(set(labels))} distinct) were given: expected {classes} distinct names")
-  hf_convert.write_files(out_dir, classifier_state_dict(params, cfg),
-                         remote.remote_config(cfg, remote.CLASSIFIER, [str(x) for x in labels]))
+  config = remote.remote_config(cfg, remote.CLASSIFIER, [str(x) for x in labels])
+  hf_convert.write_files(out_dir, classifier_state_dict(params, cfg), {**config, **(extra or {})})
   remote.write_code(out_dir)
 
 
@@ -85,3 +96,31 @@ def load_classifier(hf_dir: str, cfg: ml_collections.ConfigDict) -> tuple[dict, 
   sd = hf_convert.read_weights(hf_dir)
   return (classifier_from_state_dict(sd, cfg, len(names),
                                      os.path.join(hf_dir, hf_convert.WEIGHTS)), names)
+
+
+def save_namer(params, cfg: ml_collections.ConfigDict, tokens: list[str], rule: dict,
+               out_dir: str) -> None:
+  """A naming fine-tune's ``{"bert", "classifier"}`` (one output per name sub-token,
+  ``tokens[i]``) as a multi-label ``LmscaleForSequenceClassification``; ``rule``: its
+  prediction rule (name_head.RULES), which ``lmscale name --hf`` applies."""
+  save_classifier(params, cfg, tokens, out_dir,
+                  {"problem_type": MULTI_LABEL, RULE_KEY: dict(rule)})
+
+
+def is_namer(config: dict) -> bool:
+  """Whether a config.json is a naming export's (:func:`save_namer`)."""
+  return hf_convert.is_classifier(config) and config.get("problem_type") == MULTI_LABEL
+
+
+def load_namer(hf_dir: str, cfg: ml_collections.ConfigDict) -> tuple[dict, list[str], dict]:
+  """A :func:`save_namer` directory → (its ``{"bert", "classifier"}`` parameters, the name
+  sub-tokens by output, the prediction rule)."""
+  config = hf_convert.read_config(hf_dir)
+  path = os.path.join(hf_dir, hf_convert.CONFIG)
+  rule = config.get(RULE_KEY)
+  if not is_namer(config) or not isinstance(rule, dict) or rule.get("kind") not in RULES:
+    raise HFError(f"{path}: problem_type={config.get('problem_type')!r}, "
+                  f"{RULE_KEY}={rule!r}: not a naming model (lmscale export-hf of a lmscale "
+                  "finetune --task name run makes one)")
+  params, tokens = load_classifier(hf_dir, cfg)
+  return params, tokens, rule

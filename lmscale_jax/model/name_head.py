@@ -17,6 +17,7 @@ so a naming run exports as ``LmscaleForSequenceClassification`` with
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -29,6 +30,7 @@ VOCAB_FORMAT = "lmscale_jax.name_vocab/1"
 # threshold: every token with p >= t; threshold_min1: the same, and the best token where none
 # reaches t; topk: the k best tokens.
 RULES = ("threshold", "threshold_min1", "topk")
+DEFAULT_RULE = {"kind": "threshold_min1", "threshold": 0.5}  # a run never evaluated
 
 
 class NameVocabError(UserError, ValueError):
@@ -88,3 +90,14 @@ def apply_rule(rule: dict, top_tokens: list[list[str]], top_probs: np.ndarray) -
     chosen = [t for t, p in zip(tokens, probs) if p >= float(rule["threshold"])]
     out.append(chosen or (list(tokens[:1]) if kind == "threshold_min1" else []))
   return out
+
+
+def saved_rule(path: str) -> dict:
+  """The prediction rule a run chose (its naming_eval.json's ``rule``), :data:`DEFAULT_RULE`
+  where it has none yet (a run stopped before its first evaluation)."""
+  try:
+    with open(path) as f:
+      rule = json.load(f).get("rule") or {}
+  except (OSError, ValueError, AttributeError):
+    return dict(DEFAULT_RULE)
+  return rule if rule.get("kind") in RULES else dict(DEFAULT_RULE)

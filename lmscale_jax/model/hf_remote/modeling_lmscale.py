@@ -271,7 +271,9 @@ class LmscaleForMaskedLM(LmscalePreTrainedModel):
 class LmscaleForSequenceClassification(LmscalePreTrainedModel):
   """Classes of a whole input: the mean of the last hidden layer over the non-pad tokens
   ([CLS] and [SEP] included) → ``classifier`` (Linear hidden → num_labels); ``id2label`` in the
-  config names the classes."""
+  config names the classes. ``problem_type="multi_label_classification"`` (a naming export):
+  each logit is an independent sigmoid, one per name sub-token, and ``naming_rule`` in the
+  config says which make the name."""
 
   def __init__(self, config):
     super().__init__(config)
@@ -295,6 +297,9 @@ class LmscaleForSequenceClassification(LmscalePreTrainedModel):
     pooled = (h * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
     logits = self.classifier(self.dropout(pooled))
     loss = None
-    if labels is not None:
+    if labels is not None and self.config.problem_type == "multi_label_classification":
+      # A naming export: one independent sigmoid per name sub-token (labels: 0/1 [B, C]).
+      loss = nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+    elif labels is not None:
       loss = nn.functional.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
     return SequenceClassifierOutput(loss=loss, logits=logits)
