@@ -53,7 +53,10 @@ def one_line(r: subprocess.CompletedProcess, code: int = EXIT_USAGE) -> str:
 def prepared(out, **kw) -> str:
   prepare.prepare(prepare.PrepareOptions(**{**dict(kind="binary", inputs=INPUTS, output=str(out),
                                             seq_len=64, vocab_size=400, val_fraction=0.1,
-                                            workers=1, progress=False), **kw}))
+                                            workers=1, progress=False,
+                                            # the exported functions: the data whose shard
+                                            # bytes these tests edit at fixed offsets
+                                            functions="symbols"), **kw}))
   return str(out)
 
 

@@ -33,7 +33,8 @@ RUNS_WITHOUT_ARGUMENTS = {"tools/max_batch.py", "benchmarks/bench_loader.py",
                           "benchmarks/bench_step.py", "tools/gpu_check.py",
                           "benchmarks/bench_allreduce.py", "tools/storage_model.py",
                           "benchmarks/bench_prep_memory.py", "benchmarks/bench_compression.py",
-                          "benchmarks/bench_step_profile.py"}
+                          "benchmarks/bench_step_profile.py",
+                          "benchmarks/bench_stripped_functions.py"}
 
 
 def run(args, timeout=120):

@@ -75,7 +75,7 @@ def test_a_failed_overwrite_keeps_the_old_dataset_complete_and_usable(old, tmp_p
   out = fresh_copy(old, tmp_path / "ds")
   before = snapshot(out)
   r = cli("prepare_text.py", "--input", text_file(tmp_path / "few.jsonl", n=50), "--output", out,
-          "--vocab-size", 300, "--workers", 1, "--no-progress", "--overwrite",
+          "--vocab-size", 128, "--workers", 1, "--no-progress", "--overwrite",
           "--val-fraction", "0.000001")
   err = one_line(r)
   assert "split 'validation' would have 0 sequences" in err
