@@ -123,19 +123,24 @@ def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=
   return base_run.run(ClassifyFinetune(config, workdir, inputs, say), allow_config_change)
 
 
-class ClassifyFinetune(base_run.FinetuneRun):
-  """Classification fine-tuning in the one loop: batches of labelled rows
-  (:class:`labels_lib.LabelBatches`, its position saved), the held-out file scored every
-  ``train.eval_every`` steps and after the last, :class:`ClassifyLog`'s rows."""
+class LabelledFinetune(base_run.FinetuneRun):
+  """A fine-tune of a labels file (classification, naming): its checked inputs, scored every
+  ``train.eval_every`` steps, and a resume refused where the training file changed."""
 
-  def __init__(self, config, workdir: str, inputs: LabelledTask, say: Callable[[str], None]):
+  def __init__(self, config, workdir: str, inputs, say: Callable[[str], None]):
     super().__init__(config, workdir, say)
-    self.inputs = inputs
+    self.inputs = inputs  # LabelledTask, or name_run's NamingTask
     self.eval_every = int(self.config.train.eval_every)
 
   def check_resume(self, step: int) -> None:  # refused before anything is written
     labels_lib.check_resume(self.inputs.train, ckpt_lib.step_dir(self.workdir, step),
                             jax.process_index(), jax.process_count())
+
+
+class ClassifyFinetune(LabelledFinetune):
+  """Classification fine-tuning in the one loop: batches of labelled rows
+  (:class:`labels_lib.LabelBatches`, its position saved), the held-out file scored every
+  ``train.eval_every`` steps and after the last, :class:`ClassifyLog`'s rows."""
 
   def build(self) -> None:
     t, inputs = self.config.train, self.inputs

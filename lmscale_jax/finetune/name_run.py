@@ -40,7 +40,6 @@ from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import classifier as classifier_lib
 from lmscale_jax.model import name_head
 from lmscale_jax.store import file_io
-from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import finetune_state
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import tasks
@@ -187,19 +186,10 @@ def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=
   return base_run.run(NameFinetune(config, workdir, inputs, say), allow_config_change)
 
 
-class NameFinetune(base_run.FinetuneRun):
+class NameFinetune(classify_run.LabelledFinetune):
   """Naming fine-tuning in the one loop: batches of the training rows outside the calibration
   slice (:class:`name_labels.NameBatches`, its position saved), the rule chosen and the
   held-out file scored every ``train.eval_every`` steps and after the last."""
-
-  def __init__(self, config, workdir: str, inputs: NamingTask, say: Callable[[str], None]):
-    super().__init__(config, workdir, say)
-    self.inputs = inputs
-    self.eval_every = int(self.config.train.eval_every)
-
-  def check_resume(self, step: int) -> None:  # refused before anything is written
-    labels_lib.check_resume(self.inputs.train, ckpt_lib.step_dir(self.workdir, step),
-                            jax.process_index(), jax.process_count())
 
   def build(self) -> None:
     t, inputs, f = self.config.train, self.inputs, self.config.finetune
