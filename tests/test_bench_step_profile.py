@@ -77,7 +77,9 @@ def test_step_profile_of_real_runs_gives_fixed_cost_jitter_batch_line_and_stragg
                                        "concurrent", "concurrent", "two-process", "fit"]
   assert all(len(r["step_times_s"]) >= 3 and r["median_s"] > 0 for r in rows[:-1])
   fit = rows[-1]
-  assert fit["fixed_s"] >= 0 and fit["micro_s"] > 0 and fit["jitter_s"] >= 0
+  # micro_s is a fitted slope of timings: its sign is a measurement, not what this checks (on a
+  # loaded 2-core machine an 8-step run once gave -0.0026 s); fixed_s is clamped at 0
+  assert fit["fixed_s"] >= 0 and math.isfinite(fit["micro_s"]) and fit["jitter_s"] >= 0
   assert fit["fixed_clamped"] == ("fixed_unclamped_s" in fit)
   assert fit["jitter_cv"] == pytest.approx(fit["jitter_s"] / rows[0]["median_s"])
   assert [b for b, _ in fit["batch_points"]] == [2, 4]

@@ -18,7 +18,7 @@ from tests.helpers import ROOT
 SUBCOMMANDS = ["prepare", "inspect-data", "stage", "gpu-check", "max-batch", "train",
                "evaluate", "inspect", "fill-mask", "embed", "index", "search", "serve", "export-hf",
                "import-hf", "similarity-sources", "similarity-build", "similarity-leakage",
-               "finetune", "classify", "eval-similarity", "provenance-build", "naming-build",
+               "finetune", "classify", "name", "eval-similarity", "provenance-build", "naming-build",
                "sweep", "report", "scaling-model", "storage-model", "run-state"]
 INSTALLED = os.path.join(os.path.dirname(sys.executable), "lmscale")
 
