@@ -1,5 +1,6 @@
 """Fine-tuning's GPU path: the contrastive task through the one train step in bfloat16, with
-the levers (manual path, GradCache accumulation, remat), on whatever accelerator is there.
+the levers (manual path, GradCache accumulation, remat), and the naming task's bf16 step, on
+whatever accelerator is there.
 
 GPU-only (tools/bench_gpu.sh runs it on the lent GPU); ``LMSCALE_GPU_TESTS_ON_CPU=1`` runs it
 on the CPU too, which checks the code path but not the GPU's numerics. Synthetic pairs (no
@@ -88,3 +89,47 @@ def test_bf16_gradcache_accumulation_and_remat_track_the_plain_bf16_step():
 
 def test_bf16_manual_path_with_a_bf16_reduction_tracks_the_plain_step(float32_losses):
   _tracks(_train("bfloat16", manual=True, grad_allreduce_dtype="bfloat16"), float32_losses)
+
+
+# ----------------------------------------------------------------------------- naming (--task name)
+NAME_TOKENS = 32
+
+
+def _names() -> tuple[np.ndarray, np.ndarray]:
+  """[STEPS, B, S] ids and [STEPS, B, V] targets: token v is in a row's "name" when id 6 + v
+  occurs in its code (learnable through mean pooling, as a real name's tokens follow its code)."""
+  ids = _pairs(1)[:, :, 0]
+  present = (ids[..., None] == 6 + np.arange(NAME_TOKENS)).any(axis=2)
+  return ids, present.astype(np.float32)
+
+
+def _train_names(dtype: str) -> list[float]:
+  from lmscale_jax.finetune import name_run
+
+  c = _config(dtype)
+  c.finetune.task = "name"
+  base = config_defaults.get_base_config().model
+  base.update(layers=2, hidden=128, heads=4, ffn=512, seq_len=SEQ, vocab_size=VOCAB)
+  cfg = finetune.finetune_cfg(c, model_lib.resolve_model_config(
+      base, dataset.DatasetMeta.synthetic(SEQ, VOCAB)))
+  ids, targets = _names()
+  steps = name_run.build_steps(c, cfg, targets.reshape(-1, NAME_TOKENS).mean(0),
+                               sharding.data_mesh())
+  bert = model_lib.init_params(cfg, jax.random.key(0))
+  state = steps.init(finetune.place(bert, steps.state_sharding.params["bert"]),
+                     jax.random.key(1))
+  losses = []
+  for x, y in zip(ids, targets):
+    batch = jax.device_put({"ids": x, "targets": y}, steps.batch_sharding)
+    state, metrics = steps.train_step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return losses
+
+
+def test_bf16_naming_step_tracks_float32():
+  """The naming head's bf16 path (its logits and loss in float32: tasks.naming_task) follows
+  the float32 one. Six random batches teach it little (forced on the CPU: 15.1 -> 15.2), so
+  what is checked is the path: finite, and bf16's losses those of float32."""
+  reference, losses = _train_names("float32"), _train_names("bfloat16")
+  assert all(np.isfinite(losses)), losses
+  np.testing.assert_allclose(losses[:4], reference[:4], rtol=3e-2)
