@@ -259,12 +259,18 @@ def embed_load(port: int, clients: int, bodies: list[bytes]) -> dict:
   with concurrent.futures.ThreadPoolExecutor(clients) as pool:
     for f in [pool.submit(client) for _ in range(clients)]:
       f.result()
-  elapsed = time.perf_counter() - start
+  return {"clients": clients,
+          **load_row(rows, time.perf_counter() - start, f"batching, {clients} clients")}
+
+
+def load_row(rows: list, elapsed: float, what: str) -> dict:
+  """A load run's row from its (status, seconds, answer) ``rows``; one failed request ends the
+  benchmark (one line naming ``what`` and the first failure)."""
   failed = [f"{s} {a.decode(errors='replace')}" for s, _, a in rows if s != 200]
   if failed:
-    raise UserError(f"batching, {clients} clients: {len(failed)} requests failed: {failed[0]}")
-  return {"clients": clients, "requests": len(rows), "seconds": elapsed,
-          "requests_per_s": len(rows) / elapsed, **summary([t for _, t, _ in rows])}
+    raise UserError(f"{what}: {len(failed)} requests failed: {failed[0]}")
+  return {"requests": len(rows), "seconds": elapsed, "requests_per_s": len(rows) / elapsed,
+          **summary([t for _, t, _ in rows])}
 
 
 def open_load(port: int, rate: float, bodies: list[bytes], seed: int = 0) -> dict:
@@ -287,12 +293,8 @@ def open_load(port: int, rate: float, bodies: list[bytes], seed: int = 0) -> dic
   with concurrent.futures.ThreadPoolExecutor(64) as pool:
     for f in [pool.submit(send, b, start + d) for b, d in zip(bodies, dues)]:
       f.result()
-  elapsed = time.perf_counter() - start
-  failed = [f"{s} {a.decode(errors='replace')}" for s, _, a in rows if s != 200]
-  if failed:
-    raise UserError(f"batching, open load: {len(failed)} requests failed: {failed[0]}")
-  return {"offered_requests_per_s": rate, "requests": len(rows), "seconds": elapsed,
-          "requests_per_s": len(rows) / elapsed, **summary([t for _, t, _ in rows])}
+  return {"offered_requests_per_s": rate,
+          **load_row(rows, time.perf_counter() - start, "batching, open load")}
 
 
 def offline(model, texts: list[str]) -> float:
