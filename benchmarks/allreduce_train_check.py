@@ -27,7 +27,7 @@ def train_runs(processes: int, dataset: str, workdirs: list[str],
                overrides: list[str]) -> list[dict]:
   """Real training runs through launch/local.sh, all started at once (one per workdir); each
   workdir's step time and parameters."""
-  from lmscale_jax.study import cluster_model
+  from lmscale_jax.study.cluster_model import measured
 
   started = [(w, _start_train(processes, dataset, w, overrides)) for w in workdirs]
   for workdir, proc in started:
@@ -39,7 +39,7 @@ def train_runs(processes: int, dataset: str, workdirs: list[str],
     if proc.returncode != 0:
       tail = err.strip().splitlines()[-1:] or ["(no output)"]
       raise RuntimeError(f"training run {workdir} exited with {proc.returncode}: {tail[0]}")
-  return [cluster_model.workdir_step(w) for w in workdirs]
+  return [measured.workdir_step(w) for w in workdirs]
 
 
 # The runs of one round: (kind, processes, global batch in units of --train-batch, copies).
@@ -65,9 +65,9 @@ def train_check(a, device: str) -> list[dict]:
   """
   import tempfile
 
-  from lmscale_jax.study import cluster_model
+  from lmscale_jax.study.cluster_model import measured
 
-  fit = cluster_model.calibration_fit(a.calibration, "all")
+  fit = measured.calibration_fit(a.calibration, "all")
   b = a.train_batch
   common = [f"--config.model.hidden={a.train_hidden}", f"--config.model.ffn={4 * a.train_hidden}",
             "--config.model.heads=4", f"--config.train.steps={a.train_steps}",
@@ -98,7 +98,7 @@ def train_check(a, device: str) -> list[dict]:
           for name, rs in seen.items()}
   shared, concurrent = runs["1p-shared-a"]["step_time_s"], runs["1p-concurrent"]["step_time_s"]
   grad = 4 * runs["2p"]["params"]
-  comm = cluster_model.calibrated_allreduce_s(grad, 2, fit["alpha_s"], fit["beta_bytes_per_s"],
+  comm = measured.calibrated_allreduce_s(grad, 2, fit["alpha_s"], fit["beta_bytes_per_s"],
                                               fit.get("cores"))
   rows = []
   for procs, measured, compute in ((1, runs["1p-shared-b"], shared),

@@ -14,8 +14,9 @@ repeat is the slowest process's; a size's time is the median over repeats.
 
 Loopback has no wire: the "link" is the kernel copying bytes between the processes, CPU
 work. With more processes than cores they share the cores, so each one's copies run
-``p/cores`` times slower. The fits (``lmscale_jax.study.cluster_model.fit_alpha_beta``, least
-squares in relative error) of the ring model ``t = 2(p−1)·α + 2(p−1)/p · n·s/β``:
+``p/cores`` times slower. The fits (``lmscale_jax.study.cluster_model.measured``'s
+``fit_alpha_beta``, least squares in relative error) of the ring model
+``t = 2(p−1)·α + 2(p−1)/p · n·s/β``:
 
 * ``all``: one α and β for every process count, ``s = max(1, p/cores)`` (the shared cores);
   the calibration ``tools/scaling_model.py --calibration FILE`` uses (its β is this machine's
@@ -204,7 +205,7 @@ def measure(processes_list, sizes_mb, repeats: int, device: str, heap: str,
 
 def fit_rows(points: list[dict], device: str) -> list[dict]:
   """The α–β fits (joint and per process count), each point's predicted time and error."""
-  from lmscale_jax.study import cluster_model
+  from lmscale_jax.study.cluster_model import measured
 
   cores = os.cpu_count()
   points = [r for r in points if r.get("leaves", 1) == 1]
@@ -218,10 +219,10 @@ def fit_rows(points: list[dict], device: str) -> list[dict]:
   for name, rows, fit_cores in fits:
     if len(rows) < 2 or (name == "all-uncorrected" and len(counts) < 2):
       continue
-    alpha, beta = cluster_model.fit_alpha_beta(
+    alpha, beta = measured.fit_alpha_beta(
         [(r["processes"], r["bytes"], r["median_s"]) for r in rows], cores=fit_cores)
     for r in rows:
-      predicted = cluster_model.calibrated_allreduce_s(r["bytes"], r["processes"], alpha, beta,
+      predicted = measured.calibrated_allreduce_s(r["bytes"], r["processes"], alpha, beta,
                                                        fit_cores)
       r.setdefault("fits", {})[name] = {"predicted_s": predicted,
                                         "error": predicted / r["median_s"] - 1}
@@ -240,7 +241,7 @@ def transport_rows(points: list[dict], fits: list[dict]) -> list[dict]:
   ``e = [2(p−1)/p·m·s/β] / (t − 2(p−1)·α)``, one ``transport`` row per point (and e in the
   point's ``fits["all"]``), then one ``transport-curve`` row: per size the median e over the
   process counts, sizes ascending (the cluster model reads a file's last such row)."""
-  from lmscale_jax.study import cluster_model
+  from lmscale_jax.study.cluster_model import measured
 
   fit = next((f for f in fits if f["fit_of"] == "all"), None)
   if fit is None:
@@ -249,7 +250,7 @@ def transport_rows(points: list[dict], fits: list[dict]) -> list[dict]:
   rows, by_size = [], {}
   for r in (r for r in points if r.get("leaves", 1) == 1):
     p, m, t = r["processes"], r["bytes"], r["median_s"]
-    ideal = 2 * (p - 1) / p * m * cluster_model.shared_cores(p, cores) / beta
+    ideal = 2 * (p - 1) / p * m * measured.shared_cores(p, cores) / beta
     raw = ideal / max(t - 2 * (p - 1) * alpha, _MIN_BANDWIDTH_S)
     e = min(raw, EFFICIENCY_CAP)
     r["fits"]["all"]["efficiency"] = e

@@ -119,11 +119,11 @@ def newest_calibration() -> str:
 def straggler(a, base: dict, concurrent: list[dict], two: dict, jitter: float) -> dict:
   """The 2-process step against 1-process compute (run concurrently) + the calibrated
   all-reduce of the float32 gradients; the residual beside σ/√π."""
-  from lmscale_jax.study import cluster_model
+  from lmscale_jax.study.cluster_model import measured
 
-  fit = cluster_model.calibration_fit(a.calibration, "all")
+  fit = measured.calibration_fit(a.calibration, "all")
   grad = 4 * two["params"]
-  comm = cluster_model.calibrated_allreduce_s(grad, 2, fit["alpha_s"], fit["beta_bytes_per_s"],
+  comm = measured.calibrated_allreduce_s(grad, 2, fit["alpha_s"], fit["beta_bytes_per_s"],
                                               fit.get("cores"))
   compute = statistics.median(r["median_s"] for r in concurrent)
   return {"measured_two_process_s": two["median_s"], "concurrent_one_process_s": compute,

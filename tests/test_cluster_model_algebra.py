@@ -9,10 +9,10 @@ import math
 import ml_collections
 import pytest
 
-from lmscale_jax.study import cluster_collectives as coll
-from lmscale_jax.study import cluster_links as links
-from lmscale_jax.study import cluster_model as cm
-from lmscale_jax.study import cluster_overlap as ov
+from lmscale_jax.study.cluster_model import collectives as coll
+from lmscale_jax.study.cluster_model import links
+from lmscale_jax.study.cluster_model import overlap as ov
+from lmscale_jax.study.cluster_model import step_time as cm
 from tests.test_scaling_model import BERT_BASE, one_error_line, tool
 
 NODES = (1, 2, 4, 16, 128)
@@ -228,7 +228,7 @@ PUBLISHED = "benchmarks/published/multinode_tables.json"
 
 
 def test_published_tables_are_predicted_within_15_percent_or_the_error_is_stated():
-  from lmscale_jax.study import cluster_validation as v
+  from lmscale_jax.study.cluster_model import validation as v
 
   result = v.validate(PUBLISHED)
   rows = result["rows"]

@@ -46,6 +46,9 @@ ALLOWED = {
     # lmscale serve's HTTP API (FastAPI) over the model and an index: above search.
     "serve": {"errors", "store", "inference", "prep.elf", "search"},
     "study": {"errors", "config", "store", "input", "model", "train", "child_process"},
+    # The cluster model (lmscale scaling-model) is its own group, like prep.elf: arithmetic over
+    # measured inputs, below the study's runs; it imports no training, input or run code.
+    "study.cluster_model": {"errors", "config", "store", "model"},
     "gpu": {"config", "store", "input", "model", "train"},
     "main": {"errors", "config", "cluster", "input", "train"},
     # The ``lmscale`` command: the top floor (nothing imports it). A subcommand's module is
@@ -53,7 +56,7 @@ ALLOWED = {
     # ``lmscale_jax.cluster.run_state`` is no edge, and the batch node needs no cli/ for it.
     "cli": {"errors", "progress", "config", "store", "prep.elf", "prep", "input", "model",
             "train", "inference", "similarity", "finetune", "evals", "search", "serve", "study",
-            "gpu",
+            "study.cluster_model", "gpu",
             "main"},
 }
 

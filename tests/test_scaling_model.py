@@ -1,4 +1,4 @@
-"""The cluster model (lmscale_jax/study/cluster_model.py, lmscale scaling-model), its calibration
+"""The cluster model (lmscale_jax/study/cluster_model/, lmscale scaling-model), its calibration
 from a real 2-process all-reduce (benchmarks/bench_allreduce.py), and the storage model's
 measurement of the real loader (lmscale_jax/study/storage_model.py, lmscale storage-model).
 
@@ -16,10 +16,10 @@ import sys
 
 import pytest
 
-from lmscale_jax.study import cluster_collectives as coll
-from lmscale_jax.study import cluster_links as links
-from lmscale_jax.study import cluster_model as cm
-from lmscale_jax.study import cluster_overlap as ov
+from lmscale_jax.study.cluster_model import collectives as coll
+from lmscale_jax.study.cluster_model import links, measured
+from lmscale_jax.study.cluster_model import overlap as ov
+from lmscale_jax.study.cluster_model import step_time as cm
 from lmscale_jax.study import storage_model as sm
 from tests.helpers import ROOT, lmscale, make_config, make_synthetic_dataset
 
@@ -110,10 +110,10 @@ def test_fit_recovers_the_link_from_ring_timings():
   alpha, beta = 250e-6, 1.5e9
   points = [(p, n, coll.ring_allreduce_s(n, p, alpha, beta)) for p in (2, 4)
             for n in (1e6, 8e6, 64e6, 256e6)]
-  fitted = cm.fit_alpha_beta(points)
+  fitted = measured.fit_alpha_beta(points)
   assert fitted == pytest.approx((alpha, beta), rel=1e-9)
   with pytest.raises(cm.ModelError, match="at least two"):
-    cm.fit_alpha_beta(points[:1])
+    measured.fit_alpha_beta(points[:1])
 
 
 # ----------------------------------------------------------------------------- the tool
@@ -189,7 +189,7 @@ def test_workdir_of_a_real_run_gives_step_time_and_parameters(dataset_dir, tmp_p
       capture_output=True, text=True, timeout=300,
       env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA))
   assert run.returncode == 0, run.stderr[-2000:]
-  got = cm.workdir_step(workdir)
+  got = measured.workdir_step(workdir)
   rows = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
   times = [r["step_time"] for r in rows if isinstance(r.get("step_time"), float)]
   assert got["windows"] == len(times) - 1 and got["step_time_s"] > 0
@@ -220,7 +220,7 @@ def test_calibration_from_a_real_two_process_allreduce(tmp_path):
   assert not any("fits" in r for r in points if r["leaves"] == 3)
   fit = next(r for r in rows if r["kind"] == "fit" and r["fit_of"] == "all")
   assert fit["beta_bytes_per_s"] > 0 and fit["alpha_s"] >= 0
-  link = cm.load_calibration(str(out))
+  link = measured.load_calibration(str(out))
   assert (link.bandwidth, link.latency) == (fit["beta_bytes_per_s"], fit["alpha_s"])
   result = tool("--step-time", "0.1", "--params", "500000", "--calibration", str(out),
                 "--gpus-per-node", "1", "--nodes", "1,2", "--json")
@@ -282,7 +282,7 @@ def test_calibration_ignores_fits_of_page_faulting_runs(tmp_path):
   path.write_text("".join(json.dumps(r) + "\n" for r in (
       {**fit, "heap": "keep", "beta_bytes_per_s": 7e8},
       {**fit, "heap": "default", "beta_bytes_per_s": 2e8})))
-  assert cm.load_calibration(str(path)).bandwidth == 7e8
+  assert measured.load_calibration(str(path)).bandwidth == 7e8
   path.write_text(json.dumps({**fit, "heap": "default", "beta_bytes_per_s": 2e8}) + "\n")
   with pytest.raises(cm.ModelError, match="no fit line with fit_of='all' of a heap=keep run"):
-    cm.load_calibration(str(path))
+    measured.load_calibration(str(path))

@@ -8,10 +8,10 @@ import argparse
 import math
 import os
 
-from lmscale_jax.study import cluster_links as links
-from lmscale_jax.study import cluster_model as cm
-from lmscale_jax.study import cluster_overlap as ov
-from lmscale_jax.study.cluster_collectives import ALGORITHMS
+from lmscale_jax.study.cluster_model import links, measured
+from lmscale_jax.study.cluster_model import overlap as ov
+from lmscale_jax.study.cluster_model import step_time as cm
+from lmscale_jax.study.cluster_model.collectives import ALGORITHMS
 
 PREDICTED_SHARE = 0.15  # masked positions per sequence for --config's head FLOPs (BERT's 15%)
 
@@ -174,7 +174,7 @@ def inputs(a) -> dict:
 
 def model_inputs(a) -> dict:
   if a.workdir:
-    got = cm.workdir_step(a.workdir)
+    got = measured.workdir_step(a.workdir)
     return {"params": got["params"], "profile": got["profile"], "workdir_step": got,
             "given": [f"model: {got['params']:,} parameters from {a.workdir}/config.json; "
                       f"gradients ready {got['profile'].name}"]}
@@ -191,7 +191,7 @@ def model_inputs(a) -> dict:
 
 def step_inputs(a, model: dict) -> dict:
   """The step time or curve, fixed cost and jitter, each from the first flag that gives it."""
-  profile = cm.load_step_profile(a.step_profile) if a.step_profile else {}
+  profile = measured.load_step_profile(a.step_profile) if a.step_profile else {}
   curve, where = step_curve(a, profile)
   step_time = a.step_time
   if curve is None and step_time is None and "workdir_step" in model:
@@ -215,7 +215,7 @@ def step_curve(a, profile: dict):
   if a.step_times:
     return cm.step_curve(a.step_times, "--step-times"), "line through --step-times"
   if a.step_times_from:
-    points = cm.sweep_step_points(a.step_times_from, a.sweep_model)
+    points = measured.sweep_step_points(a.step_times_from, a.sweep_model)
     return cm.step_curve(points, a.step_times_from), f"line through {a.step_times_from}"
   if profile.get("batch_points"):
     return (cm.step_curve(profile["batch_points"], a.step_profile),
@@ -324,7 +324,7 @@ def cluster(a) -> tuple[cm.Cluster, list[str]]:
 
 def nic_link(a) -> tuple[links.Link, list[str]]:
   if a.calibration:
-    nic = cm.load_calibration(a.calibration, a.calibration_fit)
+    nic = measured.load_calibration(a.calibration, a.calibration_fit)
     how = [f"NIC: the α–β fit of --calibration {a.calibration} (fit of {a.calibration_fit})"]
   else:
     nic = a.network or links.PRESETS["25gbe"]

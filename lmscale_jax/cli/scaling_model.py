@@ -1,6 +1,6 @@
 """Will the network hold? Step time and efficiency of data-parallel training on 1…1024 nodes,
 from one GPU's measured step time and the gradient, on a described cluster (the model and
-every formula: lmscale_jax/study/cluster_model.py and the cluster_* modules it names).
+every formula: lmscale_jax/study/cluster_model/step_time.py and the modules it names).
 
   lmscale scaling-model --step-time 0.129 --params 102949632 --network 25gbe
   lmscale scaling-model --config configs/bert350m.py --step-time 0.53 --per-device-batch 20 \\
@@ -26,10 +26,9 @@ import sys
 
 from lmscale_jax.cli import args
 from lmscale_jax.cli import scaling_inputs as inp
-from lmscale_jax.study import cluster_links as links
-from lmscale_jax.study import cluster_model as cm
-from lmscale_jax.study import cluster_overlap as ov
-from lmscale_jax.study import cluster_validation
+from lmscale_jax.study.cluster_model import links, validation
+from lmscale_jax.study.cluster_model import overlap as ov
+from lmscale_jax.study.cluster_model import step_time as cm
 
 
 def parser() -> args.Parser:
@@ -158,7 +157,7 @@ def main(argv=None) -> int:
 
   def go() -> int:
     if a.validate:
-      result = cluster_validation.validate(a.validate)
+      result = validation.validate(a.validate)
       print(json.dumps(result, indent=1) if a.json else render_validation(result))
       return 0
     result = run(a)

@@ -27,7 +27,7 @@ import sys
 from lmscale_jax.cli import args
 from lmscale_jax.cli.scaling_inputs import csv, positive
 from lmscale_jax.cli.scaling_inputs import network_preset as network
-from lmscale_jax.study import cluster_links
+from lmscale_jax.study.cluster_model import links
 from lmscale_jax.study import storage_model as sm
 
 # The checkout (benchmarks/results is there): lmscale_jax/cli/ is two levels below it.
@@ -68,8 +68,8 @@ def parser() -> args.Parser:
                  help="small random reads/s the shared storage serves (default 200,000)")
   d.add_argument("--fs-metadata-ops", type=positive("storage metadata ops"), default=20_000.0,
                  help="opens/s of its metadata server (default 20,000)")
-  d.add_argument("--network", type=network, default=cluster_links.PRESETS["25gbe"],
-                 help=f"each node's link: {', '.join(cluster_links.PRESETS)} (default 25gbe)")
+  d.add_argument("--network", type=network, default=links.PRESETS["25gbe"],
+                 help=f"each node's link: {', '.join(links.PRESETS)} (default 25gbe)")
   d.add_argument("--stage-mbyte", type=positive("staging speed"),
                  help="lmscale stage MB/s per node (default: 'stage workers=8' of --stage-file)")
   d.add_argument("--stage-file", default=STAGE_FILE)

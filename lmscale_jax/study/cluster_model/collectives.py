@@ -1,5 +1,5 @@
 """All-reduce time of one message over ``N`` nodes × ``g`` GPUs: ring (flat or hierarchical),
-tree, and in-network reduction. Pure arithmetic on :mod:`cluster_links`.
+tree, and in-network reduction. Pure arithmetic on :mod:`links`.
 
 ``m`` bytes, ``p = N·g`` ranks, a node's network moving ``B(m) = nics·β·e(m)`` per direction,
 latency α per message; the intra-node link (α_i, β_i)::
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from lmscale_jax.study.cluster_links import Link, ModelError, Network
+from lmscale_jax.study.cluster_model.links import Link, ModelError, Network
 
 ALGORITHMS = ("flat", "hierarchical", "tree", "in-network", "best")
 

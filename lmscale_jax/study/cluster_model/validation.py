@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from lmscale_jax.study import cluster_links as links
-from lmscale_jax.study import cluster_model as cm
-from lmscale_jax.study.cluster_links import ModelError
+from lmscale_jax.study.cluster_model import links
+from lmscale_jax.study.cluster_model import step_time as cm
+from lmscale_jax.study.cluster_model.links import ModelError
 
 TOLERANCE = 0.15
 _PCIE3 = links.Link("PCIe 3.0 x16", 12e9, 5e-6)  # 15.75 GB/s line; ~12 GB/s reached (stated)

@@ -27,7 +27,7 @@ import bisect
 import dataclasses
 from typing import Callable
 
-from lmscale_jax.study.cluster_links import ModelError, positive
+from lmscale_jax.study.cluster_model.links import ModelError, positive
 
 BACKWARD_FRACTION = 2 / 3  # 4 of the 6 FLOPs per multiply-add of a training step
 OVERLAPS = ("none", "bucketed", "backward")
