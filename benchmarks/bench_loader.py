@@ -94,7 +94,7 @@ def config(path: str, batch: int, workers: int, read_threads: int, prefetch: int
 
 def measure_ours(cfg, meta, warmup: float, seconds: float) -> dict:
   """samples/s of the host iterator, after ``warmup`` seconds (worker start, buffers full)."""
-  from lmscale_jax.input import loader as data_lib
+  from lmscale_jax.input import grain_pipeline as data_lib
 
   it = iter(data_lib.make_dataset(cfg, meta, "train", train=True))
   t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def index_shuffle_loader(loader):
 def compare_shuffle(cfg, meta, rounds: int, seconds: float) -> dict:
   """samples/s of the batch function with each permutation, in alternating rounds (so load
   changes on a shared machine hit both), and the permutation alone in us per batch."""
-  from lmscale_jax.input import loader as data_lib
+  from lmscale_jax.input import grain_pipeline as data_lib
 
   loaders = {"feistel_permute": data_lib.make_batch_loader(cfg, meta, "train", train=True)}
   loaders["index_shuffle"] = index_shuffle_loader(loaders["feistel_permute"])

@@ -124,10 +124,10 @@ def time_steps(a) -> dict:
   """Median seconds per train step of each mode, alternating modes round by round."""
   import jax
 
-  from lmscale_jax.input import loader
+  from lmscale_jax.input import grain_pipeline
   from lmscale_jax.store import dataset
-  from lmscale_jax.train import steps as steps_lib
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import mlm
+  from lmscale_jax.pretrain import trainer as train
 
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   import tiny  # configs/tiny.py
@@ -138,10 +138,11 @@ def time_steps(a) -> dict:
     config = tiny.get_config()
     config.data.path, config.model.packed_attention = a.packed, mode
     setup = train.build_setup(config, meta)
-    steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
+    steps = mlm.build_steps(config, setup.model_cfg, setup.predictions)
     state = steps.init(jax.random.key(int(config.train.seed)))
+    stream = grain_pipeline.make_dataset(config, meta, "train", train=True)
     batches = [jax.device_put(b, steps.batch_sharding) for _, b in
-               zip(range(a.time_steps), loader.make_dataset(config, meta, "train", train=True))]
+               zip(range(a.time_steps), stream)]
     state, _ = steps.train_step(state, batches[0])  # compile
     jax.block_until_ready(state)
     built[mode] = [steps, state, batches]

@@ -714,14 +714,14 @@ def test_more_loader_workers_than_cpus_run_as_many_as_the_cpus(data, caplog):
   a Grain worker process; the batches do not depend on their number). Training caps its copy
   of the config before anything starts (config.json then records what ran)."""
   from lmscale_jax import child_process
-  from lmscale_jax.input import loader
+  from lmscale_jax.input import grain_pipeline
 
   cpus = child_process.usable_cpus()
   c = small_train_config(data)
   c.data.workers = 1000
   with caplog.at_level(logging.WARNING):
-    loader.cap_workers(c)
-    loader.cap_workers(c)  # capped once: no second warning
+    grain_pipeline.cap_workers(c)
+    grain_pipeline.cap_workers(c)  # capped once: no second warning
   assert c.data.workers == cpus
   assert caplog.text.count(f"data.workers=1000: this process may use {cpus} CPU(s), so {cpus} "
                            "loader workers run") == 1

@@ -348,7 +348,7 @@ def test_skipped_steps_do_not_make_the_learning_rate_lag(data):
   import jax
   import optax
 
-  from lmscale_jax.input import loader as data_lib
+  from lmscale_jax.input import grain_pipeline as data_lib
   from lmscale_jax.store import dataset
   from lmscale_jax.train import steps as steps_lib
   from lmscale_jax.train import trainer as train

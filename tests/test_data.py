@@ -13,7 +13,7 @@ import pytest
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.errors import ConfigError
 from lmscale_jax.input import hashing, masking, prefetch
-from lmscale_jax.input import loader as data_lib
+from lmscale_jax.input import grain_pipeline as data_lib
 from lmscale_jax.store import dataset
 from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset
 

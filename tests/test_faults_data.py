@@ -19,7 +19,7 @@ import pytest
 
 from lmscale_jax.errors import ConfigError
 from lmscale_jax.input import dataset_checks as data_checks
-from lmscale_jax.input import loader as data_lib
+from lmscale_jax.input import grain_pipeline as data_lib
 from lmscale_jax.input import staging
 from lmscale_jax.store import dataset, file_io
 from tests.helpers import SPECIAL_IDS, make_config, make_synthetic_dataset

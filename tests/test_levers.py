@@ -34,7 +34,7 @@ _LEVERS = r"""
 import json, sys
 import jax, numpy as np
 from tests.helpers import small_train_config as small_config
-from lmscale_jax.input import loader as data_lib, prefetch
+from lmscale_jax.input import grain_pipeline as data_lib, prefetch
 from lmscale_jax.model import flops
 from lmscale_jax.train import checkpoint as ckpt_lib, sharding, steps as steps_lib
 from lmscale_jax.train import trainer as train

@@ -17,7 +17,7 @@ import pytest
 
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.errors import ConfigError
-from lmscale_jax.input import loader as data
+from lmscale_jax.input import grain_pipeline as data
 from lmscale_jax.model import bert as M
 from lmscale_jax.prep.packing import Packer
 from lmscale_jax.store import dataset, file_io

@@ -150,7 +150,7 @@ def test_only_needed_matches_the_by_shard_loader(src, tmp_path):
   """lmscale stage --only-needed --plan by_shard copies exactly the shard files that by-shard
   loaders (data.shard_by_process) of the listed processes read; training accepts the copy
   for those processes, refuses it for the others, and the loaders run from it."""
-  from lmscale_jax.input import loader as data_lib
+  from lmscale_jax.input import grain_pipeline as data_lib
 
   num_processes, ids = 4, [0, 2]
   meta = dataset.DatasetMeta.load(src)

@@ -71,7 +71,7 @@ def test_resume_sees_the_same_batches(data, tmp_path):
   """The loader state saved at step 3 continues with exactly batches 4, 5, 6, whatever the
   number of loader workers before and after (the state is a batch index, not Grain's
   per-worker-count state)."""
-  from lmscale_jax.input import loader as data_lib
+  from lmscale_jax.input import grain_pipeline as data_lib
   from lmscale_jax.store import dataset
   from lmscale_jax.train import trainer as train
 

@@ -22,7 +22,7 @@ import tensorstore as ts
 from lmscale_jax.cli import evaluate as evaluate_cli
 from lmscale_jax.errors import UserError
 from lmscale_jax.inference import model_files, trained_model
-from lmscale_jax.input import loader
+from lmscale_jax.input import grain_pipeline
 from lmscale_jax.store import dataset
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import checkpoint_manifest, finetune_state, optim
@@ -115,7 +115,7 @@ def train_steps_evaluation(workdir: str, data: str) -> dict:
   setup = train.build_setup(config, meta)
   steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
   _, params = model_files.restore_params(workdir, None, steps.abstract_state.params)
-  return train.evaluate(steps, params, loader.make_dataset(config, meta, "validation",
+  return train.evaluate(steps, params, grain_pipeline.make_dataset(config, meta, "validation",
                                                            train=False))
 
 

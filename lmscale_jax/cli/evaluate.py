@@ -53,7 +53,7 @@ class WholeSplit:
 def evaluate(a) -> dict:
   # JAX and the model here, not at module level: --help answers without them (~1.3 s).
   from lmscale_jax.inference import model_files
-  from lmscale_jax.input import loader
+  from lmscale_jax.input import grain_pipeline
   from lmscale_jax.train import steps as steps_lib
   from lmscale_jax.train import trainer as train
 
@@ -70,7 +70,7 @@ def evaluate(a) -> dict:
   # The eval step alone: no optimizer built, no Adam moment read (the parameters only).
   scorer = steps_lib.build_eval_step(setup.model_cfg, fsdp=bool(config.train.fsdp))
   step, params = model_files.restore_params(a.workdir, a.step, scorer.abstract_params)
-  batches = loader.make_dataset(config, meta, a.split, train=False)
+  batches = grain_pipeline.make_dataset(config, meta, a.split, train=False)
   out = train.evaluate(scorer, params, WholeSplit(batches, records, b) if whole else batches)
   return {"workdir": a.workdir, "step": step, "data": a.data, "split": a.split,
           "batches": int(config.train.eval_batches), "batch_size": b,

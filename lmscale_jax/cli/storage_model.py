@@ -5,10 +5,11 @@ its assumptions: lmscale_jax/study/storage_model.py).
   lmscale storage-model --measure data/bin  # measure the loader, then the model
   lmscale storage-model --step-time 0.129 --per-gpu-batch 184 --fs-gbyte 20
 
---measure DATASET reads --batches batches through lmscale_jax.input.loader.make_batch_loader, counts
-bytes, read calls and opens with the kernel's counters (/proc/self/io, /proc/self/fd) and
-appends one line to benchmarks/results/<date>-cpu-loader-io.jsonl. Without it the model uses
-the last line of --io-file. Defaults: the H200 BERT-base anchor (0.129 s/step at 184
+--measure DATASET reads --batches batches through
+lmscale_jax.input.grain_pipeline.make_batch_loader, counts bytes, read calls and opens with the
+kernel's counters (/proc/self/io, /proc/self/fd) and appends one line to
+benchmarks/results/<date>-cpu-loader-io.jsonl. Without it the model uses the last line of
+--io-file. Defaults: the H200 BERT-base anchor (0.129 s/step at 184
 sequences per GPU), 2 GPUs per node and 25 GbE (the paper's TX-GAIN nodes), a 25 GB dataset
 in 64 MB shards (the paper's preprocessed size), and an assumed mid-size Lustre (20 GB/s
 aggregate, 200,000 small reads/s, 20,000 opens/s): give your file system's numbers.

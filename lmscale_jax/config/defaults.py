@@ -18,7 +18,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.data.mask_prob = 0.15
   c.data.max_predictions = 0    # P; 0 = ceil(mask_prob * seq_len)
   c.data.prefetch_buffer = 4    # Grain ReadOptions, in batches (per worker process)
-  c.data.read_threads = 2       # batch builders per process (see lmscale_jax/input/loader.py)
+  c.data.read_threads = 2       # batch builders per process (see input/grain_pipeline.py)
   c.data.on_corrupt = "error"   # unreadable/malformed record: error | skip (all-[PAD] row, counted)
   c.data.shard_by_process = False  # process i reads only shards i::P (stage 1/P per node)
   c.data.stage_from = ""        # shared dataset to stage into data.path first (once per node)

@@ -151,14 +151,14 @@ def choose_for_run(config, meta, workdir: str, steps, *, is_writer: bool) -> int
   import jax
   import numpy as np
 
-  from lmscale_jax.input import loader
+  from lmscale_jax.input import grain_pipeline
 
   process_index, process_count = jax.process_index(), jax.process_count()
 
   def make_iterator(workers: int):
     candidate = copy.deepcopy(config)
     candidate.data.workers = workers
-    return iter(loader.make_dataset(candidate, meta, "train", train=True,
+    return iter(grain_pipeline.make_dataset(candidate, meta, "train", train=True,
                                   process_index=process_index, process_count=process_count))
 
   def step_seconds() -> float:

@@ -3,8 +3,8 @@
 Everything here is a pure function of ``(seed, stream, counter)``: no generator state, so a
 value depends neither on how many were drawn before nor on the batch size or worker count,
 and a restored loader reproduces the same batches bit for bit. :mod:`lmscale_jax.input.masking`
-draws its masks from :func:`row_keys`; :mod:`lmscale_jax.input.loader` shuffles records with
-:func:`feistel_permute`. The ``STREAM_*`` constants are the independent key streams, kept
+draws its masks from :func:`row_keys`; :mod:`lmscale_jax.input.grain_pipeline` shuffles records
+with :func:`feistel_permute`. The ``STREAM_*`` constants are the independent key streams, kept
 here together so that no two uses share one.
 """
 

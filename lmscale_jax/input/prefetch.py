@@ -1,8 +1,8 @@
 """Host batches -> global ``jax.Array``s one batch ahead, with a checkpointable position.
 
-Owns the hand-over from the loader (:func:`lmscale_jax.input.loader.make_dataset`) to the devices:
-the transfer overlapped with the running step, the loader's checkpoint state, and the
-measure of input stall (``wait_seconds``).
+Owns the hand-over from the loader (:func:`lmscale_jax.input.grain_pipeline.make_dataset`) to
+the devices: the transfer overlapped with the running step, the loader's checkpoint state, and
+the measure of input stall (``wait_seconds``).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def needed_shards(meta: dataset.DatasetMeta, num_processes: int, process_ids: Se
                   plan: str = "interleaved") -> dict[str, list[dict]]:
   """Per split, the shard entries of ``metadata.json`` that ``process_ids`` will read.
 
-  The plans are the two modes of the loader in ``lmscale_jax/input/loader.py``:
+  The plans are the two modes of the loader in ``lmscale_jax/input/grain_pipeline.py``:
 
   ``interleaved`` (``data.shard_by_process=False``, the default): global stream position ``p``
   goes to process ``p % num_processes``, and the stream is a fresh permutation of *all* records
@@ -92,11 +92,11 @@ def needed_shards(meta: dataset.DatasetMeta, num_processes: int, process_ids: Se
 
   ``by_shard`` (``data.shard_by_process=True``): process ``i`` reads only the shards
   ``i, i + P, i + 2P, …`` of *every* split (train and validation), so a node needs only its
-  processes' shards: the loader's own read plan, ``input.loader.process_shards``, decides
+  processes' shards: the loader's own read plan, ``input.grain_pipeline.process_shards``, decides
   which.
   """
   # Imported here: the loader pulls in Grain, which staging's other paths do not need.
-  from lmscale_jax.input import loader as data
+  from lmscale_jax.input import grain_pipeline as data
 
   if plan not in PLANS:
     raise StagingError(f"read plan {plan!r}: expected one of {PLANS}")

@@ -78,7 +78,7 @@ def measure_loader(config, meta, batches: int, *, cold: bool = True) -> dict:
   """Runs the real per-batch loader of process 0 of 1 for ``batches`` batches (in this
   process, no Grain workers: a worker runs exactly this) and returns its file-system demand
   per record, from the kernel's counters."""
-  from lmscale_jax.input import loader as data
+  from lmscale_jax.input import grain_pipeline as data
 
   loader = data.make_batch_loader(config, meta, "train", train=True)
   paths = loader.records.paths

@@ -20,7 +20,7 @@ import numpy as np
 from absl import logging
 
 from lmscale_jax.config import checks as config_checks
-from lmscale_jax.input import autotune, loader, masking, prefetch
+from lmscale_jax.input import autotune, grain_pipeline as loader, masking, prefetch
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import flops as flops_lib
 from lmscale_jax.model import hf_convert
