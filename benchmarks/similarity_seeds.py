@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lmscale_jax import exits
 from lmscale_jax.errors import UserError
 from lmscale_jax.evals import seeds
 from lmscale_jax.store import output_marks
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     compared = comparisons(found, list(sets), pairs, cells)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
-    return cli_args.EXIT_USAGE
+    return exits.EXIT_USAGE
   print(table(found, list(sets), labels, cells))
   print("\n".join(["", *map(show_comparison, compared)]) if compared else "")
   if a.json:

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from lmscale_jax.cli.args import EXIT_USAGE
+from lmscale_jax.exits import EXIT_USAGE
 from lmscale_jax.prep import output_dir, prepare, text_corpus
 from lmscale_jax.store import dataset
 from tests.helpers import lmscale

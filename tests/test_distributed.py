@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from lmscale_jax import exits
 from lmscale_jax.cluster import run_state, supervisor
 from tests.helpers import communicate, make_config, make_synthetic_dataset
 
@@ -392,7 +393,7 @@ def test_a_lost_process_ends_every_other_with_one_line(data, tmp_path, processes
       continue
     print(f"{processes} processes, process {victim} killed: process {i} exited "
           f"{p.returncode} after {elapsed[i]:.1f} s (heartbeat timeout {heartbeat} s)")
-    assert p.returncode == supervisor.LOST_PROCESS_EXIT, err[i][-3000:]
+    assert p.returncode == exits.EXIT_LOST_PROCESS, err[i][-3000:]
     assert elapsed[i] < heartbeat + 10
     errors = [line for line in err[i].splitlines() if line.startswith("error:")]
     assert len(errors) == 1, err[i][-3000:]
@@ -409,7 +410,7 @@ def test_a_job_that_lost_a_process_resumes(data, tmp_path):
   checkpoint."""
   workdir = tmp_path / "w"
   procs, err, _ = start_and_kill(data, workdir, 2, 0, 5, **{"checkpoint.every": 2})
-  assert procs[1].returncode == supervisor.LOST_PROCESS_EXIT, err[1][-3000:]
+  assert procs[1].returncode == exits.EXIT_LOST_PROCESS, err[1][-3000:]
   state = run_state.read(str(workdir))
   assert state["state"] == "running"
   requeue, why = run_state.requeue_decision(state, since_step=-1, job_id="1", restart_count=0)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lmscale_jax.cli.args import EXIT_USAGE
+from lmscale_jax.exits import EXIT_USAGE
 from lmscale_jax.gpu import check as gpu_check
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.store import dataset

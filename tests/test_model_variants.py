@@ -29,7 +29,7 @@ from lmscale_jax.model import bert as M
 from lmscale_jax.prep import prepare
 from lmscale_jax.store import dataset
 from lmscale_jax.train import optim
-from lmscale_jax.train import workdir as workdir_lib
+from lmscale_jax.train import run_record
 from tests import test_distributed as dist
 from tests import test_packed_attention as packed
 from tests.helpers import ROOT, SPECIAL_IDS, communicate, make_config
@@ -312,7 +312,7 @@ def test_an_old_pre_ln_record_reads_as_norm_pre(reference, tmp_path, windows, po
   saved["config"]["model"]["packed_attention"] = saved["model"]["packed_attention"] = windows
   path = tmp_path / "config.json"
   path.write_text(json.dumps(saved))
-  record = workdir_lib.load_record(str(path))
+  record = run_record.load_record(str(path))
   for model in (record["config"]["model"], record["model"]):
     assert (model["norm"], model["positions"]) == ("pre", positions)
     assert "pre_ln" not in model

@@ -12,17 +12,11 @@ import argparse
 import json
 import math
 import os
-import signal
-import sys
-import threading
 
-from lmscale_jax import progress
+from lmscale_jax import exits
 from lmscale_jax.errors import UserError, disk_full
 from lmscale_jax.prep import options as prep_options
 from lmscale_jax.store import dataset, file_io, output_marks, user_text
-
-EXIT_USAGE, EXIT_INTERRUPTED = 1, 130  # usage and user errors alike (docs/design.md "Exit codes")
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a process SIGTERM ended
 
 
 class Parser(argparse.ArgumentParser):
@@ -32,7 +26,7 @@ class Parser(argparse.ArgumentParser):
   --overwrite here, so no command can have one without the other."""
 
   def error(self, message):
-    self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+    self.exit(exits.EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
   def parse_known_args(self, args=None, namespace=None):
     if replacing_outputs(self) and "--overwrite" not in self._option_string_actions:
@@ -239,46 +233,23 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
   p.add_argument("--hf", default="", metavar="OUT", help="a directory lmscale export-hf wrote")
 
 
-class Terminated(KeyboardInterrupt):
-  """SIGTERM (``timeout``, systemd, a batch system), raised in the main thread as Ctrl-C's
-  KeyboardInterrupt is, so it unwinds the same way (process pools stopped, locks released);
-  Python's default ended the process at once: exit 143, no line, the workers left running."""
-
-
-def _terminated(signum, frame):
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding: a second would interrupt it
-  raise Terminated
-
-
 def guarded(fn, interrupted: str) -> int:
   """Runs ``fn() -> exit status``; a user error, a full disk, Ctrl-C or SIGTERM becomes one
-  line."""
-  here = threading.current_thread() is threading.main_thread()  # where signal handlers run
-  before = signal.signal(signal.SIGTERM, _terminated) if here else None
-  try:
-    return fn()
-  except UserError as e:  # bad input: one line; a bug keeps its traceback
-    return error_line(str(e), EXIT_USAGE)
-  except Terminated:
-    return error_line(f"terminated (SIGTERM); {interrupted}", EXIT_TERMINATED)
-  except KeyboardInterrupt:
-    return error_line(f"interrupted; {interrupted}", EXIT_INTERRUPTED)
-  except (OSError, RuntimeError, ValueError) as e:
-    full = disk_full(e)  # outside prepare() (writing the summary); anything else is a bug
-    if full is None:
-      raise
-    # The file's name: OSError's, or the one a storage library's message names (errors.py);
-    # a write that names none (file_io's writes name theirs) is said to be one.
-    where = f"writing {full.filename}" if full.filename else "while writing its output"
-    return error_line(f"{full.reason.lower()} {where}; {interrupted}", 1)
-  finally:
-    if here:
-      signal.signal(signal.SIGTERM, before)
-
-
-def error_line(message: str, code: int) -> int:
-  """Prints ``error: message`` on a line of its own (a progress bar still drawn is closed
-  first: its line has no newline) and returns ``code``."""
-  progress.end_bars()
-  print(f"error: {message}", file=sys.stderr, flush=True)
-  return code
+  line (``lmscale_jax.exits``: the codes, the SIGTERM handler, the line)."""
+  with exits.sigterm_raises():
+    try:
+      return fn()
+    except UserError as e:  # bad input: one line; a bug keeps its traceback
+      return exits.error_line(str(e), exits.EXIT_USAGE)
+    except KeyboardInterrupt as e:  # exits.Terminated too
+      what, code = exits.stopped(e)
+      return exits.error_line(f"{what}; {interrupted}", code)
+    except (OSError, RuntimeError, ValueError) as e:
+      full = disk_full(e)  # outside prepare() (writing the summary); anything else is a bug
+      if full is None:
+        raise
+      # The file's name: OSError's, or the one a storage library's message names (errors.py);
+      # a write that names none (file_io's writes name theirs) is said to be one.
+      where = f"writing {full.filename}" if full.filename else "while writing its output"
+      return exits.error_line(f"{full.reason.lower()} {where}; {interrupted}",
+                              exits.EXIT_ERROR)

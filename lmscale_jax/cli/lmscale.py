@@ -9,6 +9,8 @@ import difflib
 import importlib
 import sys
 
+from lmscale_jax import exits  # the codes, without cli/args (it imports numpy)
+
 # (group, [(subcommand, module, summary)]), in the order a user meets them.
 GROUPS = (
     ("data", [
@@ -72,7 +74,6 @@ GROUPS = (
     ]),
 )
 MODULES = {name: module for _, commands in GROUPS for name, module, _ in commands}
-EXIT_USAGE = 1  # lmscale_jax.cli.args.EXIT_USAGE, without importing it (it imports numpy)
 
 
 def usage() -> str:
@@ -104,18 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lmscale {version()}")
     return 0
   if not argv:
-    print("error: a subcommand is required; lmscale --help lists them", file=sys.stderr)
-    return EXIT_USAGE
+    return exits.error_line("a subcommand is required; lmscale --help lists them",
+                            exits.EXIT_USAGE)
   name, rest = argv[0], argv[1:]
   if name not in MODULES:
     near = difflib.get_close_matches(name, list(MODULES), n=1)
-    print(f"error: unknown subcommand {name!r}"
-          + (f" (did you mean {near[0]!r}?)" if near else "")
-          + "; lmscale --help lists them", file=sys.stderr)
-    return EXIT_USAGE
+    return exits.error_line(f"unknown subcommand {name!r}"
+                            + (f" (did you mean {near[0]!r}?)" if near else "")
+                            + "; lmscale --help lists them", exits.EXIT_USAGE)
   sys.argv[0] = f"lmscale {name}"  # argparse's prog for a module's own parser
   code = importlib.import_module(MODULES[name]).main(rest)
-  return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
+  return code if isinstance(code, int) else (0 if code is None else exits.EXIT_USAGE)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from lmscale_jax import exits
 from lmscale_jax.cli import args
 from lmscale_jax.prep import cluster_extract, cluster_stages, prepare, worker_pool
 from lmscale_jax.prep import options as prep_options
@@ -170,13 +171,11 @@ def cluster(argv) -> int:
     print(CLUSTER_HELP.strip())
     return 0
   if not argv:
-    print(f"error: give a stage: one of {', '.join(stages)} "
-          "(see lmscale prepare cluster --help)", file=sys.stderr)
-    return args.EXIT_USAGE
+    return exits.error_line(f"give a stage: one of {', '.join(stages)} (see lmscale prepare "
+                            "cluster --help)", exits.EXIT_USAGE)
   if argv[0] not in stages:
-    print(f"error: stage {argv[0]!r}: expected one of {', '.join(stages)} "
-          "(see lmscale prepare cluster --help)", file=sys.stderr)
-    return args.EXIT_USAGE
+    return exits.error_line(f"stage {argv[0]!r}: expected one of {', '.join(stages)} (see "
+                            "lmscale prepare cluster --help)", exits.EXIT_USAGE)
   return _plan(argv[1:]) if argv[0] == "plan" else _stage(argv[0], argv[1:])
 
 
@@ -190,9 +189,8 @@ def main(argv=None) -> int:
     return 0
   if not argv or argv[0] not in KINDS:
     got = f"{argv[0]!r}: expected" if argv else "give a kind:"
-    print(f"error: {got} one of {', '.join(KINDS)} (see lmscale prepare --help)",
-          file=sys.stderr)
-    return args.EXIT_USAGE
+    return exits.error_line(f"{got} one of {', '.join(KINDS)} (see lmscale prepare --help)",
+                            exits.EXIT_USAGE)
   return cluster(argv[1:]) if argv[0] == "cluster" else run(argv[0], argv[1:])
 
 

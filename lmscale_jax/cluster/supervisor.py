@@ -16,7 +16,7 @@ child runs the job; this parent forwards the child's stderr line by line and sig
 When the runtime's fatal report appears, the parent holds it back (``--v=1`` shows it), reads
 from it which process was lost (the service names the task whose heartbeats stopped; when the
 service itself is gone, the coordinator, confirmed by a refused connection), and once the
-child is gone prints one line and exits :data:`LOST_PROCESS_EXIT`:
+child is gone prints one line and exits :data:`exits.EXIT_LOST_PROCESS`:
 
   error: process 1: lost process 0 on node07 (the coordinator, node07:61440): it stopped …
 
@@ -36,14 +36,10 @@ import time
 
 from absl import logging
 
-from lmscale_jax import child_process
+from lmscale_jax import child_process, exits
 from lmscale_jax.cluster import rendezvous
 from lmscale_jax.cluster.topology import Topology
 
-# A process of this job was lost and the runtime ended this one (sysexits' EX_TEMPFAIL: rerun
-# the same command; it resumes from the last complete checkpoint). Distinct from 1 (a user
-# error) and from a traceback's exit code (a bug).
-LOST_PROCESS_EXIT = 75
 # Set in the child: it is supervised (a second start() is a no-op). "0" in the environment
 # turns supervision off (the runtime's abort is then what ends a survivor).
 ENV_SUPERVISED = "LMSCALE_SUPERVISED"
@@ -81,7 +77,7 @@ def start(topo: Topology) -> None:
     os.environ[ENV_SUPERVISED] = "1"
     # Killed with its parent (kill -9 of the process a launcher started); a thread watching
     # would outlive nothing here: the parent's main thread supervises until the child ends.
-    child_process.die_with_parent(parent, watch=False, orphan_status=LOST_PROCESS_EXIT)
+    child_process.die_with_parent(parent, watch=False, orphan_status=exits.EXIT_LOST_PROCESS)
     os.dup2(err_w, 2)  # sys.stderr, absl's C++ logs and Grain's workers all write to fd 2
     for fd in (err_r, err_w, info_r):
       os.close(fd)
@@ -221,7 +217,8 @@ def _outcome(status: int, report: bytes | None, topo: Topology,
   if report is not None:
     if logging.get_verbosity() >= 1:
       os.write(2, b"the runtime's report (shown with --v=1):\n" + report)
-    return f"{me} {lost_line(report.decode(errors='replace'), topo, hosts)}", LOST_PROCESS_EXIT
+    return (f"{me} {lost_line(report.decode(errors='replace'), topo, hosts)}",
+            exits.EXIT_LOST_PROCESS)
   if os.WIFSIGNALED(status):
     signum = os.WTERMSIG(status)
     why = " (out of memory? the kernel's OOM killer sends it: see dmesg)" \
@@ -255,9 +252,9 @@ def lost_line(report: str, topo: Topology, hosts: list[str]) -> str:
   if not lost:
     first = next((line.strip() for line in report.splitlines()
                   if "absl::Status" in line or "Status:" in line), report.strip()[:200])
-    return (f"the runtime ended this process (exit {LOST_PROCESS_EXIT}) without naming a lost "
-            f"process: {first[:300]}; see the other processes' logs, rerun with --v=1 for its "
+    return (f"the runtime ended this process (exit {exits.EXIT_LOST_PROCESS}) without naming a "
+            f"lost process: {first[:300]}; see the other processes' logs, rerun with --v=1 for its "
             "full report")
   return (f"lost {', '.join(where(p) for p in lost)}: it stopped (crashed, killed, or its node "
-          f"failed), so every process stops (exit {LOST_PROCESS_EXIT}). Rerun the job: it "
+          f"failed), so every process stops (exit {exits.EXIT_LOST_PROCESS}). Rerun the job: it "
           "resumes from the last checkpoint")

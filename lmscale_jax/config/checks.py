@@ -24,7 +24,7 @@ every process, naming the process and host it concerns):
    ``model.bert.resolve_model_config``) against the dataset's ``metadata.json``. It also runs
    1 and :func:`check_batch` again, for library callers (tests, tools); both are cheap. Then,
    in ``train.trainer.train_and_evaluate`` before the first step: a workdir already past
-   ``train.steps`` is refused, and ``train.workdir.check_config_change`` compares
+   ``train.steps`` is refused, and ``train.run_record.check_config_change`` compares
    ``config.json`` with this config (its key lists say which changes a resume refuses, takes
    with ``--allow_config_change``, or takes silently).
 

@@ -1,7 +1,7 @@
 """The config's history, in one place: keys added after runs already existed (:data:`VALUES`,
 the value that reproduces what a run whose ``config.json`` lacks the key did) and keys renamed
 (:data:`RENAMED`). A workdir resumes under a legacy value as unchanged
-(``train.workdir.check_config_change``), and a run's config read back from ``config.json``
+(``train.run_record.check_config_change``), and a run's config read back from ``config.json``
 (:func:`complete`) has every key, so no reader needs a per-key fallback; an old spelling is
 refused with its new name, on the command line (``config.loader``) and in a config file
 (``config.checks``)."""

@@ -123,7 +123,7 @@ def digest(path: str) -> str:
   spaces): the same tokenizer saved twice, or by another version of ``tokenizers`` with its
   keys in another order, has one digest; any change to its vocabulary, merges, normalizer or
   pre-tokenizer gives another. What binds a training run to its dataset
-  (train/workdir.py ``dataset_identity``)."""
+  (train/run_record.py ``dataset_identity``)."""
   kind = file_io.not_regular(path)
   if kind:
     raise TokenizerError(f"{path} is {kind}: expected a Hugging Face tokenizer.json file")

@@ -13,8 +13,8 @@ newer ones that do not, and any file in place of a step (:func:`misplaced_steps`
 ``lmscale_jax/train/checkpoint_binding.py``. Before each save the free space is checked
 (``checkpoint.on_full``). Orbax removes the temporary directories of interrupted saves when
 the next run builds its manager (``cleanup_tmp_directories``).
-The rest of the workdir (its lock, ``config.json`` and the resume rules, ``run_state.json``) is
-``lmscale_jax/train/workdir.py``.
+The rest of the workdir: its lock and ``run_state.json``, ``lmscale_jax/train/workdir.py``;
+``config.json`` and the resume rules, ``lmscale_jax/train/run_record.py``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from lmscale_jax.config import legacy
 from lmscale_jax.train import checkpoint as ckpt_lib
+from lmscale_jax.train import run_record
 from lmscale_jax.train import workdir as workdir_lib
 from lmscale_jax.train.checkpoint import IncompatibleCheckpoint
 
@@ -40,7 +41,7 @@ def _other_run(record: dict, saved: dict) -> list[str]:
   content may (--allow_config_change, recorded in its "changes"): any content the run trained
   on is its own."""
   out = [f"model.{k}: {saved['model'].get(k)!r}, the run's {record['model'].get(k)!r}"
-         for k in workdir_lib.SHAPE_KEYS if saved["model"].get(k) != record["model"].get(k)]
+         for k in run_record.SHAPE_KEYS if saved["model"].get(k) != record["model"].get(k)]
   if _task(saved) != _task(record):
     out.append(f"task: {_task(saved)}, the run's {_task(record)}")
   theirs, mine = (r.get("dataset") if isinstance(r.get("dataset"), dict) else {}
@@ -64,7 +65,7 @@ def _task(record: dict) -> str:
 
 def _contents(record: dict) -> set:
   """The content digests of every dataset the run trained on: config.json's, and those its
-  recorded dataset changes name (``workdir._dataset_change``)."""
+  recorded dataset changes name (``run_record._dataset_change``)."""
   changes = [c for c in record.get("changes") or []
               if isinstance(c, dict) and c.get("key") == "dataset"]
   return {_content(record.get("dataset")),

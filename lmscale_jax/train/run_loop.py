@@ -25,6 +25,7 @@ from lmscale_jax.cluster import preemption
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import checkpoint_binding
 from lmscale_jax.train import metrics as metrics_lib
+from lmscale_jax.train import run_record
 from lmscale_jax.train import startup
 from lmscale_jax.train import workdir as workdir_lib
 
@@ -53,10 +54,10 @@ class RunTask:
     raise NotImplementedError
 
   def data_identity(self) -> dict | None:
-    """The dataset config.json binds the run to (:func:`workdir_lib.dataset_identity`)."""
+    """The dataset config.json binds the run to (:func:`run_record.dataset_identity`)."""
     return None
 
-  def before_save_config(self, check: workdir_lib.ConfigCheck) -> None:
+  def before_save_config(self, check: run_record.ConfigCheck) -> None:
     """After the refusals and before config.json (which records what this chooses)."""
 
   # After the Checkpointer.
@@ -126,7 +127,7 @@ def _open(task: RunTask, config, workdir: str, allow_change: bool) -> ckpt_lib.C
   checkpoint to resume is the newest that verifies (the same in every process)."""
   workdir_lib.check_entries(workdir)
   resume = ckpt_lib.choose_resume_step(workdir)
-  run = workdir_lib.read_record(workdir, resume.step)
+  run = run_record.read_record(workdir, resume.step)
   if resume.step is not None:
     old, restored = run
     if not restored:  # config.json's record; one restored from this very checkpoint is its own
@@ -135,14 +136,14 @@ def _open(task: RunTask, config, workdir: str, allow_change: bool) -> ckpt_lib.C
     task.check_resume(resume.step)
   model_cfg = task.model_cfg(resume.step)
   data = task.data_identity()
-  check = workdir_lib.check_config_change(workdir, config, model_cfg, run,
-                                          resume_step=resume.step, allow_change=allow_change,
-                                          data=data)
+  check = run_record.check_config_change(workdir, config, model_cfg, run,
+                                         resume_step=resume.step, allow_change=allow_change,
+                                         data=data)
   startup.show_log()  # no refusal left: the lines held since start-up, then the run's own
   resume.set_aside()  # <step>.corrupt: before the manager, which would list and rotate them
   task.before_save_config(check)
-  record = workdir_lib.save_config(workdir, config, model_cfg, check,
-                                   jax.process_index() == 0, data)
+  record = run_record.save_config(workdir, config, model_cfg, check,
+                                  jax.process_index() == 0, data)
   return ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep,
                                use_async=bool(config.checkpoint.async_save),
                                on_full=str(config.checkpoint.on_full), run_record=record)

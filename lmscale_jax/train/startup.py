@@ -1,5 +1,6 @@
 """The one process start-up of every run (``python -m lmscale_jax.main``, ``lmscale train``,
-``lmscale finetune``), and the one mapping of every way a run ends to its exit code:
+``lmscale finetune``), and the one mapping of every way a run ends to its exit code (the
+codes, ``Terminated`` and the ``error:`` line are ``lmscale_jax.exits``', shared with the tools):
 
   0    finished, or preempted (SIGTERM/SIGUSR1) with a checkpoint saved
   1    one ``error:`` line: a bad command line, input, data or config, a busy workdir, a full
@@ -11,63 +12,45 @@
 A traceback only for a bug. :func:`run`: the checks that need no runtime
 (:func:`check_before_runtime` for a training run), then the runtime
 (``cluster.distributed.initialize``), preemption signals (``cluster.preemption``), the workdir
-lock (process 0 takes it, the others learn the outcome: ``distributed.agree``) and
+lock (``workdir.holding``: process 0 takes it, the others learn the outcome) and
 ``train.preflight``, then the run's body.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging as std_logging
 import os
-import signal
 import socket
 import sys
-import threading
 import traceback
 from typing import Any, Callable
 
 from absl import logging
 
-from lmscale_jax import errors
+from lmscale_jax import errors, exits
 from lmscale_jax.config import checks as config_checks
-
-EXIT_ERROR, EXIT_LOST_PROCESS, EXIT_INTERRUPTED = 1, 75, 130
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: a shell's code for a process SIGTERM ended
-
-
-class Terminated(KeyboardInterrupt):
-  """SIGTERM before preemption's handler is installed (during the checks and start-up),
-  raised in the main thread as Ctrl-C's KeyboardInterrupt is, so it unwinds the same way."""
-
 
 def run(config, workdir: str, body: Callable[[Any], int | None], *,
         checks: Callable[[], Any] | None = None, runtime: bool = True,
         exit_at_once: bool = False) -> int:
-  """``checks()`` (no runtime, nothing created), the start-up (:func:`start`; skipped when
+  """``checks()`` (no runtime, nothing created), the start-up (:func:`started`; skipped when
   not ``runtime``: a dry run), then ``body(checks' result)``; returns the exit code
   (``body``'s, else 0). Every failure is one ``error:`` line and its code (a bug re-raises).
   ``exit_at_once``: leave the process at once after that line, without the interpreter's
   shutdown (see :func:`_leave`); a multi-process job always does."""
   quiet_libraries()
   hold_log()
-  here = threading.current_thread() is threading.main_thread()  # where signal handlers run
-  before = signal.signal(signal.SIGTERM, _terminated) if here else None
-  try:
-    checked = checks() if checks else None
-    took = start(config, workdir) if runtime else False
+  # SIGTERM before preemption's handler is installed (the checks, start-up) is Terminated.
+  with exits.sigterm_raises():
     try:
-      return body(checked) or 0
+      checked = checks() if checks else None
+      with started(config, workdir) if runtime else contextlib.nullcontext():
+        return body(checked) or 0
+    except (Exception, KeyboardInterrupt) as e:
+      return _failure(e, config, workdir, exit_at_once)
     finally:
-      if took:  # for callers in-process (tests); a process's exit releases it anyway
-        from lmscale_jax.train import workdir as workdir_lib
-
-        workdir_lib.unlock_workdir(workdir)
-  except (Exception, KeyboardInterrupt) as e:
-    return _failure(e, config, workdir, exit_at_once)
-  finally:
-    show_log()  # a body that never said it started (a dry run): its lines, now
-    if here:
-      signal.signal(signal.SIGTERM, before)
+      show_log()  # a body that never said it started (a dry run): its lines, now
 
 
 def check_before_runtime(config) -> None:
@@ -82,41 +65,33 @@ def check_before_runtime(config) -> None:
     hf_convert.check_matches_model_config(str(config.init_from), config.model)
 
 
-def start(config, workdir: str) -> bool:
-  """The runtime, preemption signals, the workdir lock and preflight; returns whether this
-  process took the lock (process 0)."""
+@contextlib.contextmanager
+def started(config, workdir: str):
+  """The runtime, preemption signals, the workdir lock (held for the block) and preflight."""
   from lmscale_jax.cluster import distributed, preemption
   from lmscale_jax.train import preflight
   from lmscale_jax.train import workdir as workdir_lib
-
-  import jax  # here, not at module level: Grain's worker processes re-import __main__
 
   distributed.initialize(config)  # before anything touches a JAX backend
   preemption.install()  # after: the runtime installs its own SIGTERM handler
   # Before anything in the workdir is touched (preflight's token file, Orbax's clean-up of
   # tmp directories): process 0 holds the lock for the job, the others learn its outcome.
-  took = distributed.agree("workdir lock", lambda: workdir_lib.lock_workdir(workdir)
-                           if jax.process_index() == 0 else None)
-  preflight.preflight(config, workdir)
-  return bool(took)
-
-
-def _terminated(signum, frame):
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding: a second would interrupt it
-  raise Terminated
+  with workdir_lib.holding(workdir, job=True):
+    preflight.preflight(config, workdir)
+    yield
 
 
 def _failure(e: BaseException, config, workdir: str, exit_at_once: bool) -> int:
   resume = (f"the last complete checkpoint in {workdir}/checkpoints is kept: rerun the same "
             "command to resume from it")
-  if isinstance(e, Terminated):
-    return _leave(f"error: terminated (SIGTERM); {resume}", EXIT_TERMINATED, exit_at_once)
   if isinstance(e, KeyboardInterrupt):
     # A train.Interrupted has cleaned up (loader stopped, a save in flight finished, metrics
     # closed); any other (a second Ctrl-C during that clean-up, or one during start-up) has
     # nothing worth waiting for. Leaving without the interpreter's shutdown: joining Grain's
     # stopped worker processes there hung for 240 s in one CI run (data.workers=1).
-    return _leave(f"error: interrupted (Ctrl-C); {resume}", EXIT_INTERRUPTED, exit_at_once)
+    what, code = exits.stopped(e)
+    ctrl_c = "" if isinstance(e, exits.Terminated) else " (Ctrl-C)"
+    return _leave(f"{what}{ctrl_c}; {resume}", code, exit_at_once)
   if multi_process():
     _multi_process_failure(e, config, workdir)
   line = one_line(e, workdir)
@@ -126,7 +101,7 @@ def _failure(e: BaseException, config, workdir: str, exit_at_once: bool) -> int:
   logging.vlog(1, "traceback", exc_info=e)
   # A save that failed (a full disk mid-save) leaves its writer threads' coroutines, which
   # printed 50-110 "Event loop is closed" tracebacks under the interpreter's shutdown.
-  return _leave(line, EXIT_ERROR, exit_at_once)
+  return _leave(line, exits.EXIT_ERROR, exit_at_once)
 
 
 def multi_process() -> bool:
@@ -135,13 +110,13 @@ def multi_process() -> bool:
 
 
 def one_line(e: BaseException, workdir: str) -> str | None:
-  """The ``error:`` line for a user error or a full disk; None for a bug."""
+  """The ``error:`` line's message for a user error or a full disk; None for a bug."""
   if isinstance(e, errors.UserError):
-    return f"error: {e}"
+    return str(e)
   full = errors.disk_full(e)
   if full is not None:
     where = f" writing {full.filename}" if full.filename else ""
-    return (f"error: {full.reason}{where} (workdir {workdir}): free space or give a "
+    return (f"{full.reason}{where} (workdir {workdir}): free space or give a "
             f"--workdir with room; {_last_checkpoint(workdir)}")
   return None
 
@@ -160,23 +135,22 @@ def _last_checkpoint(workdir: str) -> str:
           "rerun resumes from it")
 
 
-def _process_prefix() -> str:
+def _process() -> str:
+  """Who failed, in a multi-process job's ``error:`` line."""
   import jax
 
-  return f"error: process {jax.process_index()}: on {socket.gethostname()}:"
+  return f"process {jax.process_index()}: on {socket.gethostname()}"
 
 
-def _leave(line: str, code: int, exit_at_once: bool) -> int:
-  """Prints ``line``; with ``exit_at_once`` (or in a multi-process job) exits at once, without
-  the interpreter's shutdown: an async checkpoint save still in flight (a second Ctrl-C) or
+def _leave(message: str, code: int, exit_at_once: bool) -> int:
+  """The ``error:`` line of ``message`` (``exits.error_line``); with ``exit_at_once`` (or in a
+  multi-process job) exits at once, without the interpreter's shutdown: an async checkpoint save still in flight (a second Ctrl-C) or
   one that failed leaves threads that print tracebacks when the interpreter goes down under
   them. Orbax never takes a save's tmp directory for a checkpoint, and the next run removes
   it. Peers of a multi-process job may be blocked in a collective (``distributed.exit_now``)."""
   drop_log()
   multi = multi_process()
-  if multi:
-    line = line.replace("error:", _process_prefix(), 1)
-  print(line, file=sys.stderr, flush=True)
+  exits.error_line(message, code, _process() if multi else "")
   if multi:
     from lmscale_jax.cluster import distributed
 
@@ -201,9 +175,9 @@ def _multi_process_failure(e: BaseException, config, workdir: str) -> None:
   (drop_log if line else show_log)()
   if line is None:
     logging.exception("process %d failed", jax.process_index())
-    line = f"error: {type(e).__name__}: {e}"
-  print(line.replace("error:", _process_prefix(), 1), file=sys.stderr, flush=True)
-  distributed.exit_now(EXIT_ERROR)
+    line = f"{type(e).__name__}: {e}"
+  exits.error_line(line, exits.EXIT_ERROR, _process())
+  distributed.exit_now(exits.EXIT_ERROR)
 
 
 # ----------------------------------------------------------------------------- held lines
