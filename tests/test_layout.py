@@ -28,14 +28,17 @@ ALLOWED = {
     "child_process": set(),
     # A base too: the progress bars of prep's passes, the similarity build and the evaluation.
     "progress": set(),
+    # A base too: how every command ends (exit codes, SIGTERM as Terminated, the error: line),
+    # one owner for the tools (cli/args.guarded) and the runs (train/startup.run).
+    "exits": {"progress"},
     "config": {"errors"},
     "store": {"errors", "config"},
-    "cluster": {"errors", "child_process"},
+    "cluster": {"errors", "child_process", "exits"},
     "prep.elf": {"errors", "store"},
     "prep": {"errors", "store", "child_process", "progress", "prep.elf"},
     "input": {"errors", "config", "store", "cluster", "child_process"},
     "model": {"errors", "config", "store"},
-    "train": {"errors", "config", "store", "cluster", "input", "model"},
+    "train": {"errors", "exits", "config", "store", "cluster", "input", "model"},
     "inference": {"errors", "config", "store", "model", "train"},
     "similarity": {"errors", "store", "progress", "prep.elf"},
     "finetune": {"errors", "config", "store", "model", "train", "inference",
@@ -50,11 +53,11 @@ ALLOWED = {
     # measured inputs, below the study's runs; it imports no training, input or run code.
     "study.cluster_model": {"errors", "config", "store", "model"},
     "gpu": {"config", "store", "input", "model", "train"},
-    "main": {"errors", "config", "cluster", "input", "train"},
+    "main": {"errors", "exits", "config", "cluster", "input", "train"},
     # The ``lmscale`` command: the top floor (nothing imports it). A subcommand's module is
     # imported by its name when it runs (cli/lmscale.py's table): ``run-state``'s
     # ``lmscale_jax.cluster.run_state`` is no edge, and the batch node needs no cli/ for it.
-    "cli": {"errors", "progress", "config", "store", "prep.elf", "prep", "input", "model",
+    "cli": {"errors", "exits", "progress", "config", "store", "prep.elf", "prep", "input", "model",
             "train", "inference", "similarity", "finetune", "evals", "search", "serve", "study",
             "study.cluster_model", "gpu",
             "main"},
