@@ -47,9 +47,9 @@ def cpu_description() -> str:
 
 
 def synthetic_dataset(directory: str, records: int, seq_len: int, vocab: int) -> str:
-  """A real dataset directory via the production writer (tests/helpers.py); reused if present."""
+  """A real dataset directory via the production writer (store/synthetic_dataset.py); reused."""
   from lmscale_jax.store import dataset
-  from tests.helpers import make_synthetic_dataset
+  from lmscale_jax.store.synthetic_dataset import write_synthetic_dataset
 
   try:
     meta = dataset.DatasetMeta.load(directory)
@@ -59,7 +59,7 @@ def synthetic_dataset(directory: str, records: int, seq_len: int, vocab: int) ->
     pass
   # ~64 MB shards like prepare.py writes, but at least 4 so reads hit several files.
   shards = max(4, records * (2 * seq_len + 30) // (64 << 20))
-  make_synthetic_dataset(directory, seq_len=seq_len, vocab_size=vocab, n_train=records,
+  write_synthetic_dataset(directory, seq_len=seq_len, vocab_size=vocab, n_train=records,
                          n_val=max(64, records // 100), shards=shards, seed=0)
   return directory
 

@@ -128,14 +128,14 @@ def run_child(path: str, workdir: str, tokenizer: str) -> dict:
 def bert120m_run(base: str) -> tuple[str, str]:
   """configs/bert120m.py, one real training step (batch 2) on a generated dataset."""
   from lmscale_jax.train import checkpoint as ckpt_lib
-  from tests.helpers import make_synthetic_dataset
+  from lmscale_jax.store.synthetic_dataset import write_synthetic_dataset
 
   data, workdir = os.path.join(base, "bert120m-data"), os.path.join(base, "bert120m-run")
   if ckpt_lib.latest_complete_step(workdir) is not None:
     return workdir, ""
   shutil.rmtree(workdir, ignore_errors=True)
   if not os.path.isdir(data):
-    make_synthetic_dataset(data, seq_len=512, vocab_size=30522, n_train=16, n_val=8, shards=1)
+    write_synthetic_dataset(data, seq_len=512, vocab_size=30522, n_train=16, n_val=8, shards=1)
   overrides = {"data.path": data, "data.workers": 1, "train.batch_size": 2, "train.steps": 1,
                "train.warmup_steps": 1, "train.eval_every": 1000, "train.eval_batches": 1,
                "train.log_every": 1, "checkpoint.every": 1}

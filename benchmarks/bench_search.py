@@ -278,12 +278,24 @@ def vectors_main(a) -> dict:
   return doc
 
 
+def tiny_config(data: str):
+  """The shipped CPU config (``--config tiny``) shrunk to the tests' model: 2 × 64, ffn 128,
+  6 steps of batch 8 (tests/helpers.py's ``small_train_config``: the same parameters)."""
+  from lmscale_jax.config import loader
+
+  config = loader.load_file("tiny")
+  loader.apply_sets(config, [f"data.path={data}", "model.hidden=64", "model.ffn=128",
+                             "train.batch_size=8", "train.steps=6", "train.warmup_steps=2",
+                             "train.log_every=1", "train.eval_every=3", "train.eval_batches=2",
+                             "checkpoint.every=3"], flag="bench_search")
+  return config
+
+
 def tiny_run(where: str) -> str:
   """The tests' model (tests/test_hf_tools.py's ``run``: 2 × 64, seq 64, 6 steps on libz and
   libbz2), made once under ``where``."""
   from lmscale_jax.prep import prepare
   from lmscale_jax.train import trainer
-  from tests.helpers import small_train_config
 
   data, workdir = os.path.join(where, "ds"), os.path.join(where, "run")
   if not os.path.exists(os.path.join(workdir, "run_state.json")):
@@ -291,7 +303,7 @@ def tiny_run(where: str) -> str:
         kind="binary", inputs=["/usr/lib/x86_64-linux-gnu/libz.so.1",
                                "/usr/lib/x86_64-linux-gnu/libbz2.so.1.0"],
         output=data, seq_len=64, vocab_size=400, val_fraction=0.1, workers=1, progress=False))
-    trainer.train_and_evaluate(small_train_config(data), workdir)
+    trainer.train_and_evaluate(tiny_config(data), workdir)
   return workdir
 
 

@@ -63,7 +63,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import _host  # noqa: E402
 from lmscale_jax.cli.args import Parser, guarded, input_file, number  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
-from tests.helpers import stop_process_group  # noqa: E402
+from lmscale_jax.child_process import stop_group  # noqa: E402
 
 KINDS = ("search_text", "search_upload", "embed")
 EMBED_TEXTS = 8
@@ -167,7 +167,7 @@ def start_server(a) -> tuple[subprocess.Popen, int, str]:
     if found and Client(int(found.group(1))).send("GET", "/api/info")[0] == 200:
       return p, int(found.group(1)), log.name
     time.sleep(0.5)
-  stop_process_group(p)
+  stop_group(p)
   raise UserError(f"the server did not start (its log: {log.name})")
 
 
@@ -427,7 +427,7 @@ def main(argv=None) -> int:
       batched = batching(a, port, fns, model) if a.batch_texts else []
       mixed = mix(a, port, fns, data) if a.requests else {}
     finally:
-      stop_process_group(p)
+      stop_group(p)
     import jax
 
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -35,9 +35,9 @@ from lmscale_jax.cli import args as cli_args  # one line and exit 1 for a bad ar
 
 
 def synthetic_dataset(directory: str, size_mb: int) -> str:
-  """~size_mb MB of seq-4096 records in ~64 MB shards (tests/helpers.py writer); reused."""
+  """~size_mb MB of seq-4096 records in ~64 MB shards (store/synthetic_dataset.py); reused."""
   from lmscale_jax.store import dataset
-  from tests.helpers import make_synthetic_dataset
+  from lmscale_jax.store.synthetic_dataset import write_synthetic_dataset
 
   seq_len = 4096
   records = size_mb * 1_000_000 // (2 * seq_len + 30)
@@ -47,7 +47,7 @@ def synthetic_dataset(directory: str, size_mb: int) -> str:
   except dataset.DatasetError:
     pass
   shutil.rmtree(directory, ignore_errors=True)
-  make_synthetic_dataset(directory, seq_len=seq_len, vocab_size=8192, n_train=records,
+  write_synthetic_dataset(directory, seq_len=seq_len, vocab_size=8192, n_train=records,
                          n_val=max(64, records // 100), shards=max(2, size_mb // 64), seed=0)
   return directory
 

@@ -195,10 +195,10 @@ def profile(a) -> list[dict]:
 
 
 def synthetic_dataset(directory: str) -> str:
-  """The tests' synthetic dataset (tests/helpers.py), enough sequences for every run."""
-  from tests import helpers
+  """The synthetic dataset the tests use (store/synthetic_dataset.py), enough for every run."""
+  from lmscale_jax.store.synthetic_dataset import write_synthetic_dataset
 
-  helpers.make_synthetic_dataset(directory, n_train=2048, n_val=64)
+  write_synthetic_dataset(directory, n_train=2048, n_val=64)
   return directory
 
 

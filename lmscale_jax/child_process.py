@@ -81,3 +81,22 @@ def usable_cpus() -> int:
   job)."""
   cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   return cpus or 1
+
+
+def stop_group(proc, grace_s: float = 30.0) -> int:
+  """Ends a child started with ``start_new_session=True`` and what it started (a server and its
+  workers share its process group): SIGTERM to the group, so each may leave cleanly, SIGKILL
+  after ``grace_s``. Returns the child's exit status."""
+  import subprocess
+
+  for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+    if proc.poll() is not None:
+      break
+    try:
+      os.killpg(proc.pid, sig)
+      return proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+      continue
+    except ProcessLookupError:  # the group ended between the poll and the signal
+      break
+  return proc.wait()

@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
-
 import ml_collections
 
+from lmscale_jax.child_process import stop_group as stop_process_group  # noqa: F401
 from lmscale_jax.config import defaults as config_defaults
-from lmscale_jax.store import dataset
+# The dataset every test trains on: the product's synthetic writer (benchmarks use it too).
+from lmscale_jax.store.synthetic_dataset import SPECIAL_IDS  # noqa: F401
+from lmscale_jax.store.synthetic_dataset import (  # noqa: F401
+    write_synthetic_dataset as make_synthetic_dataset)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,9 +32,6 @@ def lmscale(tool: str) -> list[str]:
   return [sys.executable, "-m", f"lmscale_jax.cli.{CLI_MODULES.get(name, name)}"]
 
 
-SPECIAL_IDS = {t: i for i, t in enumerate(dataset.SPECIAL_TOKENS)}
-
-
 def communicate(p: subprocess.Popen, timeout: float = 180) -> tuple[str, str]:
   """``p.communicate`` that never hangs a test: past ``timeout`` the process group (started
   with ``start_new_session``) is killed and the test fails with the tails of its output."""
@@ -43,18 +42,6 @@ def communicate(p: subprocess.Popen, timeout: float = 180) -> tuple[str, str]:
     out, err = p.communicate()
     raise AssertionError(f"timed out after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
 
-
-
-def stop_process_group(p: subprocess.Popen, grace_s: float = 30) -> None:
-  """Ends a child started with start_new_session=True (a server and what it started): SIGTERM to
-  its group, SIGKILL after ``grace_s``."""
-  if p.poll() is None:
-    os.killpg(p.pid, signal.SIGTERM)
-    try:
-      p.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-      os.killpg(p.pid, signal.SIGKILL)
-      p.wait()
 
 def make_config(data_path="", **sections) -> ml_collections.ConfigDict:
   """The default config (``config_defaults.get_base_config``) with ``data.path`` set and
@@ -78,43 +65,3 @@ def small_train_config(data_path, **train) -> ml_collections.ConfigDict:
       checkpoint=dict(every=3, keep=2))
   c.train.update(train)
   return c
-
-
-def make_synthetic_dataset(directory: str, *, seq_len: int = 64, vocab_size: int = 128,
-                           n_train: int = 256, n_val: int = 32, shards: int = 2,
-                           seed: int = 0, pad_frac: float = 0.1) -> dataset.DatasetMeta:
-  """A small, real dataset directory (ArrayRecord shards + metadata) of random token sequences.
-
-  Each sequence is ``[CLS] tokens… [SEP] [PAD]…`` with roughly ``pad_frac`` padding. The
-  tokenizer is a WordLevel vocabulary t0..tN so decoding works.
-  """
-  from tokenizers import Tokenizer, models
-
-  os.makedirs(directory, exist_ok=True)
-  rng = np.random.default_rng(seed)
-  nspecial = len(dataset.SPECIAL_TOKENS)
-  splits = {}
-  for split, n in (("train", n_train), ("validation", n_val)):
-    seqs = []
-    for _ in range(n):
-      length = int(rng.integers(int(seq_len * (1 - 2 * pad_frac)), seq_len + 1))
-      length = max(3, min(seq_len, length))
-      x = np.zeros(seq_len, np.uint16)
-      x[0] = SPECIAL_IDS["[CLS]"]
-      x[1:length - 1] = rng.integers(nspecial, vocab_size, length - 2)
-      x[length - 1] = SPECIAL_IDS["[SEP]"]
-      seqs.append(x)
-    per = np.array_split(np.arange(n), shards)
-    infos = []
-    for i, idx in enumerate(per):
-      fname = dataset.shard_filename("synthetic", split, i, shards)
-      info = dataset.write_array_record(os.path.join(directory, fname),
-                                   (dataset.encode_record(seqs[j]) for j in idx))
-      infos.append({"file": fname, **info})
-    splits[split] = infos
-  vocab = {t: i for t, i in SPECIAL_IDS.items()}
-  vocab.update({f"t{i}": i for i in range(nspecial, vocab_size)})
-  Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(
-      os.path.join(directory, dataset.TOKENIZER))
-  return dataset.finalize(directory, name="synthetic", seq_len=seq_len, vocab_size=vocab_size,
-                     special_ids=SPECIAL_IDS, splits=splits, extra={"kind": "synthetic"})

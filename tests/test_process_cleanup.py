@@ -110,6 +110,26 @@ def test_a_child_whose_parent_is_already_gone_ends_at_once(call):
   assert (r.returncode, r.stdout, r.stderr) == (1, "", "")
 
 
+@pytest.mark.parametrize("grace_s", [0.5, 30])
+def test_stop_group_ends_a_child_and_what_it_started(grace_s):
+  """``child_process.stop_group`` (what ends a server a benchmark or a test started): the
+  child and its own child end, by SIGTERM, or by SIGKILL after the grace when SIGTERM is
+  ignored."""
+  from lmscale_jax import child_process
+
+  trap = "trap '' TERM; " if grace_s < 1 else ""
+  p = subprocess.Popen(["bash", "-c", f"{trap}sleep 300 & wait"], start_new_session=True)
+  time.sleep(0.3)  # the sleep started
+  tree = process_tree(p.pid)
+  try:
+    assert len(tree) == 2
+    rc = child_process.stop_group(p, grace_s=grace_s)
+    assert rc == (-signal.SIGKILL if trap else -signal.SIGTERM)
+    assert wait_until_gone(tree, 10)[0] == []
+  finally:
+    kill_all(tree)
+
+
 @pytest.mark.parametrize("how", ["die_with_parent", "watch_parent"])
 def test_a_child_ends_with_its_parents_kill_9(tmp_path, how):
   """Armed either way, a child ends within about a second of its parent's kill -9."""

@@ -210,9 +210,9 @@ if [ "$(left)" -gt 90 ]; then
   log "loader: generating a seq-$SEQ dataset and training 120M b$B120 with data.autotune"
   run loader_data 120 "$PY" - "$WORK/data" $SEQ $VOCAB <<'EOF'
 import sys
-from tests.helpers import make_synthetic_dataset
+from lmscale_jax.store.synthetic_dataset import write_synthetic_dataset
 d, seq, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-make_synthetic_dataset(d, seq_len=seq, vocab_size=vocab, n_train=20000, n_val=512, shards=8)
+write_synthetic_dataset(d, seq_len=seq, vocab_size=vocab, n_train=20000, n_val=512, shards=8)
 print("dataset", d)
 EOF
   run loader_train 240 "$PY" -m lmscale_jax.main --config=configs/bert120m.py \
