@@ -27,6 +27,7 @@ import time
 
 from absl import app, flags, logging
 
+from lmscale_jax import exits
 from lmscale_jax.config import loader
 from lmscale_jax.errors import ConfigError
 from lmscale_jax.train import startup
@@ -241,7 +242,7 @@ def run_command(argv: list[str], prog: str = "lmscale train") -> int:
   except SystemExit as e:
     if isinstance(e.code, str):
       print(e.code, file=sys.stderr, flush=True)
-      return startup.EXIT_ERROR
+      return exits.EXIT_ERROR
     return e.code or 0
   return 0
 

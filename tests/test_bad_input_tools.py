@@ -18,7 +18,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from lmscale_jax.cli.args import EXIT_USAGE
+from lmscale_jax.exits import EXIT_USAGE
 from lmscale_jax.prep import prepare
 from lmscale_jax.similarity import function_groups
 from lmscale_jax.store import dataset, records

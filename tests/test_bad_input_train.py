@@ -368,7 +368,7 @@ def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, re
   "segment" is a result change; the reduction's layout ("auto") is not recorded as a change."""
   from lmscale_jax.train import checkpoint
   from lmscale_jax.train import trainer as train
-  from lmscale_jax.train import workdir as workdir_lib
+  from lmscale_jax.train import run_record
 
   path = resumable / "config.json"
   saved = json.load(open(path))
@@ -376,7 +376,7 @@ def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, re
   del saved["config"]["train"]["grad_allreduce"]
   path.write_text(json.dumps(saved))
   # and the fine-tuning levers' keys (its config.json had none before the one train step)
-  assert set(workdir_lib.LEGACY_VALUES) == {"model.packed_attention", "init_from",
+  assert set(run_record.LEGACY_VALUES) == {"model.packed_attention", "init_from",
                                             "train.grad_allreduce", "train.grad_accum_steps",
                                             "train.grad_allreduce_dtype", "train.fsdp",
                                             "train.remat", "train.dropout_rng",
@@ -401,11 +401,11 @@ def test_every_config_key_has_a_resume_rule():
   which is safe but may surprise): every key appears in exactly one list."""
   from lmscale_jax.config import checks as config_checks
   from lmscale_jax.config import defaults as config_defaults
-  from lmscale_jax.train import workdir as workdir_lib
+  from lmscale_jax.train import run_record
 
   flat = config_checks.flat_keys(json.loads(config_defaults.get_base_config().to_json()))
-  lists = {"state": workdir_lib.STATE_KEYS, "result": workdir_lib.RESULT_KEYS,
-           "extend": workdir_lib.EXTEND_KEYS, "neutral": workdir_lib.NEUTRAL_KEYS}
+  lists = {"state": run_record.STATE_KEYS, "result": run_record.RESULT_KEYS,
+           "extend": run_record.EXTEND_KEYS, "neutral": run_record.NEUTRAL_KEYS}
   for key in flat:
     hits = [rule for rule, keys in lists.items()
             if any(key == k or key.startswith(f"{k}.") for k in keys)]

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from lmscale_jax.cluster import supervisor
+from lmscale_jax import exits
 from lmscale_jax.finetune import pairs as finetune_pairs
 from lmscale_jax.inference import trained_model
 from lmscale_jax.prep import prepare
@@ -285,7 +285,7 @@ def test_a_lost_process_ends_the_other_with_one_line_and_the_job_resumes(bench, 
     dist.kill_all(procs)
   err = dist._stderr[procs[0].pid]
   print(f"process 1 killed: process 0 exited {procs[0].returncode} after {took:.1f} s")
-  assert procs[0].returncode == supervisor.LOST_PROCESS_EXIT, err[-3000:]
+  assert procs[0].returncode == exits.EXIT_LOST_PROCESS, err[-3000:]
   assert took < heartbeat + 10
   errors = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and errors[0].startswith(

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lmscale_jax import exits
 from lmscale_jax.cli import args as cli_args
 from lmscale_jax.config import finetune as finetune_config
 from lmscale_jax.config import loader
@@ -197,8 +198,7 @@ def main(argv=None) -> int:
   try:
     config = build_config(a, rest)
   except UserError as e:  # before any start-up: nothing to clean up
-    print(f"error: {e}", file=sys.stderr)
-    return startup.EXIT_ERROR
+    return exits.error_line(str(e), exits.EXIT_ERROR)
   return run(config, a.workdir, a.allow_config_change)
 
 

@@ -106,15 +106,11 @@ def run(task: "FinetuneRun", allow_config_change: bool) -> dict:
   single-process caller gets the workdir's lock here; a multi-process one takes it as ``main``
   does (process 0, ``distributed.agree``)."""
   config, workdir, t = task.config, task.workdir, task.config.train
-  took = jax.process_count() == 1 and workdir_lib.lock_workdir(workdir)
-  try:
+  with workdir_lib.holding(workdir):
     config_checks.check_batch(t.batch_size, processes=jax.process_count(),
                               devices_per_process=jax.local_device_count(),
                               accum_steps=t.grad_accum_steps)
     return run_loop.run(task, config, workdir, allow_config_change=allow_config_change)
-  finally:
-    if took:
-      workdir_lib.unlock_workdir(workdir)
 
 
 class FinetuneRun(run_loop.RunTask):

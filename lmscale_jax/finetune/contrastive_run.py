@@ -14,7 +14,7 @@ are stopped and their updates zeroed: ``optax.multi_transform``); the MLM head, 
 loss, is always frozen and kept, so the encoder still exports as a ``BertForMaskedLM``.
 
 The run is the one loop of every run (lmscale_jax/train/run_loop.py) in a workdir like
-pretraining's (lmscale_jax/train/workdir.py, checkpoint.py): its lock,
+pretraining's (lmscale_jax/train/workdir.py, run_record.py, checkpoint.py): its lock,
 ``config.json`` (this config, ``model`` the encoder's resolved keys, a resume under changed
 keys refused by the same rules), ``metrics.jsonl``, ``run_state.json``, ``checkpoints/<step>``
 (train state + the batch sampler's position) and ``tokenizer.json`` (the model's own, so the

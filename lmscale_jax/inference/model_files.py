@@ -6,7 +6,7 @@ before any weights are restored (:func:`check_dataset`). Each problem is one
 a reader: the one rule every tool gets from here. What is done with the model is
 :mod:`lmscale_jax.inference.trained_model`.
 
-A workdir's ``config.json`` has one reader, ``train.workdir.load_record`` (the resume rules
+A workdir's ``config.json`` has one reader, ``train.run_record.load_record`` (the resume rules
 read it too); the parameters come from ``train.checkpoint.restore_params``, which reads only
 them (not the optimizer state: benchmarks/bench_model_load.py).
 """
@@ -26,6 +26,7 @@ from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import checkpoint_binding
+from lmscale_jax.train import run_record
 from lmscale_jax.train import workdir as workdir_lib
 
 RUN_CONFIG, METRICS = workdir_lib.RUN_CONFIG, "metrics.jsonl"
@@ -58,7 +59,7 @@ def run_file(workdir: str) -> dict:
   if not os.path.lexists(path):
     raise UserError(f"{workdir} has no config.json: not a training workdir (give the "
                     "--workdir a run of lmscale train wrote)")
-  return workdir_lib.load_record(path)
+  return run_record.load_record(path)
 
 
 def read_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict]:
@@ -86,9 +87,9 @@ def check_dataset(shape, meta: dataset.DatasetMeta, source: str, *, same_seq_len
                                                  if key == "seq_len" else ""))
   if record is not None:
     path = os.path.join(meta.path, dataset.TOKENIZER)
-    workdir_lib.check_tokenizer(record, toklib.digest(regular_file(path, "a tokenizer.json "
-                                                                   "file")),
-                                f"dataset {meta.path}", source)
+    run_record.check_tokenizer(record, toklib.digest(regular_file(path, "a tokenizer.json "
+                                                                  "file")),
+                               f"dataset {meta.path}", source)
 
 
 def restore_params(workdir: str, step: int | None, abstract_params) -> tuple[int, object]:
@@ -185,7 +186,7 @@ def check_hf_files(hf_dir: str) -> None:
       raise UserError(f"{path} is {kind}: expected the model directory's {name} file")
   path = os.path.join(hf_dir, hf_convert.CONFIG)
   if os.path.exists(path) and not isinstance(config := read_json(path, "a JSON object"), dict):
-    raise UserError(f"{path}: {workdir_lib.json_kind(config)}, expected a Hugging Face model's "
+    raise UserError(f"{path}: {run_record.json_kind(config)}, expected a Hugging Face model's "
                     "config (a JSON object)")
 
 

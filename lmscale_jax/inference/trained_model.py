@@ -40,7 +40,7 @@ from lmscale_jax.model import classifier as classifier_lib
 from lmscale_jax.model import contrastive, hf_classifier, hf_convert, hf_dir_checks, name_head
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
-from lmscale_jax.train import workdir as workdir_lib
+from lmscale_jax.train import run_record
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ def run_tokenizer(run_config, tokenizer_path: str = "", record: dict | None = No
                     "--tokenizer PATH/tokenizer.json of the dataset it trained on")
   model_files.regular_file(path, "a tokenizer.json file")
   if record is not None:
-    workdir_lib.check_tokenizer(record, toklib.digest(path), path, workdir)
+    run_record.check_tokenizer(record, toklib.digest(path), path, workdir)
   return toklib.with_hf_roles(toklib.load(path))
 
 

@@ -31,6 +31,7 @@ from lmscale_jax.train import preflight
 from lmscale_jax.train import run_loop
 from lmscale_jax.train import startup
 from lmscale_jax.train import steps as steps_lib
+from lmscale_jax.train import run_record
 from lmscale_jax.train import workdir as workdir_lib
 
 
@@ -93,7 +94,7 @@ def start_positions(config: ml_collections.ConfigDict, workdir: str | None) -> s
   began) or else ``init_from``'s; None for a new model (the dataset decides)."""
   if config.model.positions != "auto":
     return None
-  resumed = workdir_lib.recorded_positions(workdir) if workdir else None
+  resumed = run_record.recorded_positions(workdir) if workdir else None
   if resumed:
     return resumed
   if config.init_from:
@@ -185,17 +186,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        allow_config_change: bool = False) -> dict:
   """Trains (resuming from ``workdir`` if it holds a checkpoint); returns the last metrics.
   ``meta``: the dataset's metadata if the caller has loaded it (main has), else loaded here.
-  ``allow_config_change``: resume under changed result keys (``workdir_lib.RESULT_KEYS``),
+  ``allow_config_change``: resume under changed result keys (``run_record.RESULT_KEYS``),
   recording them in config.json (``--allow_config_change``).
 
   The workdir's lock (``workdir_lib.lock_workdir``): ``main`` takes it for every process of a
   job; a single-process library caller (tests, tools) gets it here, for the call."""
-  took = jax.process_count() == 1 and workdir_lib.lock_workdir(workdir)
-  try:
+  with workdir_lib.holding(workdir):
     return _train(config, workdir, meta, allow_config_change)
-  finally:
-    if took:
-      workdir_lib.unlock_workdir(workdir)
 
 
 def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> None:
@@ -249,7 +246,7 @@ class Pretraining(run_loop.RunTask):
     return self.setup.model_cfg
 
   def data_identity(self) -> dict:
-    return workdir_lib.dataset_identity(self.setup.meta)
+    return run_record.dataset_identity(self.setup.meta)
 
   def before_save_config(self, check) -> None:
     config, is_writer = self.config, jax.process_index() == 0
