@@ -45,7 +45,8 @@ ALLOWED = {
                  "similarity", "evals"},  # evals: a classification run's held-out scores
     "evals": {"errors", "progress", "prep.elf", "similarity"},
     # A function index of ELF binaries and exact search over it (lmscale index / search).
-    "search": {"errors", "store", "train", "inference", "prep.elf"},
+    # A model's identity (what an index was built with) is inference's: search reads no checkpoint.
+    "search": {"errors", "store", "inference", "prep.elf"},
     # lmscale serve's HTTP API (FastAPI) over the model and an index: above search.
     "serve": {"errors", "store", "inference", "prep.elf", "search"},
     "study": {"errors", "config", "store", "input", "model", "train", "child_process"},

@@ -8,56 +8,30 @@ rewritten after each binary, so a rerun after a crash continues with the binary 
 Self-repairing: a rerun checks every shard index.json names (``index_files.damage``) and
 rebuilds each missing or damaged one from its binary (an --elf file of its sha256, else the
 path index.json recorded), keeping the intact ones. The
-index belongs to one model: its identity (a run's workdir, checkpoint step and the sha256 of that
-checkpoint's manifests; an HF directory's model.safetensors sha256) is kept and checked.
+index belongs to one model: its identity (``inference/model_identity``) is kept and checked.
 """
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 
 import numpy as np
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import function_vectors, trained_model
+from lmscale_jax.inference import function_vectors, model_identity, trained_model
 from lmscale_jax.prep.elf import elf_corpus, elf_functions
 from lmscale_jax.search import index_files, vector_search
 from lmscale_jax.store import file_io
-from lmscale_jax.train import checkpoint, checkpoint_manifest
-
-# What makes two identities the same model (the workdir's path may move with it).
-_SAME = ("kind", "step", "sha256")
 
 
-def identity(model) -> dict:
-  """The model's identity as index.json keeps it."""
-  if model.step is None:  # an HF directory
-    path = os.path.join(model.source, "model.safetensors")
-    return {"kind": "hf", "hf": os.path.abspath(model.source),
-            "sha256": file_io.sha256_file(path)}
-  step_dir = checkpoint.step_dir(model.source, model.step)
-  h = hashlib.sha256()
-  for process, count in sorted(checkpoint_manifest.parts_present(step_dir).items()):
-    with open(os.path.join(step_dir, checkpoint_manifest.part_name(process, count)), "rb") as f:
-      h.update(f.read())
-  return {"kind": "workdir", "workdir": os.path.abspath(model.source), "step": model.step,
-          "sha256": h.hexdigest()}
-
-
-def describe(ident: dict) -> str:
-  where = ident.get("workdir") or ident.get("hf") or "?"
-  step = f" step {ident['step']}" if ident.get("step") is not None else ""
-  return f"{where}{step} (sha256 {str(ident.get('sha256'))[:12]})"
-
-
-def check_model(doc: dict, model_identity: dict, index_dir: str) -> None:
+def check_model(doc: dict, given: dict, index_dir: str) -> None:
   """An index is used only with the model that built it: one line naming both."""
-  if any(doc["model"].get(k) != model_identity.get(k) for k in _SAME):
+  if not model_identity.same(doc["model"], given):
     raise index_files.IndexFileError(
-        f"{os.path.join(index_dir, index_files.INDEX)}: built by {describe(doc['model'])}, not "
-        f"by the model given, {describe(model_identity)}; give that model or another index")
+        f"{os.path.join(index_dir, index_files.INDEX)}: built by "
+        f"{model_identity.describe(doc['model'])}, not by the model given, "
+        f"{model_identity.describe(given)}; give that model or another index")
 
 
 def function_sizes(path: str) -> dict[int, int]:
@@ -175,7 +149,7 @@ def model_dim(model) -> int:
 def open_index(index_dir: str, model) -> dict:
   """index.json for ``model``: the existing one (checked: the same model; its shards are
   checked by :func:`damaged`), or a new one (not yet written)."""
-  ident = identity(model)
+  ident = model_identity.identity(model)
   doc = index_files.read(index_dir)
   if doc is None:
     return index_files.new(ident, function_vectors.resolve_pool(model, None), model_dim(model))

@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from lmscale_jax.errors import UserError
+from lmscale_jax.inference import model_identity
 from lmscale_jax.search import index, index_files, vector_search
 
 
@@ -48,7 +49,7 @@ def load(index_dir: str, model) -> Corpus:
   doc = index_files.read(index_dir)
   if doc is None:
     raise UserError(f"{index_dir}: no {index_files.INDEX} (build the index with lmscale index)")
-  index.check_model(doc, index.identity(model), index_dir)
+  index.check_model(doc, model_identity.identity(model), index_dir)
   parts, binaries, names, addresses, digests = [], [], [], [], []
   for b in doc["binaries"]:
     vectors, rows = index_files.read_shard(index_dir, b, doc["dim"])

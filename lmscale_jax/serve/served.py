@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from lmscale_jax.inference import function_vectors, trained_model
-from lmscale_jax.search import index, query
+from lmscale_jax.inference import function_vectors, model_identity, trained_model
+from lmscale_jax.search import query
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Served:
   """``rows``: sha256 → (path, first row, end row) of each indexed binary in ``corpus``;
   ``shas``: path → the sha256s indexed from it (two where a file was changed and indexed
   again). Per binary, not per function: an index of 1M functions adds no 1M objects.
-  ``identity``: the model's, as an index records it (``search/index.identity``: its run or HF
+  ``identity``: the model's, as an index records it (``inference/model_identity``: its run or HF
   directory, step and sha256), what /healthz answers."""
   model: trained_model.TrainedModel
   limits: Limits
@@ -66,7 +66,7 @@ class Served:
 
 def load(model, limits: Limits, token: str | None, index_dir: str | None) -> Served:
   """The served state; an index built by another model or a damaged one is one line here."""
-  served = Served(model, limits, token or None, identity=index.identity(model))
+  served = Served(model, limits, token or None, identity=model_identity.identity(model))
   if index_dir is None:
     return served
   served.index_dir = os.path.abspath(index_dir)
