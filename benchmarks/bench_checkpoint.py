@@ -40,7 +40,7 @@ def bert120m_state(vocab_size: int):
   from lmscale_jax.input import masking
   from lmscale_jax.model import bert as model_lib
   from lmscale_jax.store import dataset
-  from lmscale_jax.train import steps as steps_lib
+  from lmscale_jax.pretrain import mlm
 
   spec = importlib.util.spec_from_file_location("bert120m", f"{ROOT}/configs/bert120m.py")
   module = importlib.util.module_from_spec(spec)
@@ -49,7 +49,7 @@ def bert120m_state(vocab_size: int):
   meta = dataset.DatasetMeta.synthetic(seq_len=512, vocab_size=vocab_size)
   model_cfg = model_lib.resolve_model_config(config.model, meta)
   predictions = masking.num_predictions(config.data.mask_prob, config.data.max_predictions, 512)
-  st = steps_lib.build_steps(config, model_cfg, predictions)
+  st = mlm.build_steps(config, model_cfg, predictions)
   state = st.init(jax.random.key(0))
   # Adam's moments start at zero, which Orbax's compression shrinks to nothing; after
   # training they are as incompressible as the weights: random values of their shapes.

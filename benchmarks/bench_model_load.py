@@ -54,16 +54,17 @@ def load_full_state(workdir: str, tokenizer: str):
   import orbax.checkpoint as ocp
   from absl import logging
 
-  from lmscale_jax.inference import trained_model
+  from lmscale_jax.finetune import finetune_state
+  from lmscale_jax.inference import model_dir
+  from lmscale_jax.pretrain import mlm
   from lmscale_jax.train import checkpoint as ckpt_lib
-  from lmscale_jax.train import finetune_state
-  from lmscale_jax.train import steps as steps_lib
 
-  run_config, cfg, _, _ = trained_model.workdir_shape(workdir, tokenizer, "float32")
-  if trained_model.is_finetuned(run_config):
+  read = model_dir.read_run(workdir, tokenizer)
+  run_config, cfg = read.run_config, read.cfg
+  if model_dir.is_finetuned(run_config):
     target = finetune_state.abstract_state(run_config, cfg)
   else:
-    target = steps_lib.build_steps(run_config, cfg, 1).abstract_state
+    target = mlm.build_steps(run_config, cfg, 1).abstract_state
   logging.set_verbosity(logging.ERROR)
   manager = ocp.CheckpointManager(ckpt_lib.checkpoints_dir(workdir), item_names=ckpt_lib.ITEMS,
                                   options=ocp.CheckpointManagerOptions(
@@ -101,7 +102,9 @@ def child(path: str, workdir: str, tokenizer: str) -> None:
   import orbax.checkpoint  # noqa: F401
 
   from lmscale_jax.inference import trained_model  # noqa: F401
-  from lmscale_jax.train import finetune_state, steps  # noqa: F401
+  from lmscale_jax.finetune import finetune_state  # noqa: F401
+  from lmscale_jax.pretrain import mlm  # noqa: F401
+  from lmscale_jax.train import steps  # noqa: F401
 
   base = _peak_rss_bytes()
   fn = {"full_state": load_full_state, "params_only": load_params_only,

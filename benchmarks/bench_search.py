@@ -283,11 +283,11 @@ def tiny_config(data: str):
   6 steps of batch 8 (tests/helpers.py's ``small_train_config``: the same parameters)."""
   from lmscale_jax.config import loader
 
-  config = loader.load_file("tiny")
-  loader.apply_sets(config, [f"data.path={data}", "model.hidden=64", "model.ffn=128",
-                             "train.batch_size=8", "train.steps=6", "train.warmup_steps=2",
-                             "train.log_every=1", "train.eval_every=3", "train.eval_batches=2",
-                             "checkpoint.every=3"], flag="bench_search")
+  config = loader.load("tiny", sets=[f"data.path={data}", "model.hidden=64", "model.ffn=128",
+                                     "train.batch_size=8", "train.steps=6",
+                                     "train.warmup_steps=2", "train.log_every=1",
+                                     "train.eval_every=3", "train.eval_batches=2",
+                                     "checkpoint.every=3"], flag="bench_search")
   return config
 
 
@@ -295,7 +295,7 @@ def tiny_run(where: str) -> str:
   """The tests' model (tests/test_hf_tools.py's ``run``: 2 × 64, seq 64, 6 steps on libz and
   libbz2), made once under ``where``."""
   from lmscale_jax.prep import prepare
-  from lmscale_jax.train import trainer
+  from lmscale_jax.pretrain import trainer
 
   data, workdir = os.path.join(where, "ds"), os.path.join(where, "run")
   if not os.path.exists(os.path.join(workdir, "run_state.json")):

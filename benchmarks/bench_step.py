@@ -4,7 +4,7 @@
   python benchmarks/bench_step.py --config configs/bert350m.py --batch 128 --set train.remat=dots
   python benchmarks/bench_step.py --matmul                       # bf16 8192^3 matmul TFLOP/s
 
-The step is the real one (``steps.build_steps``: the same jitted, donated, sharded function
+The step is the real one (``mlm.build_steps``: the same jitted, donated, sharded function
 ``train_and_evaluate`` runs) on synthetic batches, so the loader is measured separately
 (benchmarks/bench_loader.py, and the input-wait fraction of a real run): random token ids
 (no padding, like the peer's all-ones attention mask) with ``P = ceil(0.15 * seq)`` distinct
@@ -162,18 +162,18 @@ def step_benchmark(args) -> dict:
   from lmscale_jax.model import bert as model_lib
   from lmscale_jax.model import flops as flops_lib
   from lmscale_jax.store import dataset
-  from lmscale_jax.train import steps as steps_lib
-  from lmscale_jax.train import trainer
-  from lmscale_jax.study.max_batch import load_config
+  from lmscale_jax.pretrain import mlm
+  from lmscale_jax.pretrain import trainer
+  from lmscale_jax.config import loader
 
-  config = load_config(args.config, args.set)
+  config = loader.load(args.config, sets=args.set, root=ROOT)
   config.model.vocab_size = config.model.seq_len = 0  # from the synthetic metadata
   if args.batch:
     config.train.batch_size = args.batch
   meta = dataset.DatasetMeta.synthetic(args.seq, args.vocab)
   s = trainer.build_setup(config, meta)
   s.model_cfg.cudnn_mask = args.cudnn_mask
-  st = steps_lib.build_steps(config, s.model_cfg, s.predictions)
+  st = mlm.build_steps(config, s.model_cfg, s.predictions)
   t = config.train
   rng = np.random.default_rng(0)
   first_id = len(meta.special_ids)
@@ -228,9 +228,9 @@ def step_benchmark(args) -> dict:
 
 def config_shape(args) -> dict:
   """layers/hidden/heads/ffn/batch of ``--config`` + ``--set`` (no jax needed)."""
-  from lmscale_jax.study.max_batch import load_config
+  from lmscale_jax.config import loader
 
-  c = load_config(args.config, args.set)
+  c = loader.load(args.config, sets=args.set, root=ROOT)
   m = c.model
   return {"layers": m.layers, "hidden": m.hidden, "heads": m.heads, "ffn": m.ffn,
           "batch": args.batch or c.train.batch_size}

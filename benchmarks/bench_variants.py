@@ -7,7 +7,7 @@ train step: the six variants paired in one process, on the same batches.
 A shape is ``NAME:SEQ``: ``tiny`` = configs/tiny.py (2 × 128, batch 32), ``base`` =
 configs/bert120m.py's encoder (12 × 768, BERT-base) at ``--base-batch`` sequences; float32
 compute for both (CPUs have no fast bfloat16 matmuls), dropout as the config. The step is the
-real one (``steps.build_steps``: jitted, donated) on synthetic packed rows of functions made of
+real one (``mlm.build_steps``: jitted, donated) on synthetic packed rows of functions made of
 [NEXT]-separated instructions (``[CLS] i1 [NEXT] i2 … [SEP]``, 1-8 instructions of 1-4
 tokens, [PAD] after the last function that fits), so segment windows and instruction indices
 see what a binary dataset gives them; ``ceil(0.15 × seq)`` predictions per row.
@@ -108,20 +108,20 @@ def build(name: str, seq: int, positions: str, norm: str, base_batch: int, vocab
   """(compiled step, state, param count, compile seconds) of one variant."""
   import jax
 
+  from lmscale_jax.config import loader
   from lmscale_jax.model import flops as flops_lib
   from lmscale_jax.store import dataset
-  from lmscale_jax.study.max_batch import load_config
-  from lmscale_jax.train import steps as steps_lib
-  from lmscale_jax.train import trainer
+  from lmscale_jax.pretrain import mlm
+  from lmscale_jax.pretrain import trainer
 
-  config = load_config(os.path.join(ROOT, CONFIGS[name]), [])
+  config = loader.load(os.path.join(ROOT, CONFIGS[name]))
   config.model.vocab_size = config.model.seq_len = 0  # from the synthetic metadata
   config.model.update(dtype="float32", positions=positions, norm=norm)
   config.train.memory_check = False
   if name != "tiny":
     config.train.batch_size = base_batch
   s = trainer.build_setup(config, dataset.DatasetMeta.synthetic(seq, vocab))
-  st = steps_lib.build_steps(config, s.model_cfg, s.predictions)
+  st = mlm.build_steps(config, s.model_cfg, s.predictions)
   abstract = flops_lib.abstract_batch(config.train.batch_size, seq, s.predictions,
                                       st.batch_sharding)
   t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from lmscale_jax.exits import EXIT_USAGE
 from lmscale_jax.prep import prepare
 from lmscale_jax.similarity import function_groups
 from lmscale_jax.store import dataset, records
-from lmscale_jax.train import trainer as train
+from lmscale_jax.pretrain import trainer as train
 from tests.helpers import ROOT, communicate, lmscale, small_train_config
 from tests.test_hf_tools import ELF, INPUTS
 

@@ -142,7 +142,7 @@ def test_lock_holder_refuses_a_whole_multi_process_job(data, tmp_path):
 
 
 def test_lock_is_released_when_a_library_run_returns(data, tmp_path):
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
   from lmscale_jax.train import workdir as workdir_lib
 
   workdir = tmp_path / "w"
@@ -155,7 +155,7 @@ def test_lock_is_released_when_a_library_run_returns(data, tmp_path):
 @pytest.fixture(scope="module")
 def step3(data, tmp_path_factory):
   """A workdir trained to step 3 (real Orbax checkpoint), copied for each test."""
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   w = tmp_path_factory.mktemp("step3") / "w"
   train.train_and_evaluate(small_train_config(data, steps=3), str(w))
@@ -175,7 +175,7 @@ def resumable(step3, tmp_path):
     ("train", "grad_accum_steps", 2, 1)])
 def test_resume_refuses_a_changed_result_key(data, resumable, section, key, value, old):
   from lmscale_jax.train import checkpoint
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   c = small_train_config(data)
   c[section][key] = value
@@ -192,7 +192,7 @@ def test_resume_refuses_a_changed_result_key(data, resumable, section, key, valu
 
 
 def test_allow_config_change_records_the_change(data, resumable, caplog):
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   c = small_train_config(data)
   c.train.batch_size, c.data.seed = 16, 7
@@ -224,7 +224,7 @@ def test_allow_config_change_flag_of_main(data, resumable):
 
 
 def test_neutral_changes_resume_silently(data, resumable):
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   c = small_train_config(data, steps=3, log_every=2, eval_every=5)
   c.checkpoint.every, c.data.workers, c.train.eval_batches = 2, 1, 1
@@ -251,7 +251,7 @@ def test_a_run_resumes_only_on_a_dataset_of_its_tokenizer(data, resumable, tmp_p
   """Another tokenizer with the same vocabulary size and sequence length is refused, with or
   without --allow_config_change, naming both digests; nothing is written."""
   from lmscale_jax.train import checkpoint
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   other = _copy_with_tokens_swapped(data, tmp_path / "other")
   before = (resumable / "config.json").read_bytes()
@@ -272,7 +272,7 @@ def test_other_data_of_the_same_tokenizer_is_a_recorded_change_and_a_copy_is_non
   as a "dataset" change with it. A copy of the run's dataset elsewhere (staged, or data.path
   relative to another directory): resumed as the same dataset, its path recorded absolute."""
   from lmscale_jax.train import checkpoint
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   other = tmp_path / "other"
   make_synthetic_dataset(str(other), seq_len=64, vocab_size=128, n_train=256, n_val=32, seed=1)
@@ -298,7 +298,7 @@ def test_a_lost_or_damaged_config_json_comes_back_from_the_checkpoint(data, resu
   still hold (a changed batch size refused), and the same config resumes and writes it back
   as it was."""
   from lmscale_jax.train import checkpoint
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   path = resumable / "config.json"
   original = json.loads(path.read_text())
@@ -367,7 +367,7 @@ def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, re
   existed: the run it holds was "cross" with no init, so that resumes as unchanged and
   "segment" is a result change; the reduction's layout ("auto") is not recorded as a change."""
   from lmscale_jax.train import checkpoint
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
   from lmscale_jax.train import run_record
 
   path = resumable / "config.json"
@@ -505,7 +505,7 @@ def damaged(data, tmp_path):
 
 def test_truncated_shard_at_start_up_names_the_shard(damaged, tmp_path):
   from lmscale_jax.store.dataset import DatasetError
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   d, shard = damaged
   os.truncate(shard, os.path.getsize(shard) // 3)
@@ -528,7 +528,7 @@ def test_renamed_shard_at_start_up_names_the_shard(damaged, tmp_path):
 
 def test_skip_mode_skips_a_truncated_shard_at_start_up(damaged, tmp_path):
   from lmscale_jax.store import dataset, records
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   d, shard = damaged
   meta = dataset.DatasetMeta.load(str(d))
@@ -636,7 +636,7 @@ def test_full_disk_is_one_line(data, tmp_path):
 
 # ----------------------------------------------------------------------------- case 11
 def test_eval_batches_beyond_the_split_warn_once(data, tmp_path, caplog):
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   with caplog.at_level(logging.WARNING):
     train.train_and_evaluate(small_train_config(data, steps=1, eval_batches=10),
@@ -662,7 +662,7 @@ def test_a_step_beyond_the_devices_memory_is_refused_naming_the_batch_that_fits(
 
   from lmscale_jax.errors import ConfigError
   from lmscale_jax.train import preflight
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   r = main(args(data, tmp_path / "w", **{"train.batch_size": 100_000_000}))
   line = one_line(r.stderr)
@@ -697,7 +697,7 @@ def test_an_init_from_directory_whose_config_is_a_fifo_is_one_line(data, tmp_pat
 
 def test_workdir_past_train_steps_is_one_line(data, resumable):
   from lmscale_jax.train import checkpoint
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   state = (resumable / "run_state.json").read_bytes()
   with pytest.raises(checkpoint.IncompatibleCheckpoint) as e:

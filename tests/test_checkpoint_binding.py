@@ -21,7 +21,7 @@ import pytest
 from lmscale_jax.cli import inspect_checkpoint
 from lmscale_jax.errors import IncompatibleCheckpoint
 from lmscale_jax.inference import trained_model
-from lmscale_jax.train import trainer as train
+from lmscale_jax.pretrain import trainer as train
 from tests.helpers import ROOT, lmscale, make_synthetic_dataset, small_train_config
 
 

@@ -350,14 +350,14 @@ def test_skipped_steps_do_not_make_the_learning_rate_lag(data):
 
   from lmscale_jax.input import grain_pipeline as data_lib
   from lmscale_jax.store import dataset
-  from lmscale_jax.train import steps as steps_lib
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import mlm
+  from lmscale_jax.pretrain import trainer as train
 
   config = small_train_config(data, steps=6, nonfinite="skip", inject_nonfinite_steps="2,3",
                               weight_decay=0.0, warmup_steps=2)
   meta = dataset.DatasetMeta.load(str(data))
   setup = train.build_setup(config, meta)
-  st = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
+  st = mlm.build_steps(config, setup.model_cfg, setup.predictions)
   state = st.init(jax.random.key(0))
   batches = iter(data_lib.make_dataset(config, meta, "train", train=True))
   leaf = lambda tree: np.asarray(jax.tree.leaves(tree)[0], np.float64)

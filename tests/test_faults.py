@@ -260,7 +260,7 @@ def test_sigusr1_to_one_process_stops_both_at_one_step(data, cache, reference, t
 
 # ----------------------------------------------------------------------------- non-finite
 def test_nonfinite_error_names_step_and_last_good_checkpoint(data, tmp_path):
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   workdir = tmp_path / "w"
   config = small_train_config(data, steps=8, inject_nonfinite_steps="5")
@@ -275,7 +275,7 @@ def test_nonfinite_error_names_step_and_last_good_checkpoint(data, tmp_path):
 def test_nonfinite_skip_counts_and_recovers(data, tmp_path):
   """skip: the poisoned steps are counted and not applied, and the run finishes with finite
   losses; too many in a row is an error."""
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   workdir = tmp_path / "w"
   out = train.train_and_evaluate(

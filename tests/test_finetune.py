@@ -24,13 +24,13 @@ import pytest
 
 from lmscale_jax import exits
 from lmscale_jax.finetune import pairs as finetune_pairs
-from lmscale_jax.inference import trained_model
+from lmscale_jax.inference import model_dir, trained_model
 from lmscale_jax.prep import prepare
 from lmscale_jax.similarity import function_groups
 from lmscale_jax.store import tokenizer as toklib
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import checkpoint_manifest
-from lmscale_jax.train import trainer as train
+from lmscale_jax.pretrain import trainer as train
 from tests import test_distributed as dist
 from tests.helpers import ROOT, communicate
 from tests.test_hf_tools import run_tool, tool
@@ -149,7 +149,8 @@ def test_random_init_with_frozen_layers_keeps_them_and_trains_the_rest(bench, pr
                         "--steps", 1, "--warmup-steps", 0, "--batch-size", 8, "--freeze-layers",
                         1, "--pool", "cls", "--learning-rate", 1e-2, "--seed", 3)]) == 0
   ft = trained_model.load(workdir=str(workdir))
-  start = trained_model.random_init(trained_model.architecture(str(pretrained[1])), 3)
+  start = trained_model.random_init(
+      trained_model.architecture(model_dir.read(str(pretrained[1]))), 3)
   for key in ("embeddings", "layer_0", "mlm_transform", "mlm_bias"):
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(ft.params[key]),
                                                     _leaves(start.params[key]))), key
@@ -178,7 +179,7 @@ def test_freeze_layers_labels_the_embeddings_and_the_lowest_layers_frozen(pretra
 
   from lmscale_jax.finetune import contrastive_run as finetune
 
-  model = trained_model.architecture(str(pretrained[1]))
+  model = model_dir.read(str(pretrained[1]))
   config = finetune.get_config()
   abstract = finetune.build_steps(config, model.cfg).abstract_state.params
   for k, frozen in ((0, set()), (1, {"embeddings", "layer_0"}),

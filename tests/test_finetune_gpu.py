@@ -127,7 +127,7 @@ def _train_names(dtype: str) -> list[float]:
 
 
 def test_bf16_naming_step_tracks_float32():
-  """The naming head's bf16 path (its logits and loss in float32: tasks.naming_task) follows
+  """The naming head's bf16 path (its logits and loss in float32: name_run.naming_task) follows
   the float32 one. Six random batches teach it little (forced on the CPU: 15.1 -> 15.2), so
   what is checked is the path: finite, and bf16's losses those of float32."""
   reference, losses = _train_names("float32"), _train_names("bfloat16")

@@ -99,7 +99,7 @@ for name, kw in [
 c = config(fsdp=True, grad_accum_steps=2, nonfinite="skip", inject_nonfinite_steps="3")
 c.train.update(steps=6, log_every=1)
 c.checkpoint.every = 3
-out["run"] = finetune.finetune(c, workdir, pairs=pairs, say=print)
+out["run"] = finetune.finetune(c, workdir, inputs=finetune.base_run.Checked(pairs), say=print)
 print("LEVERS_JSON " + json.dumps(out))
 """
 

@@ -20,7 +20,7 @@ from lmscale_jax.inference import trained_model
 from lmscale_jax.model import hf_convert
 from lmscale_jax.prep import prepare
 from lmscale_jax.store import tokenizer as toklib
-from lmscale_jax.train import trainer as train
+from lmscale_jax.pretrain import trainer as train
 from tests.hf_helpers import hf_side
 from tests.helpers import ROOT, small_train_config
 

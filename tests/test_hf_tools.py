@@ -16,8 +16,8 @@ from lmscale_jax.inference import trained_model
 from lmscale_jax.model import hf_convert
 from lmscale_jax.prep import prepare
 from lmscale_jax.store import dataset
-from lmscale_jax.train import steps as steps_lib
-from lmscale_jax.train import trainer as train
+from lmscale_jax.pretrain import mlm
+from lmscale_jax.pretrain import trainer as train
 from tests.hf_helpers import hf_side
 from tests.helpers import CLI_MODULES, small_train_config
 
@@ -152,7 +152,7 @@ def test_import_config_and_init_from_start_at_the_hf_weights(run, exported, tmp_
   assert config.init_from == str(exported) and config.model.layers == 2
   config.train.batch_size = 8
   setup = train.build_setup(config)  # config_checks: init_from's shape = config.model's
-  steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
+  steps = mlm.build_steps(config, setup.model_cfg, setup.predictions)
   state = hf_convert.init_state(config.init_from, steps.init(jax.random.key(0)), steps, setup)
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(state.params),
                          trained_model.from_hf(str(exported)).params)

@@ -19,7 +19,7 @@ from lmscale_jax.inference import trained_model
 from lmscale_jax.model import contrastive, hf_classifier, hf_convert
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
-from lmscale_jax.train import trainer
+from lmscale_jax.pretrain import trainer
 from tests.hf_helpers import hf_side
 from tests.helpers import SPECIAL_IDS, make_synthetic_dataset, small_train_config
 from tests.test_model import apply, init, small_cfg

@@ -38,8 +38,11 @@ ALLOWED = {
     "prep": {"errors", "store", "child_process", "progress", "prep.elf"},
     "input": {"errors", "config", "store", "cluster", "child_process"},
     "model": {"errors", "config", "store"},
-    "train": {"errors", "exits", "config", "store", "cluster", "input", "model"},
+    # The run core: loop, step, gradients, checkpoints, workdir, metrics; it names no task.
+    "train": {"errors", "exits", "config", "store", "cluster", "model"},
     "inference": {"errors", "config", "store", "model", "train"},
+    # Pretraining, a task on the run core beside finetune/: the MLM task, its steps, its run.
+    "pretrain": {"config", "store", "input", "model", "train"},
     "similarity": {"errors", "store", "progress", "prep.elf"},
     "finetune": {"errors", "config", "store", "model", "train", "inference",
                  "similarity", "evals"},  # evals: a classification run's held-out scores
@@ -49,17 +52,17 @@ ALLOWED = {
     "search": {"errors", "store", "inference", "prep.elf"},
     # lmscale serve's HTTP API (FastAPI) over the model and an index: above search.
     "serve": {"errors", "store", "inference", "prep.elf", "search"},
-    "study": {"errors", "config", "store", "input", "model", "train", "child_process"},
+    "study": {"errors", "config", "store", "input", "model", "pretrain", "child_process"},
     # The cluster model (lmscale scaling-model) is its own group, like prep.elf: arithmetic over
     # measured inputs, below the study's runs; it imports no training, input or run code.
     "study.cluster_model": {"errors", "config", "store", "model"},
-    "gpu": {"config", "store", "input", "model", "train"},
-    "main": {"errors", "exits", "config", "cluster", "input", "train"},
+    "gpu": {"config", "store", "input", "model", "train", "pretrain"},
+    "main": {"errors", "exits", "config", "cluster", "input", "train", "pretrain"},
     # The ``lmscale`` command: the top floor (nothing imports it). A subcommand's module is
     # imported by its name when it runs (cli/lmscale.py's table): ``run-state``'s
     # ``lmscale_jax.cluster.run_state`` is no edge, and the batch node needs no cli/ for it.
     "cli": {"errors", "exits", "progress", "config", "store", "prep.elf", "prep", "input", "model",
-            "train", "inference", "similarity", "finetune", "evals", "search", "serve", "study",
+            "train", "pretrain", "inference", "similarity", "finetune", "evals", "search", "serve", "study",
             "study.cluster_model", "gpu",
             "main"},
 }

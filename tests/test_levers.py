@@ -37,7 +37,8 @@ from tests.helpers import small_train_config as small_config
 from lmscale_jax.input import grain_pipeline as data_lib, prefetch
 from lmscale_jax.model import flops
 from lmscale_jax.train import checkpoint as ckpt_lib, sharding, steps as steps_lib
-from lmscale_jax.train import trainer as train
+from lmscale_jax.pretrain import mlm
+from lmscale_jax.pretrain import trainer as train
 
 data, workdir = sys.argv[1:3]
 assert jax.device_count() == 4
@@ -60,7 +61,7 @@ def run(name, **kw):
   global init_state
   c = config(**kw)
   s = train.build_setup(c, meta)
-  st = steps_lib.build_steps(c, s.model_cfg, s.predictions)
+  st = mlm.build_steps(c, s.model_cfg, s.predictions)
   if init_state is None:  # one initialization for every variant (same values, host copy)
     init_state = jax.device_get(st.init(jax.random.key(c.train.seed)))
   # One compilation serves both the memory analysis and the run.
@@ -109,7 +110,7 @@ for name, kw in [
     abstract_b = flops.abstract_batch(BATCH, setup.meta.seq_len, setup.predictions,
                                       st.batch_sharding)
     fp32 = config(grad_allreduce_dtype="float32")
-    fp32_st = steps_lib.build_steps(fp32, train.build_setup(fp32, meta).model_cfg,
+    fp32_st = mlm.build_steps(fp32, train.build_setup(fp32, meta).model_cfg,
                                     setup.predictions)
     out["fp32_same_program"] = (
         fp32_st.train_step.lower(fp32_st.abstract_state, abstract_b).as_text()
@@ -122,7 +123,7 @@ for name, kw in [
     ck.save(4, state, it)
     ck.wait()
     fsdp_restored = ck.restore(4, st.abstract_state, it)
-    plain_st = steps_lib.build_steps(base, setup.model_cfg, setup.predictions)
+    plain_st = mlm.build_steps(base, setup.model_cfg, setup.predictions)
     repl_restored = ck.restore(4, plain_st.abstract_state, it)
     ck.close()
     same = lambda a, b: all(np.array_equal(np.asarray(x), np.asarray(y))
@@ -267,7 +268,7 @@ def test_fsdp_spec_rules():
 
 def test_lever_config_validation(data):
   from lmscale_jax.errors import ConfigError
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   with pytest.raises(ConfigError, match="not divisible by train.grad_accum_steps=3"):
     train.build_setup(small_config(data, grad_accum_steps=3))
@@ -345,7 +346,7 @@ def test_autotune_record_makes_resume_deterministic(tmp_path):
 def test_train_with_loader_autotune(data, tmp_path):
   """train_and_evaluate measures its own step, records the choice, trains with it."""
   from lmscale_jax.input import autotune
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   c = small_config(data, steps=2, eval_every=2)
   c.data.autotune = True

@@ -44,7 +44,7 @@ def hf_model(directory, bench_path):
   tokenizer trained on the benchmark's functions (as prepare trains one)."""
   import jax
 
-  from lmscale_jax.inference import trained_model
+  from lmscale_jax.inference import model_dir
   from lmscale_jax.model import bert as model_lib
   from lmscale_jax.model import hf_convert
   from lmscale_jax.similarity import function_groups
@@ -57,7 +57,7 @@ def hf_model(directory, bench_path):
   toklib.write_hf_files(tok, str(directory), model_max_length=128)
   c = make_config(model=dict(layers=2, hidden=64, heads=2, ffn=128, dtype="float32"))
   shape = {"seq_len": 128, "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
-  cfg = trained_model.resolve(c.model, shape, toklib.validate(tok, "test"))
+  cfg = model_dir.resolve(c.model, shape, toklib.validate(tok, "test"))
   params = jax.jit(lambda r: model_lib.init_params(cfg, r))(jax.random.key(7))
   hf_convert.save_model(jax.device_get(params), cfg, str(directory))
   return directory

@@ -13,7 +13,7 @@ from tests.helpers import make_synthetic_dataset, small_train_config
 
 @pytest.fixture(scope="module")
 def run_rows(tmp_path_factory):
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   base = tmp_path_factory.mktemp("windows")
   make_synthetic_dataset(str(base / "ds"), seq_len=128, vocab_size=128, n_train=512, n_val=64)

@@ -33,7 +33,7 @@ def losses(workdir):
 
 def test_golden_first_step(data, tmp_path):
   """One step of a fixed seed gives a pinned loss (catches silent model/loss/masking changes)."""
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   out = train.train_and_evaluate(small_config(data, steps=1), str(tmp_path / "w"))
   # Pinned on CPU float32 (jax 0.10.2); ln(128) = 4.852 is the uniform-prediction loss.
@@ -44,7 +44,7 @@ GOLDEN_LOSS = 4.823765
 
 
 def test_metrics_checkpoints_and_resume(data, tmp_path):
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   straight = tmp_path / "straight"
   train.train_and_evaluate(small_config(data), str(straight))
@@ -73,7 +73,7 @@ def test_resume_sees_the_same_batches(data, tmp_path):
   per-worker-count state)."""
   from lmscale_jax.input import grain_pipeline as data_lib
   from lmscale_jax.store import dataset
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   w = tmp_path / "w"
   train.train_and_evaluate(small_config(data, steps=3), str(w))
@@ -149,7 +149,7 @@ def test_dry_run_reports_size(data, tmp_path):
 def test_bad_inputs(data, tmp_path):
   from lmscale_jax.store.dataset import DatasetError
   from lmscale_jax.train import checkpoint
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import trainer as train
 
   with pytest.raises(DatasetError, match="does not exist"):
     train.build_setup(small_config(tmp_path / "missing"))

@@ -1,7 +1,7 @@
 """A trained model is loaded with its parameters only (inference.trained_model.from_workdir →
 train.checkpoint.restore_params): the same parameters, bit for bit, as the full TrainState
 restore training does, with no optimizer built and no optimizer array read; lmscale evaluate
-scores a checkpoint with the eval step alone (train.steps.build_eval_step). Runs: a fresh
+scores a checkpoint with the eval step alone (pretrain.mlm.build_eval_step). Runs: a fresh
 pretraining run of the real trainer, and tests/data/pre_layout's pretraining and fine-tuned
 runs (written by an earlier version of the code). Real Orbax checkpoints throughout.
 """
@@ -21,13 +21,15 @@ import tensorstore as ts
 
 from lmscale_jax.cli import evaluate as evaluate_cli
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import model_files, trained_model
+from lmscale_jax.inference import model_dir, model_files, trained_model
 from lmscale_jax.input import grain_pipeline
 from lmscale_jax.store import dataset
 from lmscale_jax.train import checkpoint as ckpt_lib
-from lmscale_jax.train import checkpoint_manifest, finetune_state, optim
+from lmscale_jax.finetune import finetune_state
+from lmscale_jax.train import checkpoint_manifest, optim
 from lmscale_jax.train import steps as steps_lib
-from lmscale_jax.train import trainer as train
+from lmscale_jax.pretrain import mlm
+from lmscale_jax.pretrain import trainer as train
 from tests.helpers import make_synthetic_dataset, small_train_config
 from tests.test_old_runs import FIXTURE
 
@@ -49,11 +51,12 @@ def runs(tmp_path_factory) -> dict:
 def full_state(workdir: str, tokenizer: str = ""):
   """The whole TrainState of the latest checkpoint, restored as training restores it (the
   optimizer built for its restore target): what loading a model did before."""
-  run_config, cfg, _, _ = trained_model.workdir_shape(workdir, tokenizer, "float32")
-  if trained_model.is_finetuned(run_config):
+  read = model_dir.read_run(workdir, tokenizer)
+  run_config, cfg = read.run_config, read.cfg
+  if model_dir.is_finetuned(run_config):
     target = finetune_state.abstract_state(run_config, cfg)
   else:
-    target = steps_lib.build_steps(run_config, cfg, 1).abstract_state
+    target = mlm.build_steps(run_config, cfg, 1).abstract_state
   manager = ocp.CheckpointManager(ckpt_lib.checkpoints_dir(workdir), item_names=ckpt_lib.ITEMS,
                                   options=ocp.CheckpointManagerOptions(
                                       create=False, read_only=True,
@@ -94,7 +97,7 @@ def refuse_optimizers(monkeypatch) -> None:
     raise AssertionError("a model load built an optimizer")
 
   for module, name in ((optax, "adamw"), (optax, "adam"), (optax, "multi_transform"),
-                       (optim, "make_optimizer"), (steps_lib, "build_steps"),
+                       (optim, "make_optimizer"), (mlm, "build_steps"),
                        (steps_lib, "build_task_steps"),
                        (finetune_state, "optimizer"), (finetune_state, "abstract_state")):
     monkeypatch.setattr(module, name, refuse)
@@ -113,7 +116,7 @@ def train_steps_evaluation(workdir: str, data: str) -> dict:
   config.data.path = data
   meta = dataset.DatasetMeta.load(data)
   setup = train.build_setup(config, meta)
-  steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
+  steps = mlm.build_steps(config, setup.model_cfg, setup.predictions)
   _, params = model_files.restore_params(workdir, None, steps.abstract_state.params)
   return train.evaluate(steps, params, grain_pipeline.make_dataset(config, meta, "validation",
                                                            train=False))

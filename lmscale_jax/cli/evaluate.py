@@ -54,8 +54,8 @@ def evaluate(a) -> dict:
   # JAX and the model here, not at module level: --help answers without them (~1.3 s).
   from lmscale_jax.inference import model_files
   from lmscale_jax.input import grain_pipeline
-  from lmscale_jax.train import steps as steps_lib
-  from lmscale_jax.train import trainer as train
+  from lmscale_jax.pretrain import mlm
+  from lmscale_jax.pretrain import trainer as train
 
   config, record = model_files.read_run(a.workdir)
   config.data.path = a.data
@@ -68,7 +68,7 @@ def evaluate(a) -> dict:
   config.train.eval_batches = -(-records // b) if whole else a.batches
   setup = train.build_setup(config, meta)
   # The eval step alone: no optimizer built, no Adam moment read (the parameters only).
-  scorer = steps_lib.build_eval_step(setup.model_cfg, fsdp=bool(config.train.fsdp))
+  scorer = mlm.build_eval_step(setup.model_cfg, fsdp=bool(config.train.fsdp))
   step, params = model_files.restore_params(a.workdir, a.step, scorer.abstract_params)
   batches = grain_pipeline.make_dataset(config, meta, a.split, train=False)
   out = train.evaluate(scorer, params, WholeSplit(batches, records, b) if whole else batches)

@@ -332,15 +332,15 @@ def what(model: trained_model.TrainedModel) -> str:
 
 
 def export(a) -> str:
-  from lmscale_jax.inference import model_files, trained_model
+  from lmscale_jax.inference import model_dir, model_files, trained_model
   from lmscale_jax.model import hf_convert
 
   check_output(a.output)
   # Refuse what cannot be represented, or would fail at the end, before restoring anything.
-  _, cfg, _, _ = trained_model.workdir_shape(a.workdir, a.tokenizer, "float32")
-  hf_convert.check_exportable(cfg)  # BERT or remote code: what neither represents
+  read = model_dir.read_run(a.workdir, a.tokenizer)
+  hf_convert.check_exportable(read.cfg)  # BERT or remote code: what neither represents
   model_files.metrics_rows(a.workdir)  # the model card's source: damaged, one line now
-  model = trained_model.from_workdir(a.workdir, a.step, a.tokenizer)
+  model = trained_model.from_dir(read, a.step)
   out = os.path.abspath(a.output)
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)

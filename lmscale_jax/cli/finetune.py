@@ -118,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
 
 def build_config(a, rest: list[str]):
   """The run's config: --config FILE's (else the defaults), the flags, then --config.K=V."""
-  c = loader.load_file(a.config) if a.config else finetune_config.get_config()
+  c = loader.load(a.config, defaults=finetune_config.get_config)
   if a.task:
     c.finetune.task = a.task
   c.data.pairs = a.pairs or c.data.pairs
@@ -144,10 +144,12 @@ def build_config(a, rest: list[str]):
 def run(config, workdir: str, allow_change: bool) -> int:
   """The run through the one start-up (lmscale_jax.train.startup): the inputs checked before
   anything is created, then the runtime, the workdir lock and preflight; its exit code."""
+  from lmscale_jax.finetune import base_run  # jax: not for --help
+
   module = _task_module(config)
   return startup.run(config, workdir, lambda inputs: _finetune(config, workdir, allow_change,
                                                                  inputs),
-                     checks=lambda: module.check_inputs(config, workdir))
+                     checks=lambda: base_run.check(config, workdir, module.check_inputs))
 
 
 def _task_module(config):
@@ -179,7 +181,7 @@ def _finetune(config, workdir: str, allow_change: bool, inputs) -> None:
             "model: lmscale name --workdir, lmscale export-hf --workdir")
   else:
     row = _task_module(config).finetune(config, workdir, allow_config_change=allow_change,
-                                        pairs=inputs, say=say)
+                                        inputs=inputs, say=say)
     done = (f"in-batch accuracy {row.get('accuracy', 0.0):.3f}; the model: {workdir} (lmscale "
             "embed --workdir, lmscale eval-similarity --workdir, lmscale export-hf --workdir)")
   if jax.process_index() == 0 and "loss" not in row:

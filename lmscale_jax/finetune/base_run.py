@@ -7,7 +7,7 @@ check, the step-0 state, the batches' placement) with its log (:class:`FinetuneL
 Start: a pretraining workdir's checkpoint (``init.source="workdir"``), an HF directory
 (``"hf"``), or fresh weights of a run's or HF directory's architecture (``"random"``). A task
 supplies its head and its batches; freezing (``finetune.freeze_layers``) is the optimizer's
-(:func:`lmscale_jax.train.finetune_state.optimizer`).
+(:func:`lmscale_jax.finetune.finetune_state.optimizer`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.config import defaults as config_defaults
 from lmscale_jax.errors import ConfigError, UserError
-from lmscale_jax.inference import model_files, trained_model
+from lmscale_jax.inference import model_dir, model_files, trained_model
 from lmscale_jax.store import dataset, file_io
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import metrics as metrics_lib
@@ -36,16 +36,28 @@ MODEL_KEYS = tuple(config_defaults.get_base_config().model.keys())
 
 
 # ----------------------------------------------------------------------------- the model
-def load_start(config) -> trained_model.TrainedModel:
-  """The model step 0 starts from (its encoder parameters, resolved config, tokenizer)."""
+def read_start(config) -> model_dir.ModelDir:
+  """The start model's directory, read and checked once (its config and tokenizer; the
+  weights are :func:`load_start`'s): a run's workdir (``init.source="workdir"``), an HF
+  directory (``"hf"``), or either (``"random"``: only its architecture is used)."""
   init = config.init
-  if init.source == "workdir":
-    return trained_model.from_workdir(init.path, None if init.step < 0 else init.step,
-                                      init.tokenizer)
-  if init.source == "hf":
-    return trained_model.from_hf(init.path)
-  return trained_model.random_init(trained_model.architecture(init.path, init.tokenizer),
-                                   config.train.seed)
+  if not os.path.isdir(init.path):
+    raise UserError(f"init.path={init.path} (--init-{init.source}): no such directory")
+  read = model_dir.read(init.path, "" if init.source == "hf" else init.tokenizer)
+  if init.source in ("workdir", "hf") and read.is_hf != (init.source == "hf"):
+    other = ("a Hugging Face model directory: give --init-hf" if read.is_hf else
+             "a training run's workdir: give --init-workdir")
+    raise UserError(f"init.path={init.path} (--init-{init.source}) is {other} {init.path}")
+  return read
+
+
+def load_start(config, read: model_dir.ModelDir | None = None) -> trained_model.TrainedModel:
+  """The model step 0 starts from (its encoder parameters, resolved config, tokenizer): the
+  weights of the directory :func:`check_start` read (read here if it was not)."""
+  init, read = config.init, read or read_start(config)
+  if init.source == "random":
+    return trained_model.random_init(trained_model.architecture(read), config.train.seed)
+  return trained_model.from_dir(read, None if init.step < 0 else init.step)
 
 
 def finetune_cfg(config, cfg) -> ml_collections.ConfigDict:
@@ -62,7 +74,7 @@ def finetune_cfg(config, cfg) -> ml_collections.ConfigDict:
 def resumed_model(workdir: str) -> trained_model.TrainedModel:
   """A resume needs no start model: the encoder's config is in config.json, its tokenizer in
   the workdir."""
-  return trained_model.architecture(workdir)
+  return trained_model.architecture(model_dir.read_run(workdir))
 
 
 def place(tree, shardings):
@@ -72,16 +84,28 @@ def place(tree, shardings):
 
 
 # ----------------------------------------------------------------------------- refusals
-def check_start(config, workdir: str) -> None:
+@dataclasses.dataclass
+class Checked:
+  """What a fine-tune's checks read, before any runtime, passed down once: the task's inputs
+  (its ``check_inputs``': pairs, labels files) and, a new run, the start model's directory."""
+  data: object
+  start: model_dir.ModelDir | None = None
+
+
+def check(config, workdir: str, check_inputs: Callable) -> Checked:
+  """A task's checks (``check_inputs(config, workdir)``: its config and files), then the
+  workdir's and the start model's (:func:`check_start`); nothing is written."""
+  data = check_inputs(config, workdir)
+  return Checked(data=data, start=check_start(config, workdir))
+
+
+def check_start(config, workdir: str) -> model_dir.ModelDir | None:
   """The workdir holds nothing or a fine-tuning run of this task, and (a new run) the start
-  model's config and tokenizer read: a bad start model leaves no empty workdir."""
+  model's directory, read: a bad start model leaves no empty workdir. → what was read (None:
+  a resume, which needs no start model)."""
   check_workdir(workdir, str(config.finetune.task))
   fresh = not os.path.isdir(workdir) or ckpt_lib.latest_complete_step(workdir) is None
-  if fresh and not os.path.isdir(config.init.path):
-    raise UserError(f"init.path={config.init.path} (--init-{config.init.source}): no such "
-                    "directory")
-  if fresh:
-    trained_model.architecture(config.init.path, config.init.tokenizer)
+  return read_start(config) if fresh else None
 
 
 def check_workdir(workdir: str, task: str) -> None:
@@ -91,7 +115,7 @@ def check_workdir(workdir: str, task: str) -> None:
   if not os.path.exists(os.path.join(workdir, model_files.RUN_CONFIG)):
     return
   run_config, _ = model_files.read_run(workdir)  # a damaged config.json: its one line
-  if not trained_model.is_finetuned(run_config):
+  if not model_dir.is_finetuned(run_config):
     raise UserError(f"--workdir {workdir} holds a pretraining run (its config.json has no "
                     "'finetune' section), not a fine-tuning run to resume: give a new "
                     f"--workdir, and --init-workdir {workdir} to start from that run")
@@ -119,9 +143,11 @@ class FinetuneRun(run_loop.RunTask):
   the KeyboardInterrupt itself. A subclass sets ``steps`` and ``batches`` in :meth:`build`
   and says what it trains in :meth:`describe`."""
 
-  def __init__(self, config, workdir: str, say: Callable[[str], None]):
+  def __init__(self, config, workdir: str, say: Callable[[str], None],
+               start: model_dir.ModelDir | None = None):
     self.config, self.workdir = copy.deepcopy(config), workdir
     self.say = say if jax.process_index() == 0 else (lambda line: None)
+    self.start = start  # the start model's directory as the checks read it (Checked.start)
     self.start_model = self.model = None
 
   def build(self) -> None:
@@ -135,7 +161,7 @@ class FinetuneRun(run_loop.RunTask):
 
   def model_cfg(self, resume_step: int | None):
     config = self.config
-    self.start_model = load_start(config) if resume_step is None else None
+    self.start_model = load_start(config, self.start) if resume_step is None else None
     model = self.start_model or resumed_model(self.workdir)
     self.model = dataclasses.replace(model, cfg=finetune_cfg(config, model.cfg))
     config.model = {k: self.model.cfg[k] for k in MODEL_KEYS}

@@ -9,7 +9,7 @@ on a held-out one.
 
 Everything but the head, the batches and the evaluation is every fine-tuning run's
 (:mod:`lmscale_jax.finetune.base_run`: the start model, frozen layers, the workdir, resume) and
-the step is pretraining's with the classification task (:func:`tasks.classification_task`, a
+the step is every run's with the classification task (:func:`classification_task`, a
 SumTask: every ``train.*`` lever). The workdir also holds ``labels.json`` (the class names,
 sorted: class ``i`` is ``names[i]``) and, after each evaluation (every ``train.eval_every``
 steps and after the last), ``classification_eval.json``: accuracy, macro-F1, per-class
@@ -26,17 +26,17 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import logging
 
 from lmscale_jax.config import finetune as finetune_config
 from lmscale_jax.evals import classification
-from lmscale_jax.finetune import base_run
+from lmscale_jax.finetune import base_run, finetune_state
 from lmscale_jax.finetune import labels as labels_lib
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import classifier as classifier_lib
 from lmscale_jax.store import file_io
 from lmscale_jax.train import checkpoint as ckpt_lib
-from lmscale_jax.train import finetune_state
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import tasks
 
@@ -52,6 +52,30 @@ class LabelledTask:
 
 
 # ----------------------------------------------------------------------------- steps
+def classification_task(model, labels: Callable, pad_id: int) -> tasks.SumTask:
+  """A classification fine-tune's cross-entropy (:mod:`lmscale_jax.model.classifier`) summed
+  over the rows of batches ``{"ids" [B,S], "label" [B]}`` / their count; a row labelled -1
+  counts nowhere. ``labels(params)``: "frozen" or "train" per leaf, as the contrastive task's."""
+
+  def loss_sum(params, batch, rng):
+    logits = model.apply({"params": finetune_state.stop_frozen(params, labels)}, batch["ids"],
+                         deterministic=False, rngs={"dropout": rng})
+    real = batch["label"] >= 0
+    target = jnp.where(real, batch["label"], 0)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), target)
+    correct = (jnp.argmax(logits, -1) == target) & real
+    return (ce * real).sum(), {"correct": correct.sum(),
+                               "tokens": (batch["ids"] != pad_id).sum()}
+
+  def metrics(sums):
+    return {"accuracy": sums["correct"] / jnp.maximum(sums["weight"], 1.0),
+            "tokens": sums["tokens"]}
+
+  return tasks.SumTask(loss_sum=loss_sum,
+                       weight=lambda b: (b["label"] >= 0).sum(dtype=jnp.float32),
+                       metrics=metrics, compute_cast=finetune_state.head_in_float32("classifier"))
+
+
 def build_steps(config, cfg, num_classes: int, mesh=None, *,
                 manual: bool | None = None) -> steps_lib.Steps:
   """The one train step (:func:`steps_lib.build_task_steps`) of the classification task, with
@@ -70,7 +94,7 @@ def build_steps(config, cfg, num_classes: int, mesh=None, *,
     return jnp.argmax(model.apply({"params": params}, ids, deterministic=True), -1)
 
   bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
-  task = tasks.classification_task(model, labels, int(cfg.pad_id))
+  task = classification_task(model, labels, int(cfg.pad_id))
   return steps_lib.build_task_steps(config, task, model, optimizer, init_state,
                                     (bert, jax.random.key(0)), compute_dtype=str(cfg.dtype),
                                     mesh=mesh, manual=manual, eval_step=predict)
@@ -101,8 +125,9 @@ class ClassifyLog(base_run.FinetuneLog):
 
 # ----------------------------------------------------------------------------- the run
 def check_inputs(config, workdir: str) -> LabelledTask:
-  """The checks that need no runtime and write nothing: the config, both labels files (the
-  held-out labels among the training ones), and (a new run) the model to start from."""
+  """The task's checks that need no runtime and write nothing (the start model's are
+  :func:`base_run.check`'s): the config, both labels files (the held-out labels among the
+  training ones)."""
   finetune_config.check_config(config)
   f = config.finetune
   train = labels_lib.read(f.labels, "--labels")
@@ -110,7 +135,6 @@ def check_inputs(config, workdir: str) -> LabelledTask:
   names = labels_lib.class_names(train)
   labels_lib.check_known(test, names)
   labels_lib.check_enough(train, config.train.batch_size)
-  base_run.check_start(config, workdir)
   return LabelledTask(train=train, test=test, names=names)
 
 
@@ -118,8 +142,8 @@ def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=
              say: Callable[[str], None] = logging.info) -> dict:
   """Fine-tunes a classifier (resuming from ``workdir`` if it holds a checkpoint); returns
   the last row (with the last evaluation's ``eval_accuracy``, ``eval_macro_f1``).
-  ``inputs``: :func:`check_inputs`' result if the caller has it."""
-  inputs = inputs or check_inputs(config, workdir)
+  ``inputs``: ``base_run.check``'s result if the caller has it."""
+  inputs = inputs or base_run.check(config, workdir, check_inputs)
   return base_run.run(ClassifyFinetune(config, workdir, inputs, say), allow_config_change)
 
 
@@ -127,9 +151,10 @@ class LabelledFinetune(base_run.FinetuneRun):
   """A fine-tune of a labels file (classification, naming): its checked inputs, scored every
   ``train.eval_every`` steps, and a resume refused where the training file changed."""
 
-  def __init__(self, config, workdir: str, inputs, say: Callable[[str], None]):
-    super().__init__(config, workdir, say)
-    self.inputs = inputs  # LabelledTask, or name_run's NamingTask
+  def __init__(self, config, workdir: str, inputs: base_run.Checked,
+               say: Callable[[str], None]):
+    super().__init__(config, workdir, say, inputs.start)
+    self.inputs = inputs.data  # LabelledTask, or name_run's NamingTask
     self.eval_every = int(self.config.train.eval_every)
 
   def check_resume(self, step: int) -> None:  # refused before anything is written

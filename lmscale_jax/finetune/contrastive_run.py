@@ -22,8 +22,8 @@ workdir is a usable model by itself: ``trained_model.load(workdir=...)``). A kil
 rerun, resumes from its newest checkpoint that verifies, and its losses after it are the
 uninterrupted run's, bit for bit (batches and dropout keyed by (seed, step)).
 
-The step is pretraining's (:mod:`lmscale_jax.train.steps`) with the contrastive task
-(:func:`lmscale_jax.train.tasks.contrastive_task`), so it has every lever of ``train.*``: FSDP,
+The step is every run's (:mod:`lmscale_jax.train.steps`) with the contrastive task
+(:func:`contrastive_task`), so it has every lever of ``train.*``: FSDP,
 gradient accumulation, the gradient reduction's dtype and shape, remat, ``train.nonfinite``.
 Pair rows split over the ``data`` axis of the pretraining mesh; the similarity matrix spans the
 global batch (the embeddings gathered, also over microbatches). Several processes start like
@@ -39,24 +39,43 @@ from absl import logging
 
 from lmscale_jax.config import finetune as finetune_config
 from lmscale_jax.errors import ConfigError  # noqa: F401 (tests use it here)
-from lmscale_jax.finetune import base_run
+from lmscale_jax.finetune import base_run, finetune_state
 from lmscale_jax.finetune import pairs as finetune_pairs
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import contrastive
 from lmscale_jax.train import checkpoint as ckpt_lib
-from lmscale_jax.train import finetune_state
 from lmscale_jax.train import metrics as metrics_lib
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import tasks
 # What tests and tools reach through this module (the shared code lives in base_run).
 from lmscale_jax.finetune.base_run import (  # noqa: F401
     TOKENIZER, finetune_cfg, load_start, place, resumed_model)
-from lmscale_jax.train.finetune_state import trainable_labels  # noqa: F401
+from lmscale_jax.finetune.finetune_state import trainable_labels  # noqa: F401
 
 get_config, check_config = finetune_config.get_config, finetune_config.check_config
 
 
 # ----------------------------------------------------------------------------- steps
+def contrastive_task(model, labels: Callable, temperature: float, pad_id: int) -> tasks.BatchTask:
+  """Fine-tuning's symmetric InfoNCE over in-batch negatives (:func:`contrastive.info_nce`) on
+  batches of pair rows ``ids [B, 2, S]`` (anchor, positive). ``labels(params)``: "frozen" or
+  "train" per leaf (:func:`stop_frozen`)."""
+
+  def embed(params, ids, rng):
+    b, _, s = ids.shape
+    frozen = finetune_state.stop_frozen(params, labels)
+    return model.apply({"params": frozen}, ids.reshape(2 * b, s),
+                       deterministic=False, rngs={"dropout": rng}).reshape(b, 2, -1)
+
+  def loss(z):
+    value, accuracy = contrastive.info_nce(z[:, 0], z[:, 1], temperature)
+    return value, {"accuracy": accuracy}
+
+  return tasks.BatchTask(embed=embed, loss=loss,
+                         sums=lambda ids: {"tokens": (ids != pad_id).sum()},
+                         compute_cast=finetune_state.head_in_float32("projection"))
+
+
 def build_steps(config, cfg, mesh=None, *, manual: bool | None = None) -> steps_lib.Steps:
   """The model, optimizer, shardings and jitted init/step of a fine-tuning run: the one train
   step (:func:`steps_lib.build_task_steps`) of the contrastive task, with every lever of
@@ -67,7 +86,7 @@ def build_steps(config, cfg, mesh=None, *, manual: bool | None = None) -> steps_
   optimizer, labels = finetune_state.optimizer(config)
   init_state = finetune_state.init_fn(config, cfg, optimizer)
   bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
-  task = tasks.contrastive_task(model, labels, float(f.temperature), int(cfg.pad_id))
+  task = contrastive_task(model, labels, float(f.temperature), int(cfg.pad_id))
   return steps_lib.build_task_steps(config, task, model, optimizer, init_state,
                                     (bert, jax.random.key(0)), compute_dtype=str(cfg.dtype),
                                     mesh=mesh, manual=manual)
@@ -88,21 +107,22 @@ class ContrastiveLog(base_run.FinetuneLog):
 
 # ----------------------------------------------------------------------------- the run
 def check_inputs(config, workdir: str) -> finetune_pairs.Pairs:
-  """The checks that need no runtime and write nothing: the config, the pairs file, and (a
-  new run) the model to start from. → the pairs."""
+  """The task's checks that need no runtime and write nothing (the start model's are
+  :func:`base_run.check`'s): the config, the pairs file. → the pairs."""
   check_config(config)
   pairs = finetune_pairs.load(config.data.pairs, config.data.max_groups, config.train.seed)
   finetune_pairs.check_enough(pairs, config.train.batch_size)
-  base_run.check_start(config, workdir)
   return pairs
 
 
-def finetune(config, workdir: str, *, allow_config_change: bool = False, pairs=None,
+def finetune(config, workdir: str, *, allow_config_change: bool = False,
+             inputs: base_run.Checked | None = None,
              say: Callable[[str], None] = logging.info) -> dict:
   """Fine-tunes (resuming from ``workdir`` if it holds a checkpoint); returns the last row.
-  ``pairs``: :func:`check_inputs`' result if the caller has it."""
-  pairs = pairs or check_inputs(config, workdir)
-  return base_run.run(ContrastiveFinetune(config, workdir, pairs, say), allow_config_change)
+  ``inputs``: ``base_run.check``'s result (the pairs, the start model read) if the caller
+  has it."""
+  inputs = inputs or base_run.check(config, workdir, check_inputs)
+  return base_run.run(ContrastiveFinetune(config, workdir, inputs, say), allow_config_change)
 
 
 class ContrastiveFinetune(base_run.FinetuneRun):
@@ -110,9 +130,10 @@ class ContrastiveFinetune(base_run.FinetuneRun):
   (:class:`finetune_pairs.PairBatches`, its position saved), no evaluation,
   :class:`ContrastiveLog`'s rows."""
 
-  def __init__(self, config, workdir: str, pairs, say: Callable[[str], None]):
-    super().__init__(config, workdir, say)
-    self.pairs = pairs
+  def __init__(self, config, workdir: str, inputs: base_run.Checked,
+               say: Callable[[str], None]):
+    super().__init__(config, workdir, say, inputs.start)
+    self.pairs = inputs.data
 
   def check_resume(self, step: int) -> None:  # refused before anything is written
     finetune_pairs.check_resume(self.pairs, ckpt_lib.step_dir(self.workdir, step),

@@ -8,8 +8,8 @@ scored on its held-out file by :func:`lmscale_jax.evals.naming.score`.
                               # finetune.labels, finetune.eval_labels and init.* set
 
 A task of hooks on the shared run core (:mod:`lmscale_jax.finetune.base_run`,
-:mod:`lmscale_jax.train.run_loop`), as the classification task is; the step is pretraining's
-with :func:`tasks.naming_task` (every ``train.*`` lever). The head's bias starts at each
+:mod:`lmscale_jax.train.run_loop`), as the classification task is; the step is every run's
+with :func:`naming_task` (every ``train.*`` lever). The head's bias starts at each
 token's log-odds in the training names (the loss then starts near the names' entropy, not at
 V·ln 2). The workdir also holds ``name_vocab.json`` (output ``i`` is ``tokens[i]``; a resume
 whose task gives another vocabulary is refused) and, after each evaluation (every
@@ -29,18 +29,18 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import logging
 
 from lmscale_jax.config import finetune as finetune_config
 from lmscale_jax.evals import naming
-from lmscale_jax.finetune import base_run, classify_run
+from lmscale_jax.finetune import base_run, classify_run, finetune_state
 from lmscale_jax.finetune import labels as labels_lib
 from lmscale_jax.finetune import name_labels
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import classifier as classifier_lib
 from lmscale_jax.model import name_head
 from lmscale_jax.store import file_io
-from lmscale_jax.train import finetune_state
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import tasks
 
@@ -62,6 +62,31 @@ class NamingTask:
 
 
 # ----------------------------------------------------------------------------- steps
+def naming_task(model, labels: Callable, pad_id: int) -> tasks.SumTask:
+  """A naming fine-tune's loss (:mod:`lmscale_jax.model.name_head`): binary cross-entropy of
+  one sigmoid per name sub-token, summed over the vocabulary and the rows of batches ``{"ids"
+  [B,S], "targets" [B,V]}`` / the rows. Its metric: the batch's micro token F1 at p >= 0.5
+  (``f1``; true positives, predicted and true tokens summed over devices first)."""
+
+  def loss_sum(params, batch, rng):
+    logits = model.apply({"params": finetune_state.stop_frozen(params, labels)}, batch["ids"],
+                         deterministic=False, rngs={"dropout": rng}).astype(jnp.float32)
+    target = batch["targets"].astype(jnp.float32)
+    bce = optax.sigmoid_binary_cross_entropy(logits, target).sum(-1)
+    said = (logits >= 0).astype(jnp.float32)
+    return bce.sum(), {"hit": (said * target).sum(), "said": said.sum(), "real": target.sum(),
+                       "tokens": (batch["ids"] != pad_id).sum()}
+
+  def metrics(sums):
+    hit = sums["hit"]
+    return {"f1": 2 * hit / jnp.maximum(sums["said"] + sums["real"], 1.0),
+            "tokens": sums["tokens"]}
+
+  return tasks.SumTask(loss_sum=loss_sum,
+                       weight=lambda b: jnp.asarray(b["ids"].shape[0], jnp.float32),
+                       metrics=metrics, compute_cast=finetune_state.head_in_float32("classifier"))
+
+
 def build_steps(config, cfg, prior: np.ndarray, mesh=None, *,
                 manual: bool | None = None) -> steps_lib.Steps:
   """The one train step of the naming task (``prior``: each token's share of the training
@@ -84,7 +109,7 @@ def build_steps(config, cfg, prior: np.ndarray, mesh=None, *,
     return jax.lax.top_k(jax.nn.sigmoid(logits.astype(jnp.float32)), min(TOP, outputs))
 
   bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
-  task = tasks.naming_task(model, labels, int(cfg.pad_id))
+  task = naming_task(model, labels, int(cfg.pad_id))
   return steps_lib.build_task_steps(config, task, model, optimizer, init_state,
                                     (bert, jax.random.key(0)), compute_dtype=str(cfg.dtype),
                                     mesh=mesh, manual=manual, eval_step=predict)
@@ -154,7 +179,7 @@ class NameLog(base_run.FinetuneLog):
 # ----------------------------------------------------------------------------- the run
 def check_inputs(config, workdir: str) -> NamingTask:
   """The checks that need no runtime and write nothing: the config, both files, the
-  vocabulary, the calibration split, and (a new run) the model to start from."""
+  vocabulary, the calibration split (the start model's are :func:`base_run.check`'s)."""
   finetune_config.check_config(config)
   f = config.finetune
   train = name_labels.read(f.labels, "--labels")
@@ -165,7 +190,6 @@ def check_inputs(config, workdir: str) -> NamingTask:
   fit, calibration = train.subset(fit_rows), train.subset(held)
   labels_lib.check_enough(fit, config.train.batch_size)
   check_vocab(workdir, tokens)
-  base_run.check_start(config, workdir)
   return NamingTask(train=train, test=test, tokens=tokens, fit=fit, calibration=calibration)
 
 
@@ -182,7 +206,7 @@ def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=
              say: Callable[[str], None] = logging.info) -> dict:
   """Fine-tunes a naming head (resuming from ``workdir`` if it holds a checkpoint); returns
   the last row (with the last evaluation's ``eval_f1`` …)."""
-  inputs = inputs or check_inputs(config, workdir)
+  inputs = inputs or base_run.check(config, workdir, check_inputs)
   return base_run.run(NameFinetune(config, workdir, inputs, say), allow_config_change)
 
 

@@ -12,7 +12,7 @@ What it reports (:func:`run` → one JSON-able dict; every value that could not 
   where the model has them, segment masks; output and gradients, within bf16 tolerance.
   Without a GPU the model's explicit-softmax path stands in for cuDNN, so the comparison code
   still runs (``candidate`` says which);
-* ``steps``: the config's real training step (``steps.build_steps``, timed by
+* ``steps``: the config's real training step (``mlm.build_steps``, timed by
   ``autotune.time_steps``) on synthetic padded, MLM-masked batches at a small and at the
   default per-device batch: samples/s, MFU (useful FLOPs, ``flops.py``, over the device peak
   table or ``metrics.peak_tflops``), the allocator's peak memory;
@@ -39,8 +39,9 @@ from lmscale_jax.input import autotune, masking
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import flops as flops_lib
 from lmscale_jax.store import dataset
-from lmscale_jax.train import manual_grads, sharding, trainer
-from lmscale_jax.train import steps as steps_lib
+from lmscale_jax.pretrain import trainer
+from lmscale_jax.train import manual_grads, sharding
+from lmscale_jax.pretrain import mlm
 
 # Largest |candidate - reference| over the largest |reference|, per tensor: ~5 bf16 ulps
 # (2^-8 each) at the largest magnitude; the fused kernels reorder the bf16 sums.
@@ -179,7 +180,7 @@ def measure_step(config, meta, per_device_batch: int, n: int) -> dict:
          "seq": meta.seq_len}
   try:
     s = trainer.build_setup(c, meta)
-    st = steps_lib.build_steps(c, s.model_cfg, s.predictions)
+    st = mlm.build_steps(c, s.model_cfg, s.predictions)
     host = synthetic_batch(meta, c, c.train.batch_size)
     t0 = time.perf_counter()
     step_s = autotune.time_steps(st, host, int(c.train.seed), n=n)

@@ -18,7 +18,8 @@ over its name sub-tokens (``namer``, the workdir's ``name_vocab.json``); an expo
 ``projection.*`` files, an exported naming run is a multi-label classifier
 (model/hf_classifier.py: ``namer`` from its ``id2label`` and ``naming_rule``).
 
-Every file is read, and checked, by :mod:`lmscale_jax.inference.model_files`.
+A directory is read once, by :mod:`lmscale_jax.inference.model_dir` (every file through
+:mod:`lmscale_jax.inference.model_files`); here its weights are loaded and used.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +34,12 @@ import ml_collections
 import numpy as np
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import model_files
+from lmscale_jax.inference import model_dir, model_files
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import classifier as classifier_lib
-from lmscale_jax.model import contrastive, hf_classifier, hf_convert, hf_dir_checks, name_head
+from lmscale_jax.model import contrastive, hf_classifier, hf_convert, name_head
 from lmscale_jax.store import dataset
 from lmscale_jax.store import tokenizer as toklib
-from lmscale_jax.train import run_record
 
 
 @dataclasses.dataclass
@@ -64,59 +63,18 @@ class TrainedModel:
 
 
 # --------------------------------------------------------------------------- loading
-def resolve(model_config, shape: dict, special_ids: dict, *, dtype: str | None = "float32",
-            where: str = "") -> ml_collections.ConfigDict:
-  """``config.model`` + the saved shape keys → the config ``BertForMLM`` takes (their
-  positions too, where given: what a run's "auto" became, which this ``meta`` without a
-  dataset cannot tell)."""
-  meta = dataset.DatasetMeta(path=where, name="", seq_len=int(shape["seq_len"]),
-                             vocab_size=int(shape["vocab_size"]), special_ids=special_ids,
-                             splits={}, raw={})
-  model_config = ml_collections.ConfigDict(model_config.to_dict())
-  model_config.vocab_size, model_config.seq_len = 0, 0  # taken from `meta`
-  model_config.positions = shape.get("positions", model_config.positions)
-  cfg = model_lib.resolve_model_config(model_config, meta)
-  if dtype:
-    cfg.dtype = dtype
-  return cfg
-
-
-def run_tokenizer(run_config, tokenizer_path: str = "", record: dict | None = None,
-                  workdir: str = ""):
-  """The run's tokenizer: ``tokenizer_path``, or the tokenizer.json of the dataset the run
-  trained on (its record's absolute path; ``data.path`` as typed may be relative to another
-  directory), checked against the run's tokenizer digest where the record has one."""
-  path = tokenizer_path or os.path.join(
-      ((record or {}).get("dataset") or {}).get("path") or run_config.data.path,
-      dataset.TOKENIZER)
-  if not os.path.exists(path):
-    raise UserError(f"{path}: no such file (the tokenizer of the run's data.path); give "
-                    "--tokenizer PATH/tokenizer.json of the dataset it trained on")
-  model_files.regular_file(path, "a tokenizer.json file")
-  if record is not None:
-    run_record.check_tokenizer(record, toklib.digest(path), path, workdir)
-  return toklib.with_hf_roles(toklib.load(path))
-
-
-def _check_vocab(tok, cfg, where: str) -> None:
-  size = tok.get_vocab_size(with_added_tokens=True)
-  if size != cfg.vocab_size:
-    raise UserError(f"{where}: the tokenizer has {size} tokens, the model's vocabulary "
-                    f"{cfg.vocab_size}: not the tokenizer this model was trained with")
-
-
 def abstract_params(run_config, cfg, classes: int = 0):
   """The parameters' shapes as the run's checkpoint holds them (the restore target of
   ``checkpoint.restore_params``), on this process's first device: the model's init under
   ``jax.eval_shape`` (nothing allocated, no optimizer built); for a fine-tuned run
-  ``{"bert", "projection"}`` as ``train.finetune_state`` builds its state, for a
+  ``{"bert", "projection"}`` as ``finetune.finetune_state`` builds its state, for a
   classification run ``{"bert", "classifier"}`` (``classes`` outputs). Pretraining's
   parameters do not depend on ``predictions`` (``model.bert.init_params``)."""
   bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
-  if is_classifier(run_config) or is_namer(run_config):
+  if model_dir.is_classifier(run_config) or model_dir.is_namer(run_config):
     bert = {"bert": bert, "classifier": jax.eval_shape(
         lambda: classifier_lib.init_head(cfg, classes, jax.random.key(0)))}
-  elif is_finetuned(run_config):
+  elif model_dir.is_finetuned(run_config):
     projection = jax.eval_shape(lambda: contrastive.init_projection(
         cfg, int(run_config.finetune.proj_dim), jax.random.key(0)))
     bert = {"bert": bert, "projection": projection}
@@ -124,46 +82,27 @@ def abstract_params(run_config, cfg, classes: int = 0):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), bert)
 
 
-def is_finetuned(run_config) -> bool:
-  return "finetune" in run_config
-
-
-def is_classifier(run_config) -> bool:
-  """A classification fine-tune's run (config.legacy: an older fine-tune is contrastive)."""
-  return is_finetuned(run_config) and run_config.finetune.task == "classify"
-
-
-def is_namer(run_config) -> bool:
-  """A naming fine-tune's run (finetune/name_run.py)."""
-  return is_finetuned(run_config) and run_config.finetune.task == "name"
-
-
-def workdir_shape(workdir: str, tokenizer_path: str, dtype: str | None):
-  """(run config, resolved model config, tokenizer, config.json's record) of a run, checked
-  against each other."""
-  run_config, record = model_files.read_run(workdir)
-  if is_finetuned(run_config):  # its own copy (lmscale_jax/finetune/contrastive_run.py)
-    tokenizer_path = tokenizer_path or os.path.join(workdir, dataset.TOKENIZER)
-  tok = run_tokenizer(run_config, tokenizer_path, record, workdir)
-  cfg = resolve(run_config.model, record["model"], toklib.validate(tok, "tokenizer"),
-                dtype=dtype, where=workdir)
-  _check_vocab(tok, cfg, workdir)
-  return run_config, cfg, tok, record
-
-
-def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = "",
-                 dtype: str | None = "float32",
-                 data: dataset.DatasetMeta | None = None) -> TrainedModel:
-  """A run's model; ``data``: a dataset it is to read, checked against it before the
-  restore (:func:`check_dataset`)."""
-  run_config, cfg, tok, record = workdir_shape(workdir, tokenizer_path, dtype)
+def from_dir(read: model_dir.ModelDir, step: int | None = None,
+             data: dataset.DatasetMeta | None = None, naming: bool = False) -> TrainedModel:
+  """The model of a directory already read (:func:`model_dir.read`): its weights loaded, no
+  file read twice. ``step``: a run's checkpoint (the newest by default); ``data``: a dataset
+  it is to read, checked against it before any weights are loaded
+  (:func:`model_files.check_dataset`); ``naming``: see :func:`from_hf`."""
   if data is not None:
-    model_files.check_dataset(cfg, data, workdir, same_seq_len=False, record=record)
-  names = classifier_lib.load_labels(workdir) if is_classifier(run_config) else []
-  tokens = name_head.load_vocab(workdir)["tokens"] if is_namer(run_config) else []
+    model_files.check_dataset(read.cfg, data, read.path, same_seq_len=False,
+                              record=read.record)
+  if read.is_hf:
+    return _hf_weights(read, naming)
+  return _run_weights(read, step)
+
+
+def _run_weights(read: model_dir.ModelDir, step: int | None) -> TrainedModel:
+  run_config, workdir = read.run_config, read.path
+  names = classifier_lib.load_labels(workdir) if model_dir.is_classifier(run_config) else []
+  tokens = name_head.load_vocab(workdir)["tokens"] if model_dir.is_namer(run_config) else []
   try:
     step, params = model_files.restore_params(
-        workdir, step, abstract_params(run_config, cfg, len(names) or len(tokens)))
+        workdir, step, abstract_params(run_config, read.cfg, len(names) or len(tokens)))
   except ValueError as e:  # Orbax: a head of another size than the vocabulary says
     if not tokens or "shape" not in str(e):
       raise
@@ -176,31 +115,16 @@ def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = ""
     params, classes = params["bert"], {"labels": names, **params["classifier"]}
   elif tokens:
     params, namer = params["bert"], {"tokens": tokens, **params["classifier"]}
-  elif is_finetuned(run_config):
+  elif model_dir.is_finetuned(run_config):
     params, head = params["bert"], {"pool": run_config.finetune.pool,
                                     "projection": params["projection"]}
-  return TrainedModel(cfg=cfg, params=params, tokenizer=tok, source=workdir, step=step,
-                      run_config=run_config, head=head, classifier=classes, namer=namer)
+  return TrainedModel(cfg=read.cfg, params=params, tokenizer=read.tokenizer, source=workdir,
+                      step=step, run_config=run_config, head=head, classifier=classes,
+                      namer=namer)
 
 
-def _hf_shape(hf_dir: str, tokenizer_path: str = ""):
-  """(resolved model config, tokenizer) of an HF directory, checked against each other."""
-  model_config = model_files.hf_model_config(hf_dir)
-  path = tokenizer_path or os.path.join(hf_dir, dataset.TOKENIZER)
-  tok = toklib.with_hf_roles(hf_dir_checks.read_tokenizer(hf_dir, tokenizer_path))
-  cfg = resolve(model_config, model_config, toklib.validate(tok, path), where=hf_dir)
-  _check_vocab(tok, cfg, hf_dir)
-  return cfg, tok
-
-
-def from_hf(hf_dir: str, data: dataset.DatasetMeta | None = None,
-            naming: bool = False) -> TrainedModel:
-  """An HF directory's model; ``naming``: a naming export's too (its encoder has no MLM head,
-  which every other tool's model runs: for them it stays refused, as a classifier is, by
-  ``hf_convert.load_params``)."""
-  cfg, tok = _hf_shape(hf_dir)
-  if data is not None:
-    model_files.check_dataset(cfg, data, hf_dir, same_seq_len=False)
+def _hf_weights(read: model_dir.ModelDir, naming: bool) -> TrainedModel:
+  hf_dir, cfg, tok = read.path, read.cfg, read.tokenizer
   if naming and hf_classifier.is_namer(hf_convert.read_config(hf_dir)):
     params, tokens, rule = hf_classifier.load_namer(hf_dir, cfg)
     return TrainedModel(cfg=cfg, params=params["bert"], tokenizer=tok, source=hf_dir,
@@ -209,15 +133,26 @@ def from_hf(hf_dir: str, data: dataset.DatasetMeta | None = None,
                       source=hf_dir, head=contrastive.load_head(hf_dir, cfg.hidden))
 
 
-def architecture(path: str, tokenizer_path: str = "") -> TrainedModel:
-  """A run's or an HF directory's model config and tokenizer, no weights (``params`` empty):
-  what a model of the same architecture starting from fresh weights needs."""
-  is_hf = model_files.is_hf_dir(path)
-  if is_hf:
-    cfg, tok = _hf_shape(path, tokenizer_path)
-  else:
-    _, cfg, tok, _ = workdir_shape(path, tokenizer_path, "float32")
-  return TrainedModel(cfg=cfg, params={}, tokenizer=tok, source=path)
+def from_workdir(workdir: str, step: int | None = None, tokenizer_path: str = "",
+                 dtype: str | None = "float32",
+                 data: dataset.DatasetMeta | None = None) -> TrainedModel:
+  """A run's model; ``data``: a dataset it is to read, checked against it before the
+  restore."""
+  return from_dir(model_dir.read_run(workdir, tokenizer_path, dtype), step, data)
+
+
+def from_hf(hf_dir: str, data: dataset.DatasetMeta | None = None,
+            naming: bool = False) -> TrainedModel:
+  """An HF directory's model; ``naming``: a naming export's too (its encoder has no MLM head,
+  which every other tool's model runs: for them it stays refused, as a classifier is, by
+  ``hf_convert.load_params``)."""
+  return from_dir(model_dir.read_hf(hf_dir), data=data, naming=naming)
+
+
+def architecture(read: model_dir.ModelDir) -> TrainedModel:
+  """A directory's model config and tokenizer, no weights (``params`` empty): what a model of
+  the same architecture starting from fresh weights needs."""
+  return TrainedModel(cfg=read.cfg, params={}, tokenizer=read.tokenizer, source=read.path)
 
 
 @functools.lru_cache(maxsize=8)

@@ -122,8 +122,8 @@ def compile_peaks(spec_file: str, out_file: str) -> None:
   length and flops per step, or its one-line compilation error, as JSON to ``out_file``."""
   from lmscale_jax.model import flops
   from lmscale_jax.store import dataset
-  from lmscale_jax.train import steps as steps_lib
-  from lmscale_jax.train import trainer
+  from lmscale_jax.pretrain import mlm
+  from lmscale_jax.pretrain import trainer
 
   specs, out, meta = json.load(open(spec_file)), {}, None
   for spec in specs:
@@ -131,7 +131,7 @@ def compile_peaks(spec_file: str, out_file: str) -> None:
       c = sg.load_config(spec["config"], spec["sets"])
       meta = meta or dataset.DatasetMeta.load(c.data.path)
       s = trainer.build_setup(c, meta)
-      st = steps_lib.build_steps(c, s.model_cfg, s.predictions)
+      st = mlm.build_steps(c, s.model_cfg, s.predictions)
       batch = flops.abstract_batch(c.train.batch_size, meta.seq_len, s.predictions,
                                    st.batch_sharding)
       m = st.train_step.lower(st.abstract_state, batch).compile().memory_analysis()

@@ -1,8 +1,8 @@
-"""The jitted functions of a run: the one data-parallel train step of every task (MLM
-pretraining, contrastive fine-tuning: :mod:`lmscale_jax.train.tasks`) with its two gradient
-paths and every lever, the MLM eval step, and :func:`build_task_steps`, which places them and
-the train state on the mesh (:func:`build_steps`: pretraining's; :func:`build_eval_step`: the
-eval step alone, for scoring a checkpoint).
+"""The jitted functions of every run: the one data-parallel train step of any task (a
+:class:`~lmscale_jax.train.tasks.SumTask` or ``BatchTask``: pretraining's MLM in
+:mod:`lmscale_jax.pretrain.mlm`, the fine-tunes' in :mod:`lmscale_jax.finetune`) with its two
+gradient paths and every lever, and :func:`build_task_steps`, which places it, the task's eval
+step and the train state on the mesh. The core names no task.
 
 The train step is one XLA program per step: forward, backward, gradient reduction, optimizer
 update; everything per-step runs inside it (nothing in Python between steps but dispatch).
@@ -22,7 +22,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lmscale_jax.config import checks as config_checks
 from lmscale_jax.config.modes import GRAD_ALLREDUCE
-from lmscale_jax.model import bert as model_lib
 from lmscale_jax.train import manual_grads, optim, sharding, tasks
 from lmscale_jax.train.sharding import AXIS
 
@@ -32,9 +31,6 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
-
-
-mlm_loss = tasks.mlm_loss  # pretraining's loss (lmscale_jax.train.tasks)
 
 
 def resolve_grad_allreduce(mode: str) -> str:
@@ -144,49 +140,6 @@ def _plain_grads(task, params, batch, rng):
   return loss, grads, {**metrics, **task.sums(batch)}
 
 
-def make_eval_step(model):
-  def eval_step(params, batch):
-    logits = model.apply({"params": params}, batch["input_ids"], batch["mlm_positions"],
-                         deterministic=True)
-    _, ce_sum, correct, wsum = tasks.mlm_loss(logits, batch["mlm_labels"],
-                                              batch["mlm_weights"])
-    return {"ce_sum": ce_sum, "correct": correct, "weight": wsum}
-
-  return eval_step
-
-
-@dataclasses.dataclass
-class EvalStep:
-  """The MLM eval step alone, placed (``lmscale evaluate``): no optimizer, no TrainState."""
-  mesh: Mesh
-  model: Any
-  batch_sharding: Any
-  abstract_params: Any     # ShapeDtypeStructs carrying the params' shardings (restore target)
-  eval_step: Any           # (params, batch) -> sums, jitted
-
-
-def build_eval_step(model_cfg: ml_collections.ConfigDict, mesh: Mesh | None = None, *,
-                    fsdp: bool = False) -> EvalStep:
-  """:func:`build_steps`' eval step without what training needs besides: the parameters
-  placed as training places them (replicated, or per ``fsdp``: :func:`sharding.state_specs`),
-  the batch split over the ``data`` axis. Scoring a checkpoint builds no optimizer and reads
-  no Adam moment (``model_files.restore_params`` of ``abstract_params``)."""
-  if mesh is None:
-    mesh = sharding.data_mesh()
-  model = model_lib.BertForMLM(model_cfg)
-  abstract = jax.eval_shape(lambda: model_lib.init_params(model_cfg, jax.random.key(0)))
-  specs = sharding.state_specs(abstract, mesh.shape[AXIS], fsdp)
-  params_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
-  abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                          abstract, params_sharding)
-  batch_sharding = sharding.batch_sharding(mesh)
-  eval_step = jax.jit(make_eval_step(model), in_shardings=(params_sharding, batch_sharding),
-                      out_shardings=NamedSharding(mesh, PartitionSpec()))
-  return EvalStep(mesh=mesh, model=model, batch_sharding=batch_sharding,
-                  abstract_params=abstract, eval_step=eval_step)
-
-
 @dataclasses.dataclass
 class Steps:
   """The jitted functions of a run and the shardings they were built with."""
@@ -202,29 +155,6 @@ class Steps:
   eval_step: Any           # (params, batch) -> sums; None for a task without one
   manual: bool             # gradients through manual_grads.make_grads_fn
   grad_allreduce: str = "per_tensor"  # train.grad_allreduce as resolved for this run
-
-
-def build_steps(config: ml_collections.ConfigDict, model_cfg: ml_collections.ConfigDict,
-                predictions: int, mesh: Mesh | None = None, *,
-                manual: bool | None = None) -> Steps:
-  """Pretraining's model, optimizer, shardings and jitted init/train/eval functions
-  (:func:`build_task_steps` of the MLM task).
-
-  ``manual`` forces (True) or forbids (False) the shard_map gradient path; None picks it
-  from the config (:func:`~lmscale_jax.train.manual_grads.needs_manual_grads`)."""
-  t = config.train
-  model = model_lib.BertForMLM(model_cfg)
-  optimizer = optim.make_optimizer(t)
-
-  def init_state(rng):
-    params = model_lib.init_params(model_cfg, rng, predictions=predictions)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
-
-  return build_task_steps(config, tasks.mlm_task(model, model_cfg.pad_id), model, optimizer,
-                          init_state, (jax.random.key(t.seed),),
-                          compute_dtype=model_cfg.dtype, mesh=mesh, manual=manual,
-                          eval_step=make_eval_step(model))
 
 
 def build_task_steps(config: ml_collections.ConfigDict, task, model, optimizer, init_state,

@@ -1,13 +1,13 @@
-"""What a contrastive fine-tuning run's checkpoint holds: a ``TrainState`` whose parameters are
-``{"bert": encoder, "projection": head}`` and whose optimizer trains every leaf but the frozen
-ones. :mod:`lmscale_jax.finetune.contrastive_run` trains it;
-:mod:`lmscale_jax.inference.trained_model` restores it. Here, below both, so that the model
-loader does not import the fine-tuning loop (which itself loads its start model through the
-loader)."""
+"""What every fine-tune's state shares: a ``TrainState`` whose parameters are ``{"bert":
+encoder, head}`` (the contrastive projection, a classifier, a namer), the optimizer that trains
+every leaf but the frozen ones (:func:`trainable_labels`, :func:`optimizer`), the contrastive
+state's init and restore target, and the losses' helpers (:func:`stop_frozen`,
+:func:`head_in_float32`). The tasks' losses live with their runs (``finetune/*_run.py``)."""
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -68,3 +68,21 @@ def abstract_state(config, cfg, mesh=None):
   shapes = jax.eval_shape(init_state, bert, jax.random.key(0))
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                       shapes)
+
+
+def stop_frozen(params, labels: Callable):
+  """``params`` with no gradient through the leaves ``labels(params)`` calls "frozen" (none is
+  then computed at all; the optimizer also zeroes their updates)."""
+  return jax.tree.map(lambda p, lab: jax.lax.stop_gradient(p) if lab == "frozen" else p,
+                      params, labels(params))
+
+
+def head_in_float32(head: str) -> Callable:
+  """A fine-tuning task's ``compute_cast``: the encoder's matrices cast, the ``head`` (which
+  runs in float32: model/contrastive.py, model/classifier.py) not."""
+
+  def compute_cast(params):
+    return {"bert": jax.tree.map(lambda p: p.ndim > 1, params["bert"]),
+            head: jax.tree.map(lambda _: False, params[head])}
+
+  return compute_cast

@@ -24,6 +24,7 @@ from lmscale_jax.input import autotune, grain_pipeline as loader, masking, prefe
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import flops as flops_lib
 from lmscale_jax.model import hf_convert
+from lmscale_jax.pretrain import mlm
 from lmscale_jax.store import dataset, records
 from lmscale_jax.train import checkpoint as ckpt_lib
 from lmscale_jax.train import metrics as metrics_lib
@@ -216,7 +217,7 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
   setup = build_setup(config, meta, workdir)
   is_writer = jax.process_index() == 0
   loader.cap_workers(config, is_writer=is_writer)
-  steps = steps_lib.build_steps(config, setup.model_cfg, setup.predictions)
+  steps = mlm.build_steps(config, setup.model_cfg, setup.predictions)
   if is_writer and jax.device_count() > 1:
     logging.info("gradient all-reduce: %s (train.grad_allreduce=%s)", steps.grad_allreduce,
                  config.train.grad_allreduce)
