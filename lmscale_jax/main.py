@@ -96,7 +96,7 @@ def _checks(config) -> None:
 
 
 def _describe(config, workdir: str) -> None:
-  from lmscale_jax.train import trainer
+  from lmscale_jax.pretrain import trainer
 
   setup = trainer.build_setup(config, workdir=workdir)
   print(config)
@@ -108,7 +108,7 @@ def _train(config, workdir: str) -> None:
   ``--verify_data``, training."""
   from lmscale_jax.cluster import distributed
   from lmscale_jax.input import dataset_checks, staging
-  from lmscale_jax.train import trainer
+  from lmscale_jax.pretrain import trainer
 
   import jax  # here, not at module level: Grain's worker processes re-import __main__
 
@@ -206,8 +206,7 @@ def parse_flags(argv):
     sys.exit(f"error: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
              f"required. {_usage(argv)}")
   try:
-    _config = loader.load_file(FLAGS.config)
-    loader.apply_overrides(_config, overrides)
+    _config = loader.load(FLAGS.config, overrides)
   except ConfigError as e:
     sys.exit(f"error: {e}")
   _config.lock()  # a key the config does not have is a typo, also in library code

@@ -52,19 +52,11 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def load_config(path: str, overrides: list[str]):
-  """The config of ``path`` with ``KEY=VALUE`` overrides (``config.loader``: each key checked,
-  each value typed as ``--config.KEY=VALUE`` is); a bad file or key is one line."""
-  config = loader.load_file(loader.beside(ROOT, path))
-  loader.apply_sets(config, list(overrides))
-  return config
-
-
 def main(argv=None) -> int:
   a = parse_args(argv)
 
   def go() -> int:
-    config = load_config(a.config, ["model.dtype=bfloat16"] + a.set)
+    config = loader.load(a.config, sets=["model.dtype=bfloat16"] + a.set, root=ROOT)
     from lmscale_jax.gpu import check as gpu_check
     from lmscale_jax.store import output_marks
 

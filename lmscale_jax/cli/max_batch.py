@@ -34,7 +34,7 @@ from lmscale_jax.cli import args  # no jax: configure_backend still comes first
 from lmscale_jax.study import max_batch as mb
 from lmscale_jax.study.max_batch import TABLE_LEVERS, TABLE_MODELS
 # tests/test_levers.py searches with this command's max_batch: it stays reachable here.
-from lmscale_jax.study.max_batch import load_config, max_batch  # noqa: F401
+from lmscale_jax.study.max_batch import max_batch  # noqa: F401
 
 
 def parse_args(argv=None):

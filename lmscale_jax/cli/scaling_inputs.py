@@ -282,20 +282,12 @@ def compute_at(given: dict, batch: int) -> cm.Compute:
 
 
 def config_model(path: str, vocab_size: int, seq_len: int):
-  """(parameter count, gradient profile) of a config file's model."""
-  import importlib.util
-
+  """(parameter count, gradient profile) of a config file's model (or a shipped config's:
+  ``config.loader``, whose one line names a file that does not load)."""
+  from lmscale_jax.config import loader
   from lmscale_jax.model import flops
 
-  if not os.path.isfile(path):
-    raise cm.ModelError(f"--config {path}: no such file")
-  spec = importlib.util.spec_from_file_location("_scaling_config", path)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    model = module.get_config().model
-  except Exception as e:  # a config file is the user's code: any failure is theirs
-    raise cm.ModelError(f"--config {path}: does not load ({type(e).__name__}: {e})") from None
+  model = loader.load(path).model
   model.vocab_size = model.vocab_size or vocab_size
   model.seq_len = model.seq_len or seq_len
   predictions = max(1, round(PREDICTED_SHARE * model.seq_len))

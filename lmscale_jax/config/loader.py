@@ -198,10 +198,15 @@ def apply_sets(config, items: list[str], flag: str = "--set") -> None:
     set_value(config, key, text, item=f"{flag} {item!r}")
 
 
-def load(name: str | None, argv: list[str], defaults=None):
-  """The config of a command line: ``--config FILE``'s (``name``; else ``defaults()``) with
-  ``argv``'s ``--config.a.b=v`` applied. Returns ``(config, the other arguments)``."""
-  items, rest = split_overrides(argv)
-  config = load_file(name) if name else defaults()
-  apply_overrides(config, items)
-  return config, rest
+def load(name: str | None, overrides=(), *, sets=(), root: str = "", defaults=None,
+         flag: str = "--set"):
+  """The one way a command reads its config: ``name``'s ``get_config()`` (a file, read from
+  ``root`` when it is there: :func:`beside`; or a shipped config's name; no ``name``:
+  ``defaults()``), then ``overrides``, the ``(key, text)`` pairs of ``--config.a.b=v``
+  (:func:`split_overrides`), then ``sets``, ``KEY=VALUE`` items of another flag (``flag``:
+  gpu-check's and max-batch's ``--set``). Each value is typed by its key's default; every
+  mistake is one :class:`ConfigError` line."""
+  config = load_file(beside(root, name)) if name else defaults()
+  apply_overrides(config, overrides)
+  apply_sets(config, list(sets), flag)
+  return config

@@ -8,7 +8,7 @@ boundary in a few more (:func:`max_batch`).
 
 JAX is imported only where a step is compiled: the backend's device count and XLA flags must
 be set before (:func:`configure_backend`), and loading a config needs no JAX at all
-(benchmarks/bench_step.py uses :func:`load_config` for the shapes).
+(benchmarks/bench_step.py reads the shapes through ``config.loader.load``).
 """
 
 from __future__ import annotations
@@ -68,15 +68,6 @@ def say(line: str) -> None:
 
 
 # ----------------------------------------------------------------------------- configs
-def load_config(path: str, overrides: list[str]):
-  """``path``'s get_config() (relative paths: from the checkout) with ``section.key=value``
-  overrides, each checked and typed as ``--config.KEY=VALUE`` is (``config.loader``)."""
-  with checkout_importable():  # as a run would load it
-    c = loader.load_file(loader.beside(ROOT, path))
-  loader.apply_sets(c, list(overrides))
-  return c
-
-
 def apply_lever(config, lever: str):
   """``config`` (a copy) with ``lever`` ("remat_full+accum4", …) applied."""
   c = copy.deepcopy(config)
@@ -119,9 +110,9 @@ class Probe:
 
     from lmscale_jax.model import flops
     from lmscale_jax.store import dataset
-    from lmscale_jax.train import steps, trainer
+    from lmscale_jax.pretrain import mlm, trainer
 
-    self.jax, self.train, self.steps, self.flops = jax, trainer, steps, flops
+    self.jax, self.train, self.steps, self.flops = jax, trainer, mlm, flops
     self.config, self.devices = config, jax.device_count()
     self.meta = dataset.DatasetMeta.synthetic(seq, vocab)
     self.cache: dict[int, dict] = {}
@@ -218,17 +209,20 @@ def fit_only(probe: Probe, budget: int, accum: int, probes=(4, 8),
 # ----------------------------------------------------------------------------- the table
 def models(o: MaxBatchOptions) -> tuple[list, list[str]]:
   """[(label, config)] to measure and the levers to measure each with."""
-  if o.table:
-    base = []
-    for name in o.models.split(","):
-      path, overrides = TABLE_MODELS[name]
-      base.append((name, load_config(path, [f"{k}={v}" for k, v in overrides.items()]
-                                     + o.sets)))
-    return base, (o.levers or TABLE_LEVERS).split(",")
-  if not o.config:
+  if not o.table and not o.config:
     raise MaxBatchError("give --config or --table")
-  name = o.name or os.path.splitext(os.path.basename(o.config))[0]
-  return [(name, load_config(o.config, o.sets))], (o.levers or "plain").split(",")
+  # Relative paths from the checkout, with it importable: as a run loads its config.
+  with checkout_importable():
+    if o.table:
+      base = []
+      for name in o.models.split(","):
+        path, overrides = TABLE_MODELS[name]
+        sets = [f"{k}={v}" for k, v in overrides.items()] + o.sets
+        base.append((name, loader.load(path, sets=sets, root=ROOT)))
+      return base, (o.levers or TABLE_LEVERS).split(",")
+    name = o.name or os.path.splitext(os.path.basename(o.config))[0]
+    return ([(name, loader.load(o.config, sets=o.sets, root=ROOT))],
+            (o.levers or "plain").split(","))
 
 
 def measure(o: MaxBatchOptions, config, budget: int, probes: tuple) -> dict:

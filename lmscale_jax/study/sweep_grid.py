@@ -33,9 +33,10 @@ class SweepError(UserError):
 
 # ----------------------------------------------------------------------------- configs
 def load_config(path: str, sets, root: str = ""):
-  """``path`` (relative to ``root``)'s get_config() with the (key, value) ``sets`` applied; an
-  unknown key names the closest one."""
-  config = loader.load_file(loader.beside(root, path))
+  """``path`` (relative to ``root``)'s get_config() (``config.loader.load``) with the (key,
+  value) ``sets`` applied: the sweep's own lines, naming the file and both flags that set
+  keys (--set, --model); an unknown key names the closest one."""
+  config = loader.load(path, root=root)
   keys = loader.dotted_keys(config)
   for key, text in sets:  # typed as --config.KEY=VALUE is (config.loader)
     if key not in keys:
