@@ -125,7 +125,7 @@ def check_workdir(workdir: str, task: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the run
-def run(task: "FinetuneRun", allow_config_change: bool) -> dict:
+def run_finetune(task: "FinetuneRun", allow_config_change: bool) -> dict:
   """Runs ``task`` in the one loop (its config and workdir); returns its last row. A
   single-process caller gets the workdir's lock here; a multi-process one takes it as ``main``
   does (process 0, ``distributed.agree``)."""
@@ -134,7 +134,7 @@ def run(task: "FinetuneRun", allow_config_change: bool) -> dict:
     config_checks.check_batch(t.batch_size, processes=jax.process_count(),
                               devices_per_process=jax.local_device_count(),
                               accum_steps=t.grad_accum_steps)
-    return run_loop.run(task, config, workdir, allow_config_change=allow_config_change)
+    return run_loop.run_task(task, config, workdir, allow_config_change=allow_config_change)
 
 
 class FinetuneRun(run_loop.RunTask):

@@ -144,7 +144,7 @@ def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=
   the last row (with the last evaluation's ``eval_accuracy``, ``eval_macro_f1``).
   ``inputs``: ``base_run.check``'s result if the caller has it."""
   inputs = inputs or base_run.check(config, workdir, check_inputs)
-  return base_run.run(ClassifyFinetune(config, workdir, inputs, say), allow_config_change)
+  return base_run.run_finetune(ClassifyFinetune(config, workdir, inputs, say), allow_config_change)
 
 
 class LabelledFinetune(base_run.FinetuneRun):

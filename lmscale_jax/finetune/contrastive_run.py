@@ -122,7 +122,8 @@ def finetune(config, workdir: str, *, allow_config_change: bool = False,
   ``inputs``: ``base_run.check``'s result (the pairs, the start model read) if the caller
   has it."""
   inputs = inputs or base_run.check(config, workdir, check_inputs)
-  return base_run.run(ContrastiveFinetune(config, workdir, inputs, say), allow_config_change)
+  return base_run.run_finetune(ContrastiveFinetune(config, workdir, inputs, say),
+                               allow_config_change)
 
 
 class ContrastiveFinetune(base_run.FinetuneRun):

@@ -44,8 +44,8 @@ from lmscale_jax.store import file_io
 from lmscale_jax.train import steps as steps_lib
 from lmscale_jax.train import tasks
 
-EVAL_REPORT = "naming_eval.json"
-TOP = 32  # tokens per function the evaluation reads back (every rule chooses among them)
+EVAL_REPORT = name_head.EVAL_REPORT
+TOP = name_head.TOP  # tokens per function the evaluation reads back
 THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(1, 20))
 KS = tuple(range(1, 7))
 
@@ -207,7 +207,7 @@ def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=
   """Fine-tunes a naming head (resuming from ``workdir`` if it holds a checkpoint); returns
   the last row (with the last evaluation's ``eval_f1`` …)."""
   inputs = inputs or base_run.check(config, workdir, check_inputs)
-  return base_run.run(NameFinetune(config, workdir, inputs, say), allow_config_change)
+  return base_run.run_finetune(NameFinetune(config, workdir, inputs, say), allow_config_change)
 
 
 class NameFinetune(classify_run.LabelledFinetune):

@@ -59,15 +59,17 @@ class Setup:
 
 
 def build_setup(config: ml_collections.ConfigDict, meta: dataset.DatasetMeta | None = None,
-                workdir: str | None = None) -> Setup:
-  """Checks the config (config_checks steps 1-3), loads the dataset's metadata once (unless
-  given) and resolves the model and its costs (``model.positions="auto"``: the run in
-  ``workdir`` keeps its own, :func:`start_positions`)."""
-  startup.check_before_runtime(config)
+                workdir: str | None = None, *, checked: bool = False) -> Setup:
+  """Checks the config (config_checks steps 1-2; ``checked``: the command did, main through
+  train.startup, so each check runs once), loads the dataset's metadata once (unless given)
+  and resolves the model and its costs (``model.positions="auto"``: the run in ``workdir``
+  keeps its own, :func:`start_positions`)."""
+  if not checked:  # a library caller (tests, tools) that never passed through main
+    startup.check_before_runtime(config)
+    config_checks.check_batch(config.train.batch_size, processes=jax.process_count(),
+                              devices_per_process=jax.local_device_count(),
+                              accum_steps=config.train.grad_accum_steps)
   devices = jax.device_count()
-  config_checks.check_batch(config.train.batch_size, processes=jax.process_count(),
-                            devices_per_process=jax.local_device_count(),
-                            accum_steps=config.train.grad_accum_steps)
   meta = meta or dataset.DatasetMeta.load(config.data.path)
   model_cfg = model_lib.resolve_model_config(config.model, meta, remat=config.train.remat,
                                              start_positions=start_positions(config, workdir))
@@ -184,8 +186,9 @@ def evaluate(steps: steps_lib.Steps, params, eval_batches) -> dict:
 # ----------------------------------------------------------------------------- the run
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        meta: dataset.DatasetMeta | None = None, *,
-                       allow_config_change: bool = False) -> dict:
+                       allow_config_change: bool = False, checked: bool = False) -> dict:
   """Trains (resuming from ``workdir`` if it holds a checkpoint); returns the last metrics.
+  ``checked``: the config's checks ran already (main's, :func:`build_setup`).
   ``meta``: the dataset's metadata if the caller has loaded it (main has), else loaded here.
   ``allow_config_change``: resume under changed result keys (``run_record.RESULT_KEYS``),
   recording them in config.json (``--allow_config_change``).
@@ -193,7 +196,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   The workdir's lock (``workdir_lib.lock_workdir``): ``main`` takes it for every process of a
   job; a single-process library caller (tests, tools) gets it here, for the call."""
   with workdir_lib.holding(workdir):
-    return _train(config, workdir, meta, allow_config_change)
+    return _train(config, workdir, meta, allow_config_change, checked)
 
 
 def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> None:
@@ -212,9 +215,9 @@ def _warn_if_eval_wraps(config, meta: dataset.DatasetMeta, process: dict) -> Non
         fix)
 
 
-def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
+def _train(config, workdir: str, meta, allow_config_change: bool, checked: bool) -> dict:
   config = copy.deepcopy(config)  # data.workers may be capped or set by the autotune below
-  setup = build_setup(config, meta, workdir)
+  setup = build_setup(config, meta, workdir, checked=checked)
   is_writer = jax.process_index() == 0
   loader.cap_workers(config, is_writer=is_writer)
   steps = mlm.build_steps(config, setup.model_cfg, setup.predictions)
@@ -222,7 +225,7 @@ def _train(config, workdir: str, meta, allow_config_change: bool) -> dict:
     logging.info("gradient all-reduce: %s (train.grad_allreduce=%s)", steps.grad_allreduce,
                  config.train.grad_allreduce)
   preflight.check_memory(config, setup.memory_at)
-  return run_loop.run(Pretraining(setup, workdir, steps), config, workdir,
+  return run_loop.run_task(Pretraining(setup, workdir, steps), config, workdir,
                       allow_config_change=allow_config_change)
 
 

@@ -1,7 +1,7 @@
 """The one resumable loop of every run (pretraining, contrastive fine-tuning, …), in the manner of
 levanter's and MaxText's single trainer that tasks plug into. A task (:class:`RunTask`) supplies
 only its steps and state, its batches (an iterator whose position each checkpoint saves), its
-start state, its optional evaluation and its log rows; :func:`run` owns the lifecycle:
+start state, its optional evaluation and its log rows; :func:`run_task` owns the lifecycle:
 
   the refusals, from what is on disk (the workdir's entries; the checkpoint to resume, the newest
   that verifies; a checkpoint of another run; a workdir past train.steps; the task's own; a
@@ -31,7 +31,7 @@ from lmscale_jax.train import workdir as workdir_lib
 
 
 class RunTask:
-  """What a run supplies to :func:`run` (a subclass per task; a hook's default is a task
+  """What a run supplies to :func:`run_task` (a subclass per task; a hook's default is a task
   without it). :meth:`open` sets ``steps`` (:class:`lmscale_jax.train.steps.Steps`: its
   ``abstract_state`` and ``train_step``) and ``batches`` (restored and saved with each
   checkpoint: its position) at the latest."""
@@ -93,7 +93,7 @@ class RunTask:
     return log.last
 
 
-def run(task: RunTask, config, workdir: str, *, allow_config_change: bool = False) -> dict:
+def run_task(task: RunTask, config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Runs ``task`` in ``workdir`` (resuming from its newest checkpoint that verifies) up to
   ``config.train.steps``; returns ``task.result``. The caller holds the workdir's lock."""
   checkpointer = _open(task, config, workdir, allow_config_change)
