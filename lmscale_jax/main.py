@@ -126,7 +126,8 @@ def _train(config, workdir: str) -> None:
         meta, log=_progress, **reads))
   logging.info("workdir %s", workdir)
   started = time.time()
-  row = trainer.train_and_evaluate(config, workdir, meta=meta,
+  # checked: _checks before the runtime, preflight's check_batch after it; each runs once.
+  row = trainer.train_and_evaluate(config, workdir, meta=meta, checked=True,
                                    allow_config_change=FLAGS.allow_config_change)
   if jax.process_index() == 0:
     line = summary(row, int(config.train.steps), workdir, time.time() - started)

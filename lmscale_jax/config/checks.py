@@ -20,10 +20,11 @@ every process, naming the process and host it concerns):
 3. ``input.dataset_checks.check_dataset_dir``, after staging (``data.stage_from``) if any:
    every shard of this process's read plan is present.
 4. ``--verify_data`` only (``input.dataset_checks.verify_shards``): the sha256 of those shards.
-5. ``train.trainer.build_setup``: :func:`check_model_fits_dataset` (here, through
-   ``model.bert.resolve_model_config``) against the dataset's ``metadata.json``. It also runs
-   1 and :func:`check_batch` again, for library callers (tests, tools); both are cheap. Then,
-   in ``train.trainer.train_and_evaluate`` before the first step: a workdir already past
+5. ``pretrain.trainer.build_setup``: :func:`check_model_fits_dataset` (here, through
+   ``model.bert.resolve_model_config``) against the dataset's ``metadata.json``. For library
+   callers (tests, tools), which pass through neither 1 nor 2, it runs 1 and :func:`check_batch`
+   itself; ``main`` says they ran (``checked=True``), so each runs once per command. Then,
+   in ``pretrain.trainer.train_and_evaluate`` before the first step: a workdir already past
    ``train.steps`` is refused, and ``train.run_record.check_config_change`` compares
    ``config.json`` with this config (its key lists say which changes a resume refuses, takes
    with ``--allow_config_change``, or takes silently).
