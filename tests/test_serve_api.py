@@ -131,6 +131,7 @@ def test_info_names_the_model_the_index_and_the_limits(server, run, index_dir, l
                            "functions": functions}
   assert info["limits"] == {"max_upload_bytes": int(0.1 * (1 << 20)), "max_functions": 3,
                             "max_texts": 4, "max_k": 20}
+  assert info["naming"] is None  # no --namer-workdir (tests/test_serve_name.py: with one)
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -297,6 +298,8 @@ def bad_requests(base, libs):
        "k: 21 is out of range; expected an integer in 1..20"),
       ("no [MASK]", post_json(base, "/api/fill-mask", {"text": "push rbp"}), 400,
        "text has no [MASK]"),
+      ("no naming model", post_json(base, "/api/name", {"texts": ["push rbp"]}), 404,
+       "no naming model loaded: start lmscale serve with --namer-workdir RUN or --namer-hf"),
       ("bad JSON", call(base, "/api/embed", b"{texts", "application/json"), 400,
        "request body: not JSON"),
       ("missing token", call(base, "/api/info", token=None), 401, "Authorization: Bearer"),

@@ -117,6 +117,7 @@ def test_an_uploaded_function_finds_itself_first_in_the_index(report, libs):
   assert (rank, function, address, binary) == ("1", "power", hex(maths["power"].address),
                                                "maths_O0.so")
   assert float(score) >= 0.9999 and len(seen["results"]) == 9  # k 10 > the index's 9
+  assert not seen["names_shown"]  # no naming model (tests/test_serve_name.py: with one)
 
 
 def test_a_selected_result_shows_both_texts_side_by_side(report, libs):

@@ -51,29 +51,18 @@ def parser() -> argparse.ArgumentParser:
                  help="sub-token suggestions per function")
   p.add_argument("--json", default="", type=args.output_file, metavar="OUT.json",
                  help="write the suggestions as JSON")
-  p.add_argument("--batch-size", "--batch_size", dest="batch_size", default=64,
-                 type=args.number(int, 1, 1 << 16), help="functions per forward pass")
+  p.add_argument("--batch-size", "--batch_size", dest="batch_size", default=None,
+                 type=args.number(int, 1, 1 << 16),
+                 help="functions per forward pass (default 64: the server's too)")
   return p
 
 
 def load(a):
-  """(the model, its vocabulary, its prediction rule)."""
-  from lmscale_jax.finetune import name_run
-  from lmscale_jax.inference import trained_model
-  from lmscale_jax.model import name_head
+  from lmscale_jax.inference import name_suggestions
 
   if a.hf and a.step is not None:
     raise UserError("--step is a training run's checkpoint: give it with --workdir, not --hf")
-  model = (trained_model.from_hf(a.hf, naming=True) if a.hf else
-           trained_model.from_workdir(a.workdir, a.step))
-  source = f"--workdir {a.workdir}" if a.workdir else f"--hf {a.hf}"
-  if model.namer is None:
-    raise UserError(f"{source} is not a naming fine-tune (lmscale finetune --task name "
-                    "makes one; lmscale export-hf exports it)")
-  name_head.check_fits(model.namer["tokens"], model.namer["bias"].shape[0], source)
-  if a.hf:
-    return model, model.namer["rule"]
-  return model, name_head.saved_rule(os.path.join(a.workdir, name_run.EVAL_REPORT))
+  return name_suggestions.load(a.workdir, a.hf, a.step)
 
 
 def functions(a) -> list:
@@ -91,29 +80,17 @@ def functions(a) -> list:
 
 
 def suggest(a) -> dict:
-  """Every wanted function's suggestions."""
-  import numpy as np
-
-  from lmscale_jax.finetune import labels as labels_lib
-  from lmscale_jax.inference import trained_model
-  from lmscale_jax.model import name_head
+  """Every wanted function's suggestions (inference/name_suggestions: the server's too)."""
+  from lmscale_jax.inference import name_suggestions
 
   found = functions(a)  # before the model: a bad file costs nothing
-  model, rule = load(a)
-  tokens = model.namer["tokens"]
-  ids, _ = labels_lib.encode_all(model, [f.text for f in found])
-  probs = np.concatenate([trained_model.name_probs(model, ids[i:i + a.batch_size])
-                          for i in range(0, len(ids), a.batch_size)])
-  keep = max(a.top, 32)
-  order = np.argsort(-probs, axis=1, kind="stable")[:, :keep]
-  best = [[tokens[j] for j in row] for row in order.tolist()]
-  top_p = np.take_along_axis(probs, order, 1)
-  named = name_head.apply_rule(rule, best, top_p)
-  return {"elf": os.path.abspath(a.elf), "model": a.workdir or a.hf, "step": model.step,
-          "rule": rule, "functions": [
-              {"function": f.name, "address": f"{f.address:#x}", "suggested": "_".join(n),
-               "tokens": [[t, round(float(p), 4)] for t, p in zip(b[:a.top], ps[:a.top])]}
-              for f, n, b, ps in zip(found, named, best, top_p)]}
+  namer = load(a)
+  named = name_suggestions.suggest(namer, [f.text for f in found], a.top,
+                                   a.batch_size or name_suggestions.BATCH)
+  return {"elf": os.path.abspath(a.elf), "model": a.workdir or a.hf, "step": namer.model.step,
+          "rule": namer.rule, "functions": [
+              {"function": f.name, "address": f"{f.address:#x}", **n}
+              for f, n in zip(found, named)]}
 
 
 def table(out: dict) -> str:

@@ -1,16 +1,18 @@
 """The model and a function index as an HTTP API and a web page.
 
   lmscale serve (--workdir RUN [--step N] | --hf DIR) [--index INDEX_DIR]
+      [--namer-workdir NAMER | --namer-hf NAMER_DIR]
       [--host 127.0.0.1] [--port 8000] [--token TOKEN (or env LMSCALE_SERVE_TOKEN)]
       [--max-upload-mb 32] [--max-functions 256] [--max-texts 256] [--max-k 100]
       [--batch-wait-ms 5] [--log-level info]
 
 Endpoints (JSON; every error is {"error": one line}): GET /api/info, POST /api/fill-mask,
-POST /api/embed, POST /api/search (an ELF upload or a text), GET /api/function; GET /healthz
+POST /api/embed, POST /api/search (an ELF upload or a text), GET /api/function, POST
+/api/name (with a naming fine-tune: lmscale name's suggestions); GET /healthz
 (no token needed: 200 and the model's identity while ready); GET / is the page. Concurrent
 requests' functions share length-bucketed batches (serve/batcher.py). Bound to 127.0.0.1
 unless --host says otherwise; another host needs --token, and then every /api/ request needs
-"Authorization: Bearer TOKEN" (the page: open /#token=TOKEN). The model and the index are
+"Authorization: Bearer TOKEN" (the page: open /#token=TOKEN). The models and the index are
 loaded once, before the server listens. Ctrl-C or SIGTERM stops the server cleanly: exit 0.
 """
 
@@ -33,6 +35,12 @@ def parser() -> argparse.ArgumentParser:
   p = args.Parser(prog="lmscale serve", description=__doc__.splitlines()[0])
   args.add_model_source(p)
   p.add_argument("--index", default=None, metavar="INDEX_DIR", help="what lmscale index wrote")
+  namer = p.add_mutually_exclusive_group()
+  namer.add_argument("--namer-workdir", default="", metavar="NAMER",
+                     help="a lmscale finetune --task name run (its latest checkpoint): "
+                     "/api/name and the page's suggested names")
+  namer.add_argument("--namer-hf", default="", metavar="NAMER_DIR",
+                     help="or its lmscale export-hf directory")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
   p.add_argument("--port", type=args.number(int, 0, 65535), default=8000, help="0: any free")
   p.add_argument("--token", default=None, help=f"access token (default: ${TOKEN_ENV})")
@@ -76,7 +84,7 @@ def main(argv=None) -> int:
   parser_ = parser()
   a = parser_.parse_args(argv)
   # JAX, the model and the server here, not at module level: --help answers without them.
-  from lmscale_jax.inference import trained_model
+  from lmscale_jax.inference import name_suggestions, trained_model
   from lmscale_jax.search import query
   from lmscale_jax.serve import app as serve_app
   from lmscale_jax.serve import batcher as serve_batcher
@@ -93,10 +101,16 @@ def main(argv=None) -> int:
     import uvicorn
 
     model = trained_model.load(a.workdir, a.hf, a.step, a.tokenizer)
-    served = served_lib.load(model, limits, token, a.index)
+    namer = None
+    if a.namer_workdir or a.namer_hf:
+      namer = name_suggestions.load(a.namer_workdir, a.namer_hf,
+                                    flags=("--namer-workdir", "--namer-hf"))
+    served = served_lib.load(model, limits, token, a.index, namer)
     sock = listen(a.host, a.port)
     batcher = serve_batcher.Batcher(model, served.pool, wait_s=a.batch_wait_ms / 1000)
     batcher.warm()  # every bucket's program compiled before the first request
+    if namer is not None:
+      name_suggestions.warm(namer)  # the same for the naming model's row counts
     port = sock.getsockname()[1]
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s: %(message)s")
     functions = len(served.corpus.names) if served.corpus is not None else 0
@@ -104,7 +118,8 @@ def main(argv=None) -> int:
     if warning:  # what /api/search answers carry too ("warning")
       print(f"warning: {warning}", file=sys.stderr, flush=True)
     print(f"serving http://{a.host}:{port}/ (model {model.source}, "
-          + (f"index {a.index}: {functions} functions" if a.index else "no index") + ")",
+          + (f"index {a.index}: {functions} functions" if a.index else "no index")
+          + (f", naming {namer.given}" if namer is not None else "") + ")",
           flush=True)
     config = uvicorn.Config(serve_app.create_app(served, batcher), log_level=a.log_level,
                             timeout_keep_alive=5)

@@ -31,6 +31,8 @@ VOCAB_FORMAT = "lmscale_jax.name_vocab/1"
 # reaches t; topk: the k best tokens.
 RULES = ("threshold", "threshold_min1", "topk")
 DEFAULT_RULE = {"kind": "threshold_min1", "threshold": 0.5}  # a run never evaluated
+EVAL_REPORT = "naming_eval.json"  # a run's held-out scores and its chosen rule
+TOP = 32  # a function's best tokens every rule chooses among (the evaluation reads back these)
 
 
 class NameVocabError(UserError, ValueError):

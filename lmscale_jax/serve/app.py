@@ -1,11 +1,13 @@
 """The HTTP API and the page (FastAPI): /api/info, /api/fill-mask, /api/embed, /api/search,
-/api/function, /healthz (also /api/health) and / (static/index.html). The state is loaded once
-(:mod:`served`) and passed in; no request reloads anything.
+/api/function, /api/name (a naming model's suggestions, when one is served), /healthz (also
+/api/health) and / (static/index.html). The state is loaded once (:mod:`served`) and passed
+in; no request reloads anything.
 
 Model calls go through one :class:`batcher.Batcher`: the functions of concurrent /api/embed and
 /api/search requests share length-bucketed batches on one model thread (one model on 2 cores
-gains nothing from concurrent forward passes: they share the cores). Requests waiting for it
-wait as coroutines, holding no thread, so /api/info and /healthz answer at once under load.
+gains nothing from concurrent forward passes: they share the cores); fill-mask and naming run
+on the same thread, between batches. Requests waiting for it wait as coroutines, holding no
+thread, so /api/info and /healthz answer at once under load.
 
 FastAPI's OpenAPI pages (/docs, /redoc, /openapi.json) are off: the endpoints read and check
 their bodies themselves (a JSON object or a multipart upload, each fault one line), so the
@@ -26,7 +28,8 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import function_vectors, mask_predictions, trained_model
+from lmscale_jax.inference import (function_vectors, mask_predictions, name_suggestions,
+                                   trained_model)
 from lmscale_jax.prep.elf import elf_functions
 from lmscale_jax.search import index, query
 from lmscale_jax.serve import inputs
@@ -55,6 +58,7 @@ def create_app(served: Served, batcher: Batcher | None = None) -> FastAPI:
   add_model_endpoints(app, served, batcher)
   add_search(app, served, batcher)
   add_function(app, served)
+  add_name(app, served, batcher)
   app.add_middleware(Guard, token=served.token, max_body=served.limits.max_upload_bytes)
   return app
 
@@ -89,9 +93,8 @@ def info(served: Served, batcher: Batcher) -> dict:
   if served.corpus is not None:
     where = {"path": served.index_dir, "binaries": len(served.rows),
              "functions": len(served.corpus.names)}
-  model = served.model
-  return {"model": model.source + (f" step {model.step}" if model.step is not None else ""),
-          "seq_len": int(model.cfg.seq_len), "pool": served.pool, "index": where,
+  return {"model": described(served.model), "seq_len": int(served.model.cfg.seq_len),
+          "pool": served.pool, "index": where, "naming": naming_info(served.namer),
           "limits": {"max_upload_bytes": served.limits.max_upload_bytes,
                      "max_functions": served.limits.max_functions,
                      "max_texts": served.limits.max_texts, "max_k": served.limits.max_k},
@@ -99,6 +102,18 @@ def info(served: Served, batcher: Batcher) -> dict:
                        "buckets": function_vectors.BUCKETS, "batches": batcher.batches,
                        "functions": batcher.rows_run, "model_busy_s": batcher.busy_s,
                        "waiting": batcher.waiting}}
+
+
+def described(model) -> str:
+  return model.source + (f" step {model.step}" if model.step is not None else "")
+
+
+def naming_info(namer: name_suggestions.Namer | None) -> dict | None:
+  """The naming model /api/name answers with: its run or export, its rule, its vocabulary."""
+  if namer is None:
+    return None
+  return {"model": described(namer.model), "rule": namer.rule,
+          "vocabulary": len(namer.model.namer["tokens"])}
 
 
 def health(served: Served, batcher: Batcher) -> JSONResponse:
@@ -191,8 +206,16 @@ async def batched_search(served: Served, batcher: Batcher, queries: list, k: int
   return await anyio.to_thread.run_sync(answers_of, served, queries, k, vectors, codes)
 
 
-async def search_queries(request: Request, served: Served) -> tuple[list, int]:
-  """(queries, k) of a search request: a multipart upload or a JSON text."""
+SEARCH_BODY = '{"text": "push rbp [NEXT] …", "k": 10} or multipart/form-data with a field file'
+NAME_BODY = ('{"texts": ["push rbp [NEXT] …", …], "k": 5}, {"text": "…", "k": 5} or '
+             "multipart/form-data with a field file")
+
+
+async def search_queries(request: Request, served: Served, default_k: int = 10,
+                         texts: bool = False) -> tuple[list, int]:
+  """(queries, k) of a search request: a multipart upload or a JSON text; ``texts``
+  (/api/name's): or a JSON list of function texts, as /api/embed takes them (each query
+  unnamed: (None, None, text))."""
   kind = request.headers.get("content-type", "")
   if kind.startswith("multipart/form-data"):
     async with request.form(max_files=1, max_fields=8) as form:  # closed: its spooled file
@@ -200,14 +223,15 @@ async def search_queries(request: Request, served: Served) -> tuple[list, int]:
       if not isinstance(upload, UploadFile):
         raise ApiError(400, "field file: expected an uploaded ELF file (multipart/form-data)")
       data, filename = await upload.read(), upload.filename
-      k = inputs.k_of(inputs.field(form, "k"), 10, served.limits)
+      k = inputs.k_of(inputs.field(form, "k"), default_k, served.limits)
       name, address = inputs.field(form, "function"), inputs.field(form, "address")
     queries = await anyio.to_thread.run_sync(inputs.elf_queries, data, filename, name,
                                              inputs.address_of(address), served.limits)
     return queries, k
-  doc = inputs.json_object(await request.body(), '{"text": "push rbp [NEXT] …", "k": 10} or '
-                           "multipart/form-data with a field file")
-  k = inputs.k_of(doc.get("k"), 10, served.limits)
+  doc = inputs.json_object(await request.body(), NAME_BODY if texts else SEARCH_BODY)
+  k = inputs.k_of(doc.get("k"), default_k, served.limits)
+  if texts and "texts" in doc:
+    return [(None, None, t) for t in inputs.texts_of(doc, served.limits)], k
   return inputs.text_queries(inputs.text_of(doc), served.limits), k
 
 
@@ -251,3 +275,22 @@ def add_function(app: FastAPI, served: Served) -> None:
     if served.corpus is None:
       raise ApiError(404, "no index loaded: start lmscale serve with --index INDEX_DIR")
     return await anyio.to_thread.run_sync(indexed_text, served, sha256, address)
+
+
+def names(served: Served, queries: list, k: int) -> dict:
+  """/api/name's answer: ``lmscale name``'s suggestions (inference/name_suggestions, their one
+  owner) for each query function, named and placed as /api/search names its queries."""
+  namer = served.namer
+  named = name_suggestions.suggest(namer, [q[2] for q in queries], k)
+  return {"model": described(namer.model), "rule": namer.rule, "k": k, "functions": [
+      {"function": name, "address": address, **n} for (name, address, _), n in zip(queries, named)]}
+
+
+def add_name(app: FastAPI, served: Served, batcher: Batcher) -> None:
+  @app.post("/api/name")
+  async def post_name(request: Request):
+    if served.namer is None:
+      raise ApiError(404, "no naming model loaded: start lmscale serve with --namer-workdir RUN "
+                     "or --namer-hf DIR (a lmscale finetune --task name run, or its export)")
+    queries, k = await search_queries(request, served, default_k=5, texts=True)
+    return await batcher.call(names, served, queries, k)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from lmscale_jax.inference import function_vectors, model_identity, trained_model
+from lmscale_jax.inference import function_vectors, model_identity, name_suggestions, trained_model
 from lmscale_jax.search import query
 
 
@@ -33,7 +33,8 @@ class Served:
   ``shas``: path → the sha256s indexed from it (two where a file was changed and indexed
   again). Per binary, not per function: an index of 1M functions adds no 1M objects.
   ``identity``: the model's, as an index records it (``inference/model_identity``: its run or HF
-  directory, step and sha256), what /healthz answers."""
+  directory, step and sha256), what /healthz answers. ``namer``: a naming fine-tune for
+  /api/name (lmscale serve --namer-workdir/--namer-hf), or None."""
   model: trained_model.TrainedModel
   limits: Limits
   token: str | None = None
@@ -42,6 +43,7 @@ class Served:
   rows: dict = dataclasses.field(default_factory=dict)
   shas: dict = dataclasses.field(default_factory=dict)
   identity: dict | None = None
+  namer: name_suggestions.Namer | None = None
 
   @property
   def pool(self) -> str:
@@ -64,9 +66,11 @@ class Served:
     return shas[-1]
 
 
-def load(model, limits: Limits, token: str | None, index_dir: str | None) -> Served:
+def load(model, limits: Limits, token: str | None, index_dir: str | None,
+         namer: name_suggestions.Namer | None = None) -> Served:
   """The served state; an index built by another model or a damaged one is one line here."""
-  served = Served(model, limits, token or None, identity=model_identity.identity(model))
+  served = Served(model, limits, token or None, identity=model_identity.identity(model),
+                  namer=namer)
   if index_dir is None:
     return served
   served.index_dir = os.path.abspath(index_dir)

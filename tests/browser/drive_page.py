@@ -3,12 +3,15 @@ and writes what it saw as JSON; tests/test_serve_page.py asserts on that report.
 
   python drive_page.py JOB.json     (in the venv that has playwright: tools/test.sh's .venv-browser)
 
-JOB: {"url": the server's base URL, "token": the access token, "upload": an ELF file (one the
+JOB: {"url": the server's base URL (optional: without it, only "names_url" is driven), "token":
+the access token, "upload": an ELF file (one the
 index holds), "pick": a function of it, "asm": normalised assembly text, "fillmask": a text with
 [MASK], "bad": a file that is not ELF, "big": one over the server's upload limit, "report":
 where the report goes, "screenshot": where the page goes (PNG, 1200×800, a query selected and a
 result compared), "chromium": the browser, optionally "k": results per query (default 10) and
-"twin_url": a second server whose index holds two copies of "upload" (identical texts)}.
+"twin_url": a second server whose index holds two copies of "upload" (identical texts) and
+"names_url": a server with a naming model (its page's suggested names for "upload"; its
+screenshot: "names_screenshot")}.
 
 Runs only the standard library and playwright (no lmscale_jax: this venv has no jax). The
 browser is the system's: Playwright's own download (``playwright install``) is never used.
@@ -92,6 +95,7 @@ def compare(page, job) -> dict:
                              for pre in ("#query-text", "#result-text")]
   seen["cut_note_visible"] = page.is_visible("#cut-note")
   seen["cut_marked"] = page.locator(".query-item[aria-pressed=true] .cut-mark").count() == 1
+  seen["names_shown"] = page.is_visible("#names") or page.locator(".suggested").count() > 0
   seen["error"] = error_shown(page)
   return seen
 
@@ -185,6 +189,32 @@ def twins(browser, job) -> dict:
   return seen
 
 
+def names(browser, job) -> dict:
+  """The naming server's page: an upload's functions, each with its suggested name in the list,
+  and, each selected in turn, its name and best sub-tokens above its results."""
+  page = browser.new_page()
+  page_errors = []
+  page.on("pageerror", lambda e: page_errors.append(str(e)))
+  page.goto(f"{job['names_url']}/#token={job['token']}")
+  page.wait_for_function("document.querySelector('#info').textContent.startsWith('Model ')",
+                         timeout=WAIT_MS)
+  page.set_input_files("#file", job["upload"])
+  seen = {"info": page.inner_text("#info"), "status": search(page), "error": error_shown(page)}
+  seen["queries"] = texts(page, ".query-item .name")
+  seen["listed"] = texts(page, ".query-item .suggested")
+  seen["selected"] = []
+  for i in range(page.locator(".query-item").count()):
+    page.locator(".query-item").nth(i).click()
+    seen["selected"].append({"heading": page.inner_text("#query-h"),
+                             "suggested": page.inner_text("#names .suggested-name"),
+                             "tokens": texts(page, "#names .name-token"),
+                             "results": page.locator("tr.result-row").count()})
+  seen["page_errors"] = page_errors
+  page.locator(".query-item").first.click()
+  page.screenshot(path=job["names_screenshot"])
+  return seen
+
+
 def with_token(browser, job) -> dict:
   page = browser.new_page()
   outside, page_errors, requests = [], [], []
@@ -218,10 +248,14 @@ def main(job_path: str) -> int:
         profile, executable_path=job["chromium"], headless=True, args=ARGS,
         viewport={"width": 1200, "height": 800})
     try:
-      report = {"without_token": without_token(browser, job),
-                "with_token": with_token(browser, job)}
+      report = {}
+      if job.get("url"):
+        report = {"without_token": without_token(browser, job),
+                  "with_token": with_token(browser, job)}
       if job.get("twin_url"):
         report["twins"] = twins(browser, job)
+      if job.get("names_url"):
+        report["names"] = names(browser, job)
     finally:
       browser.close()
   with open(job["report"], "w") as f:
