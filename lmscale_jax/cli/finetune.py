@@ -165,29 +165,16 @@ def _task_module(config):
 def _finetune(config, workdir: str, allow_change: bool, inputs) -> None:
   import jax
 
+  module = _task_module(config)
   say = lambda line: print(line, flush=True)  # noqa: E731
-  if config.finetune.task == "classify":
-    row = _task_module(config).finetune(config, workdir, allow_config_change=allow_change,
-                                        inputs=inputs, say=say)
-    done = (f"held-out accuracy {row.get('eval_accuracy', float('nan')):.3f}, macro-F1 "
-            f"{row.get('eval_macro_f1', float('nan')):.3f} ({workdir}/classification_eval.json); "
-            "the model: lmscale classify --workdir, lmscale export-hf --workdir")
-  elif config.finetune.task == "name":
-    row = _task_module(config).finetune(config, workdir, allow_config_change=allow_change,
-                                        inputs=inputs, say=say)
-    done = (f"held-out token F1 {row.get('eval_f1', float('nan')):.3f}, exact "
-            f"{row.get('eval_exact', float('nan')):.3f} ({workdir}/naming_eval.json); the "
-            "model: lmscale name --workdir, lmscale export-hf --workdir")
-  else:
-    row = _task_module(config).finetune(config, workdir, allow_config_change=allow_change,
-                                        inputs=inputs, say=say)
-    done = (f"in-batch accuracy {row.get('accuracy', 0.0):.3f}; the model: {workdir} (lmscale "
-            "embed --workdir, lmscale eval-similarity --workdir, lmscale export-hf --workdir)")
+  # checked: start-up's preflight checked the batch over the job's devices.
+  row = module.finetune(config, workdir, allow_config_change=allow_change, inputs=inputs,
+                        say=say, checked=True)
   if jax.process_index() == 0 and "loss" not in row:
     print(f"{workdir} is already at step {config.train.steps}: nothing to train (a larger "
           "--steps continues it)")
   elif jax.process_index() == 0 and row["step"] == config.train.steps:
-    print(f"done: step {row['step']}, loss {row['loss']:.4f}, {done}")
+    print(f"done: step {row['step']}, loss {row['loss']:.4f}, {module.done_line(row, workdir)}")
 
 
 def main(argv=None) -> int:

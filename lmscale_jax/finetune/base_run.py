@@ -125,15 +125,18 @@ def check_workdir(workdir: str, task: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the run
-def run_finetune(task: "FinetuneRun", allow_config_change: bool) -> dict:
+def run_finetune(task: "FinetuneRun", allow_config_change: bool,
+                 checked: bool = False) -> dict:
   """Runs ``task`` in the one loop (its config and workdir); returns its last row. A
   single-process caller gets the workdir's lock here; a multi-process one takes it as ``main``
-  does (process 0, ``distributed.agree``)."""
+  does (process 0, ``distributed.agree``). ``checked``: the command's start-up checked the
+  batch over the job's devices (``train/preflight``); a library caller's is checked here."""
   config, workdir, t = task.config, task.workdir, task.config.train
   with workdir_lib.holding(workdir):
-    config_checks.check_batch(t.batch_size, processes=jax.process_count(),
-                              devices_per_process=jax.local_device_count(),
-                              accum_steps=t.grad_accum_steps)
+    if not checked:
+      config_checks.check_batch(t.batch_size, processes=jax.process_count(),
+                                devices_per_process=jax.local_device_count(),
+                                accum_steps=t.grad_accum_steps)
     return run_loop.run_task(task, config, workdir, allow_config_change=allow_config_change)
 
 

@@ -139,12 +139,20 @@ def check_inputs(config, workdir: str) -> LabelledTask:
 
 
 def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=None,
-             say: Callable[[str], None] = logging.info) -> dict:
+             say: Callable[[str], None] = logging.info, checked: bool = False) -> dict:
   """Fine-tunes a classifier (resuming from ``workdir`` if it holds a checkpoint); returns
   the last row (with the last evaluation's ``eval_accuracy``, ``eval_macro_f1``).
   ``inputs``: ``base_run.check``'s result if the caller has it."""
   inputs = inputs or base_run.check(config, workdir, check_inputs)
-  return base_run.run_finetune(ClassifyFinetune(config, workdir, inputs, say), allow_config_change)
+  return base_run.run_finetune(ClassifyFinetune(config, workdir, inputs, say),
+                               allow_config_change, checked)
+
+
+def done_line(row: dict, workdir: str) -> str:
+  """``lmscale finetune``'s last words after a finished run: the held-out scores, the model."""
+  return (f"held-out accuracy {row.get('eval_accuracy', float('nan')):.3f}, macro-F1 "
+          f"{row.get('eval_macro_f1', float('nan')):.3f} ({workdir}/{EVAL_REPORT}); "
+          "the model: lmscale classify --workdir, lmscale export-hf --workdir")
 
 
 class LabelledFinetune(base_run.FinetuneRun):

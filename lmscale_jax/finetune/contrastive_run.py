@@ -117,13 +117,19 @@ def check_inputs(config, workdir: str) -> finetune_pairs.Pairs:
 
 def finetune(config, workdir: str, *, allow_config_change: bool = False,
              inputs: base_run.Checked | None = None,
-             say: Callable[[str], None] = logging.info) -> dict:
+             say: Callable[[str], None] = logging.info, checked: bool = False) -> dict:
   """Fine-tunes (resuming from ``workdir`` if it holds a checkpoint); returns the last row.
   ``inputs``: ``base_run.check``'s result (the pairs, the start model read) if the caller
-  has it."""
+  has it; ``checked``: see ``base_run.run_finetune``."""
   inputs = inputs or base_run.check(config, workdir, check_inputs)
   return base_run.run_finetune(ContrastiveFinetune(config, workdir, inputs, say),
-                               allow_config_change)
+                               allow_config_change, checked)
+
+
+def done_line(row: dict, workdir: str) -> str:
+  """``lmscale finetune``'s last words after a finished run: its accuracy, the model."""
+  return (f"in-batch accuracy {row.get('accuracy', 0.0):.3f}; the model: {workdir} (lmscale "
+          "embed --workdir, lmscale eval-similarity --workdir, lmscale export-hf --workdir)")
 
 
 class ContrastiveFinetune(base_run.FinetuneRun):

@@ -203,11 +203,19 @@ def check_vocab(workdir: str, tokens: list[str]) -> None:
 
 
 def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=None,
-             say: Callable[[str], None] = logging.info) -> dict:
+             say: Callable[[str], None] = logging.info, checked: bool = False) -> dict:
   """Fine-tunes a naming head (resuming from ``workdir`` if it holds a checkpoint); returns
   the last row (with the last evaluation's ``eval_f1`` …)."""
   inputs = inputs or base_run.check(config, workdir, check_inputs)
-  return base_run.run_finetune(NameFinetune(config, workdir, inputs, say), allow_config_change)
+  return base_run.run_finetune(NameFinetune(config, workdir, inputs, say), allow_config_change,
+                               checked)
+
+
+def done_line(row: dict, workdir: str) -> str:
+  """``lmscale finetune``'s last words after a finished run: the held-out scores, the model."""
+  return (f"held-out token F1 {row.get('eval_f1', float('nan')):.3f}, exact "
+          f"{row.get('eval_exact', float('nan')):.3f} ({workdir}/{EVAL_REPORT}); the "
+          "model: lmscale name --workdir, lmscale export-hf --workdir")
 
 
 class NameFinetune(classify_run.LabelledFinetune):

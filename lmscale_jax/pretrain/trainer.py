@@ -226,7 +226,7 @@ def _train(config, workdir: str, meta, allow_config_change: bool, checked: bool)
                  config.train.grad_allreduce)
   preflight.check_memory(config, setup.memory_at)
   return run_loop.run_task(Pretraining(setup, workdir, steps), config, workdir,
-                      allow_config_change=allow_config_change)
+                           allow_config_change=allow_config_change)
 
 
 class Pretraining(run_loop.RunTask):
