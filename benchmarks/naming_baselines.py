@@ -1,7 +1,9 @@
 """The function-naming baselines, on a task built by lmscale naming-build: the most frequent
-training tokens, and nearest-neighbour name transfer with TF-IDF.
+training tokens, and nearest-neighbour name transfer with TF-IDF and (``--index-workdir``)
+with a contrastive encoder's vectors.
 
   python benchmarks/naming_baselines.py --task DIR [--test-task DIR2] [--json OUT.json]
+                                        [--index-workdir RUN [--tokenizer F]]
 
 * ``frequent_tokens``: every test function gets the same suggestion, the k sub-tokens most
   training names hold (task.json's ``train_token_counts`` order: count, then the token), k the
@@ -10,6 +12,10 @@ training tokens, and nearest-neighbour name transfer with TF-IDF.
   the similarity and provenance baselines' features) fitted on train.jsonl; each test function
   gets the tokens of its nearest training function by cosine similarity (ties: the first in
   train.jsonl's order).
+* ``encoder_nearest`` (``--index-workdir``): the same transfer with a trained model's function
+  vectors (``inference/function_vectors.embed``: what ``lmscale index`` keeps and ``lmscale
+  search`` ranks with; a contrastive fine-tune's own pooling and projection), normalised, the
+  nearest by cosine: the "name of the most similar known function" a search index gives.
 
 Both are scored by lmscale_jax/evals/naming.py's ``score`` (micro sub-token precision, recall,
 F1 and exact-name accuracy: the fine-tuned head's scores) on test.jsonl, or on ``--test-task``'s
@@ -49,6 +55,11 @@ def parser():
                  help="score on this task's test.jsonl instead (the same libraries split)")
   p.add_argument("--json", type=cli_args.output_file, default=None, metavar="OUT",
                  help="also write the result here")
+  p.add_argument("--index-workdir", default=None, metavar="RUN",
+                 help="also transfer names by this model's function vectors (a contrastive "
+                 "fine-tune's run, as lmscale index takes)")
+  p.add_argument("--tokenizer", default="", metavar="tokenizer.json",
+                 help="(--index-workdir of a pretraining run) its dataset's tokenizer")
   return p
 
 
@@ -95,7 +106,31 @@ def nearest(train: list[dict], test: list[dict]) -> tuple[list[int], dict]:
                  "seconds": round(time.perf_counter() - start, 2)}
 
 
-def run(task: str, test_task: str | None = None) -> dict:
+def encoder_nearest(workdir: str, tokenizer: str, train: list[dict],
+                    test: list[dict]) -> tuple[list[int], dict]:
+  """The index of each test row's nearest training row by the model's normalised vectors."""
+  import numpy as np
+
+  from lmscale_jax.inference import function_vectors, trained_model
+
+  start = time.perf_counter()
+  model = trained_model.load(workdir=workdir, tokenizer_path=tokenizer)
+
+  def vectors(rows):
+    inputs = ((str(i), "", *trained_model.encode(model, r["text"])) for i, r in enumerate(rows))
+    v = function_vectors.embed(model, inputs)["embeddings"]
+    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+
+  a, b = vectors(train), vectors(test)
+  found = []
+  for i in range(0, len(b), CHUNK):
+    found += np.argmax(b[i:i + CHUNK] @ a.T, axis=1).tolist()  # the first of equals
+  return found, {"model": workdir, "step": model.step, "pool": function_vectors.resolve_pool(
+      model, None), "seconds": round(time.perf_counter() - start, 2)}
+
+
+def run(task: str, test_task: str | None = None, index_workdir: str | None = None,
+        tokenizer: str = "") -> dict:
   train = read_split(task, "train")
   test = read_split(test_task or task, "test")
   if overlap := sorted({r["library"] for r in train} & {r["library"] for r in test}):
@@ -104,16 +139,20 @@ def run(task: str, test_task: str | None = None) -> dict:
   truth = [r["tokens"] for r in test]
   k, top = frequent_tokens(train)
   found, fit = nearest(train, test)
+  baselines = {
+      "frequent_tokens": {"k": k, "tokens": top,
+                          "scores": naming.score([top] * len(test), truth)},
+      "tfidf_nearest": {**fit, "scores": naming.score([train[j]["tokens"] for j in found],
+                                                      truth)}}
+  if index_workdir:
+    found, fit = encoder_nearest(index_workdir, tokenizer, train, test)
+    baselines["encoder_nearest"] = {**fit, "scores": naming.score(
+        [train[j]["tokens"] for j in found], truth)}
   return {"date": datetime.date.today().isoformat(), "device": _host.cpu_name(),
           "code": _host.code_version(), "task": task, "task_json_sha256": task_sha(task),
           "test_task": test_task or task,
           "examples": {"train": len(train), "test": len(test)},
-          "unseen_in_training": unseen(task, test_task),
-          "baselines": {
-              "frequent_tokens": {"k": k, "tokens": top,
-                                  "scores": naming.score([top] * len(test), truth)},
-              "tfidf_nearest": {**fit, "scores": naming.score(
-                  [train[j]["tokens"] for j in found], truth)}}}
+          "unseen_in_training": unseen(task, test_task), "baselines": baselines}
 
 
 def task_sha(task: str) -> str | None:
@@ -147,7 +186,7 @@ def main(argv=None) -> int:
     for d in filter(None, (a.task, a.test_task)):
       if not os.path.isdir(d):
         raise UserError(f"--task {d}: no such directory (build one with lmscale naming-build)")
-    doc = run(a.task, a.test_task)
+    doc = run(a.task, a.test_task, a.index_workdir, a.tokenizer)
     print(summary(doc))
     if a.json:
       output_marks.write_json(a.json, TOOL, doc)
