@@ -49,21 +49,33 @@ def read_run(workdir: str, tokenizer_path: str = "", dtype: str | None = "float3
   run_config, record = model_files.read_run(workdir)
   if is_finetuned(run_config):  # its own copy (lmscale_jax/finetune/base_run.py)
     tokenizer_path = tokenizer_path or os.path.join(workdir, dataset.TOKENIZER)
-  tok = run_tokenizer(run_config, tokenizer_path, record, workdir)
-  cfg = resolve(run_config.model, record["model"], toklib.validate(tok, "tokenizer"),
-                dtype=dtype, where=workdir)
-  _check_vocab(tok, cfg, workdir)
+  path = tokenizer_file(run_config, tokenizer_path, record, workdir)
+  tok = toklib.with_hf_roles(toklib.load(path))
+  cfg = checked_config(workdir, run_config.model, record["model"], tok, path, dtype)
   return ModelDir(path=workdir, cfg=cfg, tokenizer=tok, run_config=run_config, record=record)
 
 
 def read_hf(hf_dir: str, tokenizer_path: str = "") -> ModelDir:
   """An HF directory's resolved model config and tokenizer, checked against each other."""
   model_config = model_files.hf_model_config(hf_dir)
-  path = tokenizer_path or os.path.join(hf_dir, dataset.TOKENIZER)
   tok = toklib.with_hf_roles(hf_dir_checks.read_tokenizer(hf_dir, tokenizer_path))
-  cfg = resolve(model_config, model_config, toklib.validate(tok, path), where=hf_dir)
-  _check_vocab(tok, cfg, hf_dir)
+  cfg = checked_config(hf_dir, model_config, model_config, tok,
+                       tokenizer_path or os.path.join(hf_dir, dataset.TOKENIZER))
   return ModelDir(path=hf_dir, cfg=cfg, tokenizer=tok)
+
+
+def checked_config(where: str, model_config, shape: dict, tok, tokenizer_path: str,
+                   dtype: str | None = "float32") -> ml_collections.ConfigDict:
+  """The resolved model config of directory ``where`` (:func:`resolve`: ``config.model`` over
+  the saved ``shape`` keys), its tokenizer (read from ``tokenizer_path``) checked against it:
+  the special tokens, the vocabulary's size. Both kinds of directory end here."""
+  cfg = resolve(model_config, shape, toklib.validate(tok, tokenizer_path), dtype=dtype,
+                where=where)
+  size = tok.get_vocab_size(with_added_tokens=True)
+  if size != cfg.vocab_size:
+    raise UserError(f"{where}: the tokenizer has {size} tokens, the model's vocabulary "
+                    f"{cfg.vocab_size}: not the tokenizer this model was trained with")
+  return cfg
 
 
 def resolve(model_config, shape: dict, special_ids: dict, *, dtype: str | None = "float32",
@@ -83,9 +95,9 @@ def resolve(model_config, shape: dict, special_ids: dict, *, dtype: str | None =
   return cfg
 
 
-def run_tokenizer(run_config, tokenizer_path: str = "", record: dict | None = None,
-                  workdir: str = ""):
-  """The run's tokenizer: ``tokenizer_path``, or the tokenizer.json of the dataset the run
+def tokenizer_file(run_config, tokenizer_path: str = "", record: dict | None = None,
+                   workdir: str = "") -> str:
+  """The run's tokenizer file: ``tokenizer_path``, or the tokenizer.json of the dataset the run
   trained on (its record's absolute path; ``data.path`` as typed may be relative to another
   directory), checked against the run's tokenizer digest where the record has one."""
   path = tokenizer_path or os.path.join(
@@ -97,14 +109,7 @@ def run_tokenizer(run_config, tokenizer_path: str = "", record: dict | None = No
   model_files.regular_file(path, "a tokenizer.json file")
   if record is not None:
     run_record.check_tokenizer(record, toklib.digest(path), path, workdir)
-  return toklib.with_hf_roles(toklib.load(path))
-
-
-def _check_vocab(tok, cfg, where: str) -> None:
-  size = tok.get_vocab_size(with_added_tokens=True)
-  if size != cfg.vocab_size:
-    raise UserError(f"{where}: the tokenizer has {size} tokens, the model's vocabulary "
-                    f"{cfg.vocab_size}: not the tokenizer this model was trained with")
+  return path
 
 
 # --------------------------------------------------------------------------- what a run is

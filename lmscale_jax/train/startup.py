@@ -12,7 +12,7 @@ codes, ``Terminated`` and the ``error:`` line are ``lmscale_jax.exits``', shared
 A traceback only for a bug. :func:`run`: the checks that need no runtime
 (:func:`check_before_runtime` for a training run), then the runtime
 (``cluster.distributed.initialize``), preemption signals (``cluster.preemption``), the workdir
-lock (``workdir.holding``: process 0 takes it, the others learn the outcome) and
+lock (``workdir.holding_for_job``: process 0 takes it, the others learn the outcome) and
 ``train.preflight``, then the run's body.
 """
 
@@ -76,7 +76,7 @@ def started(config, workdir: str):
   preemption.install()  # after: the runtime installs its own SIGTERM handler
   # Before anything in the workdir is touched (preflight's token file, Orbax's clean-up of
   # tmp directories): process 0 holds the lock for the job, the others learn its outcome.
-  with workdir_lib.holding(workdir, job=True):
+  with workdir_lib.holding_for_job(workdir):
     preflight.preflight(config, workdir)
     yield
 

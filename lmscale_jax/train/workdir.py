@@ -103,22 +103,32 @@ def lock_workdir(workdir: str) -> bool:
 
 
 @contextlib.contextmanager
-def holding(workdir: str, *, job: bool = False):
-  """The workdir's lock (:func:`lock_workdir`) held for the block, released after it (a
-  process's exit releases it anyway: this is for callers in-process, tests and tools); yields
-  whether this call took it. ``job``: the start-up of a run (``train/startup``), for every
-  process of a job: process 0 takes it, the others learn its outcome (``distributed.agree``).
-  Otherwise a single process takes it (a library caller: tests, tools); a process of a
-  multi-process job holds nothing here, its start-up took the lock for the job."""
+def holding(workdir: str):
+  """The workdir's lock (:func:`lock_workdir`) held for the block by a single process (a
+  library caller: tests, tools), released after it (a process's exit releases it anyway);
+  yields whether this call took it. A process of a multi-process job holds nothing here: its
+  start-up took the lock for the job (:func:`holding_for_job`)."""
   import jax  # here: this module is read by tools that never start a runtime
 
-  if job:
-    from lmscale_jax.cluster import distributed
+  took = jax.process_count() == 1 and lock_workdir(workdir)
+  try:
+    yield took
+  finally:
+    if took:
+      unlock_workdir(workdir)
 
-    took = bool(distributed.agree("workdir lock", lambda: lock_workdir(workdir)
-                                  if jax.process_index() == 0 else None))
-  else:
-    took = jax.process_count() == 1 and lock_workdir(workdir)
+
+@contextlib.contextmanager
+def holding_for_job(workdir: str):
+  """The lock for every process of a run's job (``train/startup``): process 0 takes it, the
+  others learn its outcome (``distributed.agree``); released after the block, as
+  :func:`holding`'s."""
+  import jax
+
+  from lmscale_jax.cluster import distributed
+
+  took = bool(distributed.agree("workdir lock", lambda: lock_workdir(workdir)
+                                if jax.process_index() == 0 else None))
   try:
     yield took
   finally:
