@@ -1,5 +1,5 @@
 """lmscale_jax entry point: parse flags, then one call, ``train.startup.run``, that starts the
-process and runs ``train.trainer.train_and_evaluate``.
+process and runs ``pretrain.trainer.train_and_evaluate``.
 
   python -m lmscale_jax.main --config=configs/bert350m.py --workdir=DIR
       --config.data.path=DATASET [--config.train.batch_size=256 …] [--dry_run]

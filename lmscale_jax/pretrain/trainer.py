@@ -193,7 +193,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   ``allow_config_change``: resume under changed result keys (``run_record.RESULT_KEYS``),
   recording them in config.json (``--allow_config_change``).
 
-  The workdir's lock (``workdir_lib.lock_workdir``): ``main`` takes it for every process of a
+  The workdir's lock (``workdir_lib.holding_for_job``): ``main`` takes it for every process of a
   job; a single-process library caller (tests, tools) gets it here, for the call."""
   with workdir_lib.holding(workdir):
     return _train(config, workdir, meta, allow_config_change, checked)
