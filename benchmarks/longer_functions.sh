@@ -7,10 +7,14 @@
 # the tokenizer and the prepared data):
 #   bash benchmarks/longer_functions.sh OUT   (BUDGET_S=1800 SEEDS="0 1" FT_STEPS=600
 #                                              SETS="eval eval2" VARIANTS="…" CORPUS_MB=240)
-# VARIANTS: NAME:SEQ:POSITIONS:NORM words (default: seq128-segment-post seq256-segment-post
-# seq256-instruction-post seq256-instruction-pre). The budget: each variant's pretraining steps
+# VARIANTS: NAME:SEQ:POSITIONS:NORM[:MODEL] words (default: seq128-segment-post
+# seq256-segment-post seq256-instruction-post seq256-instruction-pre); MODEL, optional, is more
+# model.* overrides, KEY=VALUE joined by commas (a wider model: layers=4,hidden=256,heads=4,
+# ffn=1024), recorded in budget.json. The budget: each variant's pretraining steps
 # are BUDGET_S / its step time, measured first (a 40-step run of each, one after the other, on
-# an otherwise idle machine: OUT/budget.json). The untrained encoders are scored at one draw
+# an otherwise idle machine: OUT/budget.json; CALIBRATE_ONLY=1 stops once it is written; a
+# budget.json written beforehand, e.g. from another study's step time, is used as it is:
+# benchmarks/quality_study.sh). The untrained encoders are scored at one draw
 # (DRAWS=""; similarity_claims.sh draws more). Stages are skipped where their output exists,
 # so a stopped study continues; the table is OUT/longer_functions.json. A smoke run:
 # BUDGET_S=20 SEEDS=0 FT_STEPS=10 CLS_STEPS=10 QUERIES=50 CORPUS_MB=24 SETS=eval. Then the
@@ -33,10 +37,12 @@ mkdir -p "$out"
 
 # The shared stages once (corpora, tokenizer, pretraining inputs): a claims run that stops
 # before pretraining (PRE_STEPS=0 is refused, so prepare the data of each length directly).
-model_args() {  # SEQ POSITIONS NORM -> the pretraining's --config overrides
-  echo "--config.model.positions=$2 --config.model.norm=$3"
+model_args() {  # SEQ POSITIONS NORM [MODEL] -> the pretraining's --config overrides
+  local kv args="--config.model.positions=$2 --config.model.norm=$3"
+  for kv in ${4//,/ }; do args+=" --config.model.$kv"; done
+  echo "$args"
 }
-calibrate() {  # NAME SEQ POSITIONS NORM -> seconds per step (40 steps, the last 20 timed)
+calibrate() {  # NAME SEQ POSITIONS NORM [MODEL] -> seconds per step (40 steps, the last 20 timed)
   local dir=$out/calibrate/$1
   mkdir -p "$out/calibrate"
   [ -f "$dir/metrics.jsonl" ] && grep -q '"step": 40' "$dir/metrics.jsonl" || {
@@ -44,7 +50,7 @@ calibrate() {  # NAME SEQ POSITIONS NORM -> seconds per step (40 steps, the last
     $py -m lmscale_jax.main --config=configs/tiny.py --workdir="$dir" \
       --config.data.path="$out/shared/pretrain-seq$2" --config.train.steps=40 \
       --config.train.log_every=20 --config.train.eval_every=1000 \
-      --config.checkpoint.every=1000 $(model_args "$2" "$3" "$4") > "$dir.log" 2>&1
+      --config.checkpoint.every=1000 $(model_args "$2" "$3" "$4" "${5:-}") > "$dir.log" 2>&1
   }
   $py -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "step_time" in l]
@@ -52,7 +58,7 @@ print(rows[-1]["step_time"])' "$dir/metrics.jsonl"
 }
 
 for v in $variants; do
-  IFS=: read -r name seq positions norm <<< "$v"
+  IFS=: read -r name seq positions norm model <<< "$v"
   # The shared data for this length: the claims script prepares it (and the corpora) when its
   # pretraining is asked for; here only the preparation runs (SETS= and no seeds do nothing).
   [ -f "$out/shared/pretrain-seq$seq/metadata.json" ] || \
@@ -63,19 +69,21 @@ budget=${BUDGET_S:-1800}
 [ -f "$out/budget.json" ] || {
   rows=()
   for v in $variants; do
-    IFS=: read -r name seq positions norm <<< "$v"
-    t=$(calibrate "$name" "$seq" "$positions" "$norm")
-    rows+=("\"$name\": {\"seq_len\": $seq, \"positions\": \"$positions\", \"norm\": \"$norm\", \"step_time\": $t, \"steps\": $($py -c "print(max(1, round($budget / $t)))")}")
+    IFS=: read -r name seq positions norm model <<< "$v"
+    t=$(calibrate "$name" "$seq" "$positions" "$norm" "$model")
+    extra=""; [ -z "$model" ] || extra=", \"model\": \"$model\""
+    rows+=("\"$name\": {\"seq_len\": $seq, \"positions\": \"$positions\", \"norm\": \"$norm\"$extra, \"step_time\": $t, \"steps\": $($py -c "print(max(1, round($budget / $t)))")}")
   done
   (IFS=,; echo "{\"budget_s\": $budget, \"variants\": {${rows[*]}}}") > "$out/budget.json.tmp"
   mv "$out/budget.json.tmp" "$out/budget.json"
 }
+[ -z "${CALIBRATE_ONLY:-}" ] || exit 0  # the step times only (benchmarks/quality_study.sh)
 for v in $variants; do
-  IFS=: read -r name seq positions norm <<< "$v"
+  IFS=: read -r name seq positions norm model <<< "$v"
   steps=$($py -c 'import json, sys; print(json.load(open(sys.argv[1]))["variants"][sys.argv[2]]["steps"])' \
     "$out/budget.json" "$name")
   SHARED="$out/shared" SEQ_LEN="$seq" PRE_STEPS="$steps" \
-    PRE_ARGS="$(model_args "$seq" "$positions" "$norm")" SEEDS="${SEEDS:-0 1}" DRAWS="${DRAWS-}" \
+    PRE_ARGS="$(model_args "$seq" "$positions" "$norm" "$model")" SEEDS="${SEEDS:-0 1}" DRAWS="${DRAWS-}" \
     bash benchmarks/similarity_claims.sh "$out/$name"
 done
 # The compiler-provenance task (lmscale provenance-build: the three corpora, split by library),
@@ -87,7 +95,7 @@ corpora=$out/shared/corpora
   --output "$task"
 cls_steps=${CLS_STEPS:-600}
 for v in $variants; do
-  IFS=: read -r name seq positions norm <<< "$v"
+  IFS=: read -r name seq positions norm model <<< "$v"
   for s in ${SEEDS:-0 1}; do
     for start in pre rand; do
       run=$out/$name/cls-$start-s$s

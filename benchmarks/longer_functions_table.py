@@ -8,7 +8,10 @@ Per variant and held-out set: R@1 of "pretrained + fine-tune" and of "random ini
 gcc O0↔O3, and what pretraining adds (the seed-paired difference, and whether it is above zero
 at every seed); then the compiler-provenance task's held-out accuracy and macro-F1 from each
 variant's weights and from random ones, beside the TF-IDF baseline. The issue's goals are
-printed beside: pool 1,000 all pairs R@1 ≥ 0.50, and pretraining worth ≥ +0.08 there.
+printed beside: pool 1,000 all pairs R@1 ≥ 0.50, and pretraining worth ≥ +0.08 there. The
+JSON also keeps each seed's scores (``per_seed``) and each variant's pretraining costs (model,
+batch, steps, corpus tokens, FLOPs per step): what benchmarks/quality_curve.py plots against
+pretraining FLOPs.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def variant_rows(name: str, claims: dict, budget: dict) -> list[dict]:
   """One row per (set, cell) of a variant's claims.json."""
   cells = {(c["set"], c["label"], c["pair"], c["pool"]): c["recall_at_1_summary"]
            for c in claims["cells"]}
+  runs = {(c["set"], c["label"], c["pair"], c["pool"]): c for c in claims["cells"]}
   gains = {(c["set"], c["pair"], c["pool"]): c for c in claims["comparisons"]
            if (c["a"], c["b"]) == (PRE, RAND)}
   rows = []
@@ -56,8 +60,18 @@ def variant_rows(name: str, claims: dict, budget: dict) -> list[dict]:
         continue
       rows.append({"variant": name, **budget, "set": s, "pair": pair, "pool": pool,
                    "pretrained_ft": pre, "random_ft": rand,
-                   "gain": {k: gain[k] for k in ("mean", "min", "max", "holds_every_run")}})
+                   "gain": {k: gain[k] for k in ("mean", "min", "max", "holds_every_run")},
+                   "per_seed": per_seed(runs[(s, PRE, pair, pool)],
+                                        runs[(s, RAND, pair, pool)], gain)})
   return rows
+
+
+def per_seed(pre: dict, rand: dict, gain: dict) -> dict:
+  """Each fine-tuning seed's R@1 from both starts and their difference, paired as the
+  comparison paired them (what a trend over budgets is fitted to: benchmarks/quality_curve.py)."""
+  return {"runs": gain["pairs_of_runs"], "gain": gain["recall_at_1_diff"],
+          "pretrained_ft": dict(zip(pre["runs"], pre["recall_at_1"])),
+          "random_ft": dict(zip(rand["runs"], rand["recall_at_1"]))}
 
 
 def provenance_rows(study: str, budget: dict) -> list[dict]:
@@ -70,9 +84,41 @@ def provenance_rows(study: str, budget: dict) -> list[dict]:
                                            "classification_eval.json")))
       scores = [read_json(p) for p in runs]
       if scores:
+        seeds = [os.path.basename(os.path.dirname(p)).rsplit("-s", 1)[1] for p in runs]
         rows.append({"variant": name, "start": label, "runs": len(scores),
-                     **{k: summary([s[k] for s in scores]) for k in ("accuracy", "macro_f1")}})
+                     **{k: summary([s[k] for s in scores]) for k in ("accuracy", "macro_f1")},
+                     "per_seed": {seed: {k: s[k] for k in ("accuracy", "macro_f1")}
+                                  for seed, s in zip(seeds, scores)}})
   return rows
+
+
+def pretraining(study: str, budget: dict) -> dict:
+  """Per variant: the pretraining run's resolved model, batch, steps and corpus size (its
+  config.json and the dataset's metadata.json), and its FLOPs per step
+  (model/flops.py's train_flops_per_step, the MFU numerator), where the run is there."""
+  out = {}
+  for name in budget["variants"]:
+    path = os.path.join(study, name, "pretrain", "run", "config.json")
+    if os.path.exists(path):
+      out[name] = run_costs(read_json(path))
+  return out
+
+
+def run_costs(record: dict) -> dict:
+  from lmscale_jax.input import masking  # only where a run is there (and ml_collections)
+  from lmscale_jax.model import flops
+  import ml_collections
+
+  config, model = record["config"], record["model"]
+  predictions = masking.num_predictions(config["data"]["mask_prob"],
+                                        config["data"]["max_predictions"], model["seq_len"])
+  batch = config["train"]["batch_size"]
+  meta = os.path.join(config["data"]["path"], "metadata.json")
+  tokens = read_json(meta)["tokens"] if os.path.exists(meta) else None
+  return {"model": model, "batch_size": batch, "predictions": predictions,
+          "steps": config["train"]["steps"], "corpus_tokens": tokens,
+          "flops_per_step": flops.train_flops_per_step(
+              ml_collections.ConfigDict(model), batch, model["seq_len"], predictions)}
 
 
 def summary(values: list[float]) -> dict:
@@ -133,6 +179,7 @@ def main(argv=None) -> int:
     baseline_path = os.path.join(a.study, "provenance-baseline.json")
     baseline = read_json(baseline_path) if os.path.exists(baseline_path) else None
     provenance = provenance_rows(a.study, budget)
+    costs = pretraining(a.study, budget)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
@@ -145,6 +192,7 @@ def main(argv=None) -> int:
         "date": datetime.date.today().isoformat(), "device": cpu_name(),
         "what": "issue 38: longer functions, instruction positions, pre-LN (same CPU budget)",
         "budget": budget, "rows": rows, "goals": goals(rows), "provenance": provenance,
+        "pretraining": costs,
         "provenance_baseline": baseline})
   return 0
 
