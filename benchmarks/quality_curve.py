@@ -83,7 +83,16 @@ def cell(path: str, doc: dict, name: str, info: dict, vocab: int) -> dict:
           "corpus_tokens": costs.get("corpus_tokens"), "flops_per_step": costs["flops_per_step"],
           "pretraining_flops": steps * costs["flops_per_step"],
           "tasks": {t: v for t, v in tasks.items() if v is not None},
+          "baselines": baselines(doc),
           "missing_tasks": [t for t, v in tasks.items() if v is None]}
+
+
+def baselines(doc: dict) -> dict:
+  """TF-IDF + logistic regression on the provenance split, where the table has it."""
+  scores = (doc.get("provenance_baseline") or {}).get("scores")
+  if not scores:
+    return {}
+  return {"provenance-accuracy": scores["accuracy"], "provenance-macro-f1": scores["macro_f1"]}
 
 
 def assumed_costs(info: dict, vocab: int) -> dict:
@@ -196,10 +205,15 @@ def missing(cells: list[dict], expect: list[tuple[str, int]]) -> list[dict]:
   return out
 
 
-def fits(cells: list[dict], rate_tflops: float) -> list[dict]:
+def fits(cells: list[dict], rate_tflops: float, gone: list[dict] = ()) -> list[dict]:
   out = []
   for variant in sorted({c["variant"] for c in cells}):
     mine = [c for c in cells if c["variant"] == variant]
+    # The model's missing budgets, at its cells' FLOPs per budget second (one step time):
+    # predictions a later cell of the study checks.
+    per_s = mean([c["pretraining_flops"] / c["budget_s"] for c in mine])
+    later = {f"{m['budget']} on this CPU (missing)": m["budget_s"] * per_s for m in gone
+             if m["variant"] == variant and m["what"] == "the whole cell"}
     for task in TASKS:
       have = [c for c in mine if task in c["tasks"]]
       gain = quality_fit.fit(points(have, task, "gain"))
@@ -209,7 +223,7 @@ def fits(cells: list[dict], rate_tflops: float) -> list[dict]:
       out.append({"variant": variant, "task": task, "label": TASKS[task],
                   "cells": len(have), "gain": gain, "pretrained_ft": score,
                   "random_ft_mean": mean([v for c in have for v in c["tasks"][task]["random_ft"]]),
-                  "predictions": predictions(gain, score, rate_tflops)})
+                  "predictions": predictions(gain, score, rate_tflops, later)})
   return out
 
 
@@ -218,15 +232,18 @@ def points(cells: list[dict], task: str, what: str) -> list[tuple[float, float]]
           for v in c["tasks"][task][what]]
 
 
-def predictions(gain: dict, score: dict | None, rate_tflops: float) -> dict:
-  """At each horizon (only where the trend has ≥ 3 budgets): the fitted gain and pretrained
-  score, each with its 95% interval."""
+def predictions(gain: dict, score: dict | None, rate_tflops: float,
+                later: dict[str, float]) -> dict:
+  """At each of ``later`` (label -> FLOPs: the study's missing cells) and each GPU horizon,
+  only where the trend has ≥ 3 budgets: the fitted gain and pretrained score, each with its
+  95% interval."""
   if not gain["trend"]:
     return {}
+  at = {**later, **{k: rate_tflops * 1e12 * s for k, s in HORIZONS.items()}}
   out = {}
-  for label, seconds in HORIZONS.items():
-    x = math.log10(rate_tflops * 1e12 * seconds)
-    out[label] = {"flops": 10 ** x, "gain": quality_fit.predict(gain, x),
+  for label, flops in at.items():
+    x = math.log10(flops)
+    out[label] = {"flops": flops, "gain": quality_fit.predict(gain, x),
                   "pretrained_ft": score and quality_fit.predict(score, x)}
   return out
 
@@ -307,8 +324,9 @@ def markdown(cells, gone, rows, rate_tflops) -> str:
            "\n".join(f"- {m['variant']} at {m['budget']}: {m['what']}" for m in gone) or "none",
            "## Trend: least squares on the per-seed points against log10(pretraining FLOPs)",
            fits_markdown(rows),
-           f"## Extrapolation to an H200 at {rate_tflops:g} TFLOP/s (the anchor: "
-           f"{RATE_SOURCE}), to be checked on a GPU", predictions_markdown(rows) if any(
+           "## Predictions: the study's missing cells, then an H200 at "
+           f"{rate_tflops:g} TFLOP/s (the anchor: {RATE_SOURCE}); extrapolations of the "
+           "line, to be checked by those cells and on a GPU", predictions_markdown(rows) if any(
                r["predictions"] for r in rows) else "no fit has 3 budgets: none stated"]
   return "\n\n".join(parts) + "\n"
 
@@ -351,7 +369,8 @@ def main(argv=None) -> int:
 def run(a: argparse.Namespace) -> int:
   expect = parse_expect(a.expect)
   cells = read_cells(a.tables, set(a.variant) if a.variant else None, a.vocab)
-  gone, rows = missing(cells, expect), fits(cells, a.rate_tflops)
+  gone = missing(cells, expect)
+  rows = fits(cells, a.rate_tflops, gone)
   text = markdown(cells, gone, rows, a.rate_tflops)
   print(text, end="")
   if a.markdown:

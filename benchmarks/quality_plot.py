@@ -27,6 +27,7 @@ def plot(cells: list[dict], fits: list[dict], tasks: list[tuple[str, str]], path
       scores(top, mine, task, variant, colour)
       gains(bottom, mine, task, variant, colour)
       trend(bottom, [f for f in fits if (f["variant"], f["task"]) == (variant, task)], colour)
+    baseline(top, [c["baselines"][task] for c in cells if task in c.get("baselines", {})])
     decorate(top, bottom, label, bool(have), cells)
   axes[0][0].legend(fontsize=7, loc="best")
   fig.suptitle("Downstream quality against pretraining FLOPs (CPU cells; issue 59)")
@@ -58,10 +59,21 @@ def gains(ax, cells: list[dict], task: str, variant: str, colour: str) -> None:
             label=variant)
 
 
+def baseline(ax, values: list[float]) -> None:
+  """TF-IDF + logistic regression, the issue's bar for provenance (one split: one value)."""
+  if values:
+    line = ax.axhline(mean(values), color="grey", ls="--", lw=1,
+                      label="TF-IDF + logistic regression")
+    ax.legend(handles=[line], fontsize=7, loc="lower right")
+
+
 def trend(ax, fits: list[dict], colour: str) -> None:
-  """The fitted line over the measured FLOPs (the extrapolation is the table's, not drawn)."""
+  """The fitted line over the measured FLOPs (the extrapolation is the table's, not drawn),
+  only where it is a trend (≥ 3 budgets)."""
   for f in fits:
     g = f["gain"]
+    if not g["trend"]:
+      continue
     lo, hi = g["x_range"]
     xs = [lo + (hi - lo) * i / 20 for i in range(21)]
     preds = [quality_fit.predict(g, x) for x in xs]
