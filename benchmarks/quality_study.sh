@@ -23,7 +23,8 @@
 # .json and .md, docs/images/quality-against-compute.png. DRY_RUN=1 prints each stage and
 # whether it is done, and runs nothing. Cost on 2 CPU cores (2026-12-06, under load): corpora
 # 27 min once, a cell's pretraining its budget (about 1.4x under load), each contrastive
-# fine-tune about 20 min (two at once), each provenance fine-tune about 15 min.
+# fine-tune about 20 min (two at once), each provenance fine-tune 8-10 min, scoring eval 7
+# min (docs/similarity.md, "Quality against compute").
 set -euo pipefail
 usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
 case "${1:-}" in
