@@ -4,6 +4,7 @@ same work done by direct function calls (the server's overhead as a ratio).
   python benchmarks/bench_serve.py (--workdir RUN | --hf DIR) --index INDEX_DIR --elf FILE
       [--clients 50] [--requests 1500] [--seconds 300] [--peer-requests 300]
       [--batch-texts 1 8] [--batch-functions 3000] [--lone-requests 40] [--out FILE]
+      [--server-cpus 1 --client-cpus 0]
 
 Batching (first; ``--batch-texts`` empty: skipped): for each size T of ``--batch-texts``, POST
 /api/embed requests of T texts each (the functions of ``--elf`` in turn, ``--batch-functions``
@@ -33,6 +34,12 @@ client's seconds over the peer's (what HTTP, JSON and a second process cost per 
 overlaps uploads' ELF extraction with the model's calls, which are one at a time: below 1 is
 possible).
 
+``--server-cpus`` / ``--client-cpus`` (Linux CPU ids): the server on the one set, this process
+(its client threads, and the offline ``lmscale embed`` it compares with) on the other, so the
+load generator does not take the server's cores; the offline row then runs on as many cores
+as the server. Without them both share every core (the load generator competes with what it
+measures).
+
 The mix (``--requests 0``: skipped) follows. Writes one JSON document to ``--out`` (default ``benchmarks/results/<date>-cpu-serve.json``):
 date, device, code version, the load, the server's count, errors (must be 0), statuses,
 p50/p99 latency overall and per kind, throughput, /api/info under load, the peer row and the
@@ -41,6 +48,7 @@ ratios. Exit 1 (one line) if any request failed.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import datetime
 import http.client
@@ -49,7 +57,6 @@ import json
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,9 +92,25 @@ def parser() -> Parser:
                  help="texts per /api/embed request of the batching runs (none: skipped)")
   p.add_argument("--batch-functions", type=number(int, 1, 1_000_000), default=3000)
   p.add_argument("--lone-requests", type=number(int, 1, 10_000), default=40)
+  p.add_argument("--server-cpus", type=cpu_ids, default=None, metavar="IDS",
+                 help="run the server on these CPUs (e.g. 1 or 2,3)")
+  p.add_argument("--client-cpus", type=cpu_ids, default=None, metavar="IDS",
+                 help="run the clients and the offline peer on these CPUs (e.g. 0)")
   p.add_argument("--out", default=os.path.join(
       ROOT, "benchmarks", "results", f"{datetime.date.today().isoformat()}-cpu-serve.json"))
   return p
+
+
+def cpu_ids(text: str) -> set[int]:
+  """``"0"`` or ``"2,3"`` -> {0} or {2, 3}: CPUs this machine has (os.sched_getaffinity)."""
+  try:
+    ids = {int(x) for x in text.split(",")}
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected CPU ids like 0 or 2,3") from None
+  if not ids or not ids <= os.sched_getaffinity(0):
+    raise argparse.ArgumentTypeError(f"{text!r}: this process may run on CPUs "
+                     f"{sorted(os.sched_getaffinity(0))} only")
+  return ids
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -161,6 +184,8 @@ def start_server(a) -> tuple[subprocess.Popen, int, str]:
   p = subprocess.Popen([sys.executable, "-m", "lmscale_jax.cli.lmscale", "serve", *model,
                         "--index", a.index, "--host", "127.0.0.1", "--port", "0"],
                        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+  if a.server_cpus:  # before the interpreter starts its threads: they inherit it
+    os.sched_setaffinity(p.pid, a.server_cpus)
   deadline = time.time() + 300
   while time.time() < deadline and p.poll() is None:
     found = re.search(r"serving http://127\.0\.0\.1:(\d+)/", open(log.name).read())
@@ -418,6 +443,8 @@ def main(argv=None) -> int:
     parser().error("give --workdir RUN or --hf DIR (one of them)")
 
   def go() -> int:
+    if a.client_cpus:  # before JAX starts its threads (the offline peer's): they inherit it
+      os.sched_setaffinity(0, a.client_cpus)
     from lmscale_jax.inference import trained_model
 
     fns, data = work(a.elf)
@@ -437,6 +464,8 @@ def main(argv=None) -> int:
            "batching": batched,
            "load": {"clients": a.clients, "requests": a.requests, "seconds_limit": a.seconds,
                     "mix": list(KINDS), "k": K, "embed_texts": EMBED_TEXTS, "host": "127.0.0.1"},
+           "cpus": {"server": sorted(a.server_cpus or os.sched_getaffinity(0)),
+                    "client": sorted(a.client_cpus or os.sched_getaffinity(0))},
            **mixed, "loadavg_1m": os.getloadavg()[0]}
     errors = mixed.get("server", {}).get("errors", 0)
     if errors:
