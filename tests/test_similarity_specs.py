@@ -273,6 +273,20 @@ def test_fetch_progress_names_each_package_on_stderr_only(libs):
   assert quiet.stderr == "" and "1/1" in shown.stderr and "other==2.0" in shown.stderr
 
 
+def test_fetch_lists_every_library_of_one_sdist_once_fetched(libs):
+  """Two libraries of one package (pysam's htslib and samtools in eval3), one of them in a
+  directory inside the sdist: the package is fetched once, both libraries' directories
+  printed, in the spec's order."""
+  spec = libs / "two.toml"
+  spec.write_text('[[library]]\nname = "core"\npackage = "tiny==1.0"\nroot = "libtiny-1.0"\n'
+                  'sources = ["src/core.c"]\n\n[[library]]\nname = "arm"\n'
+                  'package = "tiny==1.0"\nroot = "libtiny-1.0/src"\nsources = ["arm"]\n')
+  r = tool("fetch_bench_sources.py", "--output", libs / "src", "--spec", spec, "--no-progress")
+  assert r.returncode == 0 and r.stderr == "", r.stderr
+  top = libs / "src" / "libtiny-1.0"
+  assert r.stdout == f"{top / 'src' / 'core.c'}\n{top / 'src' / 'arm'}\n"
+
+
 def test_the_worked_example_of_the_docs_is_a_valid_spec(tmp_path):
   doc = open(os.path.join(ROOT, "docs", "similarity-corpora.md")).read()
   example = doc.split("```toml\n")[1].split("```")[0]

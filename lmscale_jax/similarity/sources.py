@@ -6,6 +6,8 @@ file at a time. Three named sets, disjoint by library:
 * ``eval`` (``specs/eval.toml``): the benchmark (:mod:`lmscale_jax.evals.retrieval`).
 * ``eval2`` (``specs/eval2.toml``): a second held-out benchmark, other kinds of code than
   ``eval``'s, so that a claim is checked on two sets of libraries, not one.
+* ``eval3`` (``specs/eval3.toml``): a benchmark large enough for pool 10,000 (more than
+  10,000 groups at both ends of O0↔O3 per compiler): large C code bases of other kinds again.
 * ``train`` (``specs/train.toml``): contrastive fine-tuning pairs (the same source function
   compiled two ways); why these libraries, and not others, is said in the file.
 
@@ -19,17 +21,22 @@ import os
 from lmscale_jax.similarity import spec
 
 SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
-SETS = {name: os.path.join(SPECS, f"{name}.toml") for name in ("eval", "eval2", "train")}
+SETS = {name: os.path.join(SPECS, f"{name}.toml") for name in ("eval", "eval2", "eval3", "train")}
 
 
 def load_set(name: str) -> list[spec.Library]:
   return spec.load(SETS[name])
 
 
-def by_package(libs=None) -> dict[str, spec.Library]:
-  """NAME==VERSION (lower case) → its library, over ``libs`` or every set."""
+def by_package(libs=None) -> dict[str, list[spec.Library]]:
+  """NAME==VERSION (lower case) → its libraries (one sdist may bundle several: pysam's
+  htslib, samtools and bcftools), over ``libs`` or every set."""
   libs = libs if libs is not None else [lib for name in SETS for lib in load_set(name)]
-  return {lib.package.lower(): lib for lib in libs if lib.package}
+  out: dict[str, list[spec.Library]] = {}
+  for lib in libs:
+    if lib.package:
+      out.setdefault(lib.package.lower(), []).append(lib)
+  return out
 
 
 def shown(path: str) -> str:
