@@ -265,6 +265,38 @@ def test_ranks_scored_in_blocks_are_bitwise_those_of_one_block():
   assert (one >= 2).all()  # the tie with item 1 ranks every positive second or lower
 
 
+def test_tfidf_only_scores_the_baseline_without_a_model(bench, tmp_path):
+  out = tmp_path / "tfidf.json"
+  r = tool("eval_similarity.py", "--bench", bench, "--tfidf-only", "--pool", "10,100",
+           "--pairs", "gcc-O0:gcc-O3", "--json", out, "--no-progress")
+  assert r.returncode == 0, r.stderr[-3000:]
+  doc = json.load(open(out))
+  assert {x["method"] for x in doc["results"]} == {"tfidf"}
+  assert {x["pool"] for x in doc["results"]} == {10, 100} and "tfidf" in r.stdout
+  r = tool("eval_similarity.py", "--bench", bench, "--tfidf-only", "--hf", tmp_path)
+  assert r.returncode == 1 and r.stderr.startswith("error: --tfidf-only scores no model")
+
+
+def test_a_pool_of_thousands_is_ranked_by_one_product_as_by_gathering_each_pool():
+  """Pool 10,000 (eval3): one query's pool over the block limit switches to scoring blocks of
+  queries against every item of the pools' side at once; the same ranks, ties included."""
+  import numpy as np
+
+  from lmscale_jax.evals import retrieval
+
+  rng = np.random.default_rng(1)
+  vectors = retrieval.normalise(rng.standard_normal((12_000, 16)))
+  vectors[1] = vectors[0]
+  side = rng.permutation(np.arange(2, 12_000))[:10_500]
+  pools = retrieval.Pools(rng.integers(0, 12_000, 40),
+                          np.stack([rng.permutation(side)[:10_000] for _ in range(40)]))
+  pools.pool[:, :2] = [0, 1]
+  gathered = retrieval.ranks(vectors, pools, by_product=False)
+  assert np.array_equal(retrieval.ranks(vectors, pools, by_product=True), gathered)
+  auto = retrieval.ranks(vectors, pools, block_bytes=10_000 * 16 * 4 - 1)  # one pool is over
+  assert np.array_equal(auto, gathered) and (gathered >= 2).all()
+
+
 def test_tfidf_is_pretoken_counts_times_smoothed_idf_in_unit_rows():
   """The similarity baseline's TF-IDF (scikit-learn's, one pretoken a term, case kept) against
   the formula written out on three functions: count × (ln((1 + n) / (1 + df)) + 1), L2 rows."""

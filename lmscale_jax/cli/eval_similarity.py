@@ -1,6 +1,6 @@
 """Is the pretrained model any good? Binary code similarity detection on a benchmark built here.
 
-  lmscale eval-similarity --bench BENCH.jsonl (--workdir DIR[@STEP] | --hf OUT)…
+  lmscale eval-similarity --bench BENCH.jsonl (--workdir DIR[@STEP] | --hf OUT… | --tfidf-only)
       [--pool 100,1000] [--pairs gcc-O0:gcc-O3,…] [--queries K] [--seed 0]
       [--train-elf PATH… [--train-max-bytes N]] [--json OUT.json] [--results FILE.jsonl]
       [--progress | --no-progress]
@@ -73,6 +73,8 @@ def parser():
   p.add_argument("--embed-pool", choices=["mean", "cls"], default="mean",
                  help="the pretrained models' pooling (a fine-tuned one uses its own)")
   p.add_argument("--no-random-init", action="store_true", help="leave the random-init row out")
+  p.add_argument("--tfidf-only", action="store_true",
+                 help="no model: the TF-IDF baseline alone (a new benchmark's floor)")
   p.add_argument("--train-elf", nargs="+", default=[], metavar="PATH",
                  help="the pretraining inputs, for the leakage check")
   p.add_argument("--train-max-bytes", type=args.number(int, 0, 1 << 62), default=0,
@@ -183,8 +185,11 @@ def main(argv=None) -> int:
   parser_ = parser()
   a = parser_.parse_args(argv)
   a.progress = a.progress if a.progress is not None else sys.stderr.isatty()
-  if not a.workdir and not a.hf:
-    parser_.error("give a model: --workdir DIR (a training run) or --hf OUT (an export)")
+  if not a.workdir and not a.hf and not a.tfidf_only:
+    parser_.error("give a model: --workdir DIR (a training run) or --hf OUT (an export), "
+                  "or --tfidf-only")
+  if a.tfidf_only and (a.workdir or a.hf):
+    parser_.error("--tfidf-only scores no model: leave out --workdir and --hf")
 
   def go() -> int:
     sizes = pool_sizes(a.pool)

@@ -178,12 +178,16 @@ def not_drawn(items: Items, a: str, b: str, n: int) -> str:
   return f"no function is compiled as both {a} and {b}"
 
 
-def ranks(vectors: np.ndarray, pools: Pools, bar=None,
-          block_bytes: int = BLOCK_BYTES) -> np.ndarray:
+def ranks(vectors: np.ndarray, pools: Pools, bar=None, block_bytes: int = BLOCK_BYTES,
+          by_product: bool | None = None) -> np.ndarray:
   """The positive's rank (1 = first) in each pool by cosine; ties against the positive.
   Scored in blocks of queries of at most ``block_bytes`` of gathered vectors (at least one
-  query), each counted on ``bar``."""
+  query), each counted on ``bar``. Where one query's pool alone is over ``block_bytes``
+  (``by_product`` None), or ``by_product``: each block of queries is scored against every
+  item the pools hold at once, a matrix product (:func:`_ranks_by_product`)."""
   n, d = pools.pool.shape[1], vectors.shape[1]
+  if by_product or (by_product is None and n * d * vectors.itemsize > block_bytes):
+    return _ranks_by_product(vectors, pools, bar, block_bytes)
   rows = max(1, block_bytes // (n * d * vectors.itemsize))
   out = []
   for start in range(0, len(pools.queries), rows):
@@ -192,6 +196,26 @@ def ranks(vectors: np.ndarray, pools: Pools, bar=None,
     out.append(1 + (s[:, 1:] >= s[:, :1] - TIE).sum(axis=1))
     if bar is not None:
       bar.update(len(q))
+  return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _ranks_by_product(vectors: np.ndarray, pools: Pools, bar, block_bytes: int) -> np.ndarray:
+  """:func:`ranks` for pools of thousands: gathering each query's pool took N × d floats a
+  query (pool 10,000 of TF-IDF's tens of thousands of pretokens: about 1 GB, then a second a
+  query), while the pools of one direction draw from one variant's M items: a block of
+  queries × those M by one product, each pool's scores then picked from it. The same
+  cosines up to float rounding (another summation order; ties are within ``TIE``)."""
+  items, where = np.unique(pools.pool, return_inverse=True)
+  where = where.reshape(pools.pool.shape)
+  side = vectors[items]                                                       # [M, d]
+  rows = max(1, block_bytes // (len(items) * vectors.itemsize))
+  out = []
+  for start in range(0, len(pools.queries), rows):
+    s = vectors[pools.queries[start:start + rows]] @ side.T                   # [q, M]
+    s = np.take_along_axis(s, where[start:start + rows], axis=1)              # [q, N]
+    out.append(1 + (s[:, 1:] >= s[:, :1] - TIE).sum(axis=1))
+    if bar is not None:
+      bar.update(len(s))
   return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
