@@ -109,7 +109,7 @@ def unpack(archive: str, tmp: str) -> str:
 
 
 def library_dirs(lib, out: str) -> list[str]:
-  return [os.path.join(out, lib.root, x) for x in lib.sources]
+  return [os.path.normpath(os.path.join(out, lib.root, x)) for x in lib.sources]
 
 
 def wanted(a) -> tuple[list[str], dict]:
