@@ -293,8 +293,11 @@ def test_a_pool_of_thousands_is_ranked_by_one_product_as_by_gathering_each_pool(
   pools.pool[:, :2] = [0, 1]
   gathered = retrieval.ranks(vectors, pools, by_product=False)
   assert np.array_equal(retrieval.ranks(vectors, pools, by_product=True), gathered)
-  auto = retrieval.ranks(vectors, pools, block_bytes=10_000 * 16 * 4 - 1)  # one pool is over
-  assert np.array_equal(auto, gathered) and (gathered >= 2).all()
+  assert np.array_equal(retrieval.ranks(vectors, pools), gathered)  # over PRODUCT_POOL
+  small = retrieval.Pools(pools.queries, pools.pool[:, :retrieval.PRODUCT_POOL])
+  one = retrieval.ranks(vectors, small, block_bytes=retrieval.PRODUCT_POOL * 16 * 4 - 1)
+  assert np.array_equal(one, retrieval.ranks(vectors, small, by_product=False))  # one over
+  assert (gathered >= 2).all()
 
 
 def test_tfidf_is_pretoken_counts_times_smoothed_idf_in_unit_rows():

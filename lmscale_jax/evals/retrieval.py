@@ -34,6 +34,11 @@ TIE = 1e-6
 # queries at once took Q × N × d × 4 bytes (1,700 × 1,000 × 128: 0.9 GB for a model, many GB
 # for TF-IDF's thousands of pretokens); blocks of queries give bitwise the same scores.
 BLOCK_BYTES = 1 << 28
+# Pools over this size are ranked by one product per block of queries (ranks): gathering each
+# query's pool of 10,000 TF-IDF rows (839 pretokens on eval3) was 34 MB a query, 1.7 TB for
+# eval3's 52,000 queries; the pools up to 1,000 (eval, eval2) keep the path they were
+# measured with.
+PRODUCT_POOL = 1000
 ONE_WAY = "†"  # the table's mark of a pair scored in one direction only
 
 
@@ -182,11 +187,13 @@ def ranks(vectors: np.ndarray, pools: Pools, bar=None, block_bytes: int = BLOCK_
           by_product: bool | None = None) -> np.ndarray:
   """The positive's rank (1 = first) in each pool by cosine; ties against the positive.
   Scored in blocks of queries of at most ``block_bytes`` of gathered vectors (at least one
-  query), each counted on ``bar``. Where one query's pool alone is over ``block_bytes``
-  (``by_product`` None), or ``by_product``: each block of queries is scored against every
-  item the pools hold at once, a matrix product (:func:`_ranks_by_product`)."""
+  query), each counted on ``bar``. Where the pool is over ``PRODUCT_POOL`` or one query's
+  pool alone is over ``block_bytes`` (``by_product`` None), or ``by_product``: each block of
+  queries is scored against every item the pools hold at once, a matrix product
+  (:func:`_ranks_by_product`)."""
   n, d = pools.pool.shape[1], vectors.shape[1]
-  if by_product or (by_product is None and n * d * vectors.itemsize > block_bytes):
+  big = n > PRODUCT_POOL or n * d * vectors.itemsize > block_bytes
+  if by_product or (by_product is None and big):
     return _ranks_by_product(vectors, pools, bar, block_bytes)
   rows = max(1, block_bytes // (n * d * vectors.itemsize))
   out = []
