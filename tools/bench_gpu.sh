@@ -163,12 +163,20 @@ fi
 # --- 0b. the GPU-only tests: what the CPU suite skips (cuDNN/Pallas attention against XLA,
 # fine-tuning's bf16 path with GradCache accumulation, remat and a bf16 reduction, undertale's
 # variant — instruction positions, pre-LN — in bf16 with cuDNN attention) ---------------------
+# JAX_PLATFORMS=cuda: tests/conftest.py makes the CPU the default backend, so without it every
+# one of these would skip ("needs a GPU") on the GPU itself.
 if [ -z "${BENCH_SMOKE:-}" ]; then
-  run gpu_tests 240 "$PY" -m pytest -q -p no:cacheprovider -rs \
+  run gpu_tests 240 env JAX_PLATFORMS=cuda "$PY" -m pytest -q -p no:cacheprovider -rs \
     tests/test_model.py::test_cudnn_attention_matches_xla \
     tests/test_model.py::test_gpu_segment_attention_matches_xla tests/test_finetune_gpu.py \
     tests/test_model_variants_gpu.py
   cp "$OUT/logs/gpu_tests.log" "$OUT/gpu_tests.log" 2>/dev/null
+  # lmscale serve on the GPU: the batcher's buckets and the naming model's padded batches give
+  # the commands' answers (embed, fill-mask, search by upload, names), server and CLI both on it.
+  run gpu_serve 300 env JAX_PLATFORMS=cuda "$PY" -m pytest -q -p no:cacheprovider -rs \
+    tests/test_serve_api.py tests/test_serve_name.py \
+    -k "embed_equals or fill_mask_equals or search_by_upload or names_equal"
+  cp "$OUT/logs/gpu_serve.log" "$OUT/gpu_serve.log" 2>/dev/null
 fi
 
 # --- 1. matmul peak ---------------------------------------------------------------------
