@@ -133,7 +133,9 @@ def draw_pools(items: Items, a: str, b: str, n: int, rng: np.random.Generator,
     return None
   if max_queries and len(shared) > max_queries:
     shared = sorted(rng.choice(shared, max_queries, replace=False).tolist())
-  pool = np.empty((len(shared), n), np.int64)
+  # int32: every size's pools of every pair are held at once (evaluate); eval3 at pool 10,000
+  # over its four pairs, all queries: 113,000 rows × 10,000 items, 9 GB as int64.
+  pool = np.empty((len(shared), n), np.int32)
   for row, g in enumerate(shared):
     others = candidates[candidates != g]
     neg = rng.choice(others, n - 1, replace=False)
