@@ -90,18 +90,25 @@ def frequent_tokens(train: list[dict]) -> tuple[int, list[str]]:
   return k, [t for t, _ in sorted(held.items(), key=lambda kv: (-kv[1], kv[0]))[:k]]
 
 
-def nearest(train: list[dict], test: list[dict]) -> tuple[list[int], dict]:
-  """The index of each test row's nearest training row (TF-IDF cosine)."""
+def most_similar(b, a) -> list[int]:
+  """Each row of ``b``'s most similar row of ``a`` (rows of unit length: the dot is the cosine;
+  the first of equals), CHUNK rows of ``b`` at a time; sparse (TF-IDF) or dense."""
   import numpy as np
 
+  found = []
+  for i in range(0, b.shape[0], CHUNK):
+    sims = b[i:i + CHUNK] @ a.T
+    found += np.argmax(sims.toarray() if hasattr(sims, "toarray") else sims, axis=1).tolist()
+  return found
+
+
+def nearest(train: list[dict], test: list[dict]) -> tuple[list[int], dict]:
+  """The index of each test row's nearest training row (TF-IDF cosine)."""
   start = time.perf_counter()
   vectorizer = retrieval.tfidf_vectorizer()
   a = vectorizer.fit_transform([r["text"] for r in train])
   b = vectorizer.transform([r["text"] for r in test])
-  found = []
-  for i in range(0, b.shape[0], CHUNK):
-    sims = (b[i:i + CHUNK] @ a.T).toarray()  # rows are unit length: the dot is the cosine
-    found += np.argmax(sims, axis=1).tolist()  # the first of equals
+  found = most_similar(b, a)
   return found, {"features": len(vectorizer.vocabulary_),
                  "seconds": round(time.perf_counter() - start, 2)}
 
@@ -121,12 +128,10 @@ def encoder_nearest(workdir: str, tokenizer: str, train: list[dict],
     v = function_vectors.embed(model, inputs)["embeddings"]
     return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
 
-  a, b = vectors(train), vectors(test)
-  found = []
-  for i in range(0, len(b), CHUNK):
-    found += np.argmax(b[i:i + CHUNK] @ a.T, axis=1).tolist()  # the first of equals
-  return found, {"model": workdir, "step": model.step, "pool": function_vectors.resolve_pool(
-      model, None), "seconds": round(time.perf_counter() - start, 2)}
+  found = most_similar(vectors(test), vectors(train))
+  return found, {"model": workdir, "step": model.step,
+                 "pool": function_vectors.resolve_pool(model, None),
+                 "seconds": round(time.perf_counter() - start, 2)}
 
 
 def run(task: str, test_task: str | None = None, index_workdir: str | None = None,
