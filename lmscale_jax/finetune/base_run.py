@@ -43,12 +43,15 @@ def read_start(config) -> model_dir.ModelDir:
   init = config.init
   if not os.path.isdir(init.path):
     raise UserError(f"init.path={init.path} (--init-{init.source}): no such directory")
-  read = model_dir.read(init.path, "" if init.source == "hf" else init.tokenizer)
-  if init.source in ("workdir", "hf") and read.is_hf != (init.source == "hf"):
-    other = ("a Hugging Face model directory: give --init-hf" if read.is_hf else
+  is_hf = model_files.is_hf_dir(init.path)  # the kind first: the wrong one is not read
+  if init.source in ("workdir", "hf") and is_hf != (init.source == "hf"):
+    other = ("a Hugging Face model directory: give --init-hf" if is_hf else
              "a training run's workdir: give --init-workdir")
     raise UserError(f"init.path={init.path} (--init-{init.source}) is {other} {init.path}")
-  return read
+  tokenizer = "" if init.source == "hf" else init.tokenizer
+  if is_hf:
+    return model_dir.read_hf(init.path, tokenizer)
+  return model_dir.read_run(init.path, tokenizer)
 
 
 def load_start(config, read: model_dir.ModelDir | None = None) -> trained_model.TrainedModel:
