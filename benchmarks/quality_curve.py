@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import quality_fit  # noqa: E402
 from lmscale_jax.cli import args as cli_args  # noqa: E402
 from lmscale_jax.errors import UserError  # noqa: E402
-from lmscale_jax.store import output_marks  # noqa: E402
+from lmscale_jax.store import file_io, output_marks  # noqa: E402
 from lmscale_jax.study.host import cpu_name  # noqa: E402
 
 TOOL = "benchmarks/quality_curve.py"
@@ -332,8 +332,7 @@ def markdown(cells, gone, rows, rate_tflops) -> str:
 
 
 def write_markdown(path: str, text: str) -> None:
-  with open(path, "w") as f:
-    f.write(f"<!-- {TOOL} -->\n{text}")
+  file_io.atomic_write_bytes(path, f"<!-- {TOOL} -->\n{text}".encode())  # temp, then rename
 
 
 def owns_text(path: str, tool: str) -> bool:

@@ -5,6 +5,7 @@ each cell's mean. A task no cell measured says so in its panel."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import matplotlib
@@ -13,6 +14,7 @@ matplotlib.use("Agg")  # files only: no display on the study's machines
 import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks import quality_fit  # noqa: E402
+from lmscale_jax.store import file_io  # noqa: E402
 
 
 def plot(cells: list[dict], fits: list[dict], tasks: list[tuple[str, str]], path: str,
@@ -32,8 +34,10 @@ def plot(cells: list[dict], fits: list[dict], tasks: list[tuple[str, str]], path
   axes[0][0].legend(fontsize=7, loc="best")
   fig.suptitle("Downstream quality against pretraining FLOPs (CPU cells; issue 59)")
   fig.tight_layout()
-  fig.savefig(path, dpi=110, metadata={"Software": tool})
+  png = io.BytesIO()
+  fig.savefig(png, format="png", dpi=110, metadata={"Software": tool})
   plt.close(fig)
+  file_io.atomic_write_bytes(path, png.getvalue())  # temp, then rename: never half a picture
 
 
 def scores(ax, cells: list[dict], task: str, variant: str, colour: str) -> None:
