@@ -5,7 +5,7 @@
 # weights and from random weights (two seeds), and scored on the held-out sets at pool 100 and
 # 1,000, all pairs and O0↔O3 (benchmarks/similarity_claims.sh per variant, sharing the corpora,
 # the tokenizer and the prepared data):
-#   bash benchmarks/longer_functions.sh OUT   (BUDGET_S=1800 SEEDS="0 1" FT_STEPS=600
+#   bash benchmarks/longer_functions.sh OUT   (BUDGET_S=1800 SEEDS="0 1" FT_STEPS=600 EVAL3=FILE
 #                                              SETS="eval eval2" VARIANTS="…" CORPUS_MB=240)
 # VARIANTS: NAME:SEQ:POSITIONS:NORM[:MODEL] words (default: seq128-segment-post
 # seq256-segment-post seq256-instruction-post seq256-instruction-pre); MODEL, optional, is more

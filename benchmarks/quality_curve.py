@@ -11,7 +11,7 @@ Per cell (model, budget): its steps and pretraining FLOPs (steps × model/flops.
 train_flops_per_step, from the run's config.json where the table recorded it, else configs/tiny.py
 with budget.json's overrides and --vocab), and per task the scores of pretrained + fine-tune and
 random init + fine-tune at each fine-tuning seed and their seed-paired difference (the
-pretraining gain): eval and eval2 at pool 1,000 over all pairs (R@1), compiler provenance's
+pretraining gain): eval and eval2 at pool 1,000 and eval3 at pool 10,000, over all pairs (R@1), compiler provenance's
 held-out accuracy and macro-F1. Per model and task: least squares of the gain (and of the
 pretrained score) on log10(FLOPs) over the per-seed points, slope ± its standard error and
 Student-t 95% intervals (benchmarks/quality_fit.py), and the fitted mean at 1 H200-hour and 1
@@ -39,8 +39,11 @@ from lmscale_jax.study.host import cpu_name  # noqa: E402
 
 TOOL = "benchmarks/quality_curve.py"
 PRE, RAND = "pretrained + fine-tune", "random init + fine-tune"
+# Each similarity set at the pool its issue judges it by: eval3 was built for pool 10,000 (issue 59).
+POOLS = {"eval": 1000, "eval2": 1000, "eval3": 10000}
 TASKS = {"eval": "eval R@1, pool 1,000, all pairs",
          "eval2": "eval2 R@1, pool 1,000, all pairs",
+         "eval3": "eval3 R@1, pool 10,000, all pairs",
          "provenance-accuracy": "provenance accuracy",
          "provenance-macro-f1": "provenance macro-F1"}
 # The measured rate of a plain JAX/Flax BERT-base MLM step, bf16, on one H200 (seq 512, batch
@@ -121,14 +124,14 @@ def assumed_costs(info: dict, vocab: int) -> dict:
 
 
 def task_scores(doc: dict, name: str, task: str) -> dict | None:
-  if task in ("eval", "eval2"):
+  if task in POOLS:
     return similarity_scores(doc, name, task)
   return provenance_scores(doc, name, task.removeprefix("provenance-").replace("-", "_"))
 
 
 def similarity_scores(doc: dict, name: str, set_name: str) -> dict | None:
   rows = [r for r in doc.get("rows", []) if r["variant"] == name and r["set"] == set_name
-          and r["pair"] == "all" and r["pool"] == 1000]
+          and r["pair"] == "all" and r["pool"] == POOLS[set_name]]
   if not rows:
     return None
   r = rows[0]

@@ -21,7 +21,8 @@
 # (longer_functions_table.py JSONs) measured elsewhere; a cell one of them holds is not run.
 # Last, benchmarks/quality_curve.py over every table: benchmarks/results/DATE-cpu-quality-curve
 # .json and .md, docs/images/quality-against-compute.png. DRY_RUN=1 prints each stage and
-# whether it is done, and runs nothing. Cost on 2 CPU cores (2026-12-06, under load): corpora
+# whether it is done, and runs nothing. EVAL3=FILE (lmscale similarity-build --set eval3's
+# JSONL) adds eval3 at pool 100, 1,000 and 10,000 to every cell (benchmarks/similarity_claims.sh). Cost on 2 CPU cores (2026-12-06, under load): corpora
 # 27 min once, a cell's pretraining its budget (about 1.4x under load), each contrastive
 # fine-tune about 20 min (two at once), each provenance fine-tune 8-10 min, scoring eval 7
 # min (docs/similarity.md, "Quality against compute").
@@ -42,6 +43,9 @@ wide_budgets=${WIDE_BUDGETS-1800 3600}
 step_time=${STEP_TIME:-0.5222703018000174}
 export SEEDS=${SEEDS:-0 1} FT_STEPS=${FT_STEPS:-600} CLS_STEPS=${CLS_STEPS:-600}
 export CORPUS_MB=${CORPUS_MB:-240}
+# eval3 (pool 10,000) in every cell where its benchmark is given; a cell done before it gets
+# only its eval3 stage (every other stage is skipped where done).
+export EVAL3=${EVAL3:-} SETS=${SETS:-eval eval2${EVAL3:+ eval3}}
 dry=${DRY_RUN:-}
 today=$(date +%F)
 [ -n "$dry" ] || mkdir -p "$out/shared"
@@ -67,7 +71,9 @@ cell() {  # NAME VARIANT SECONDS BUDGET_ARGS… -> runs the cell OUT/NAME-LABEL 
   if [ "$(held_elsewhere "$name" "$seconds")" = yes ]; then
     echo "== $name at $(label "$seconds"): held by a table of TABLES, not run" >&2; return
   fi
-  if [ -f "$dir/done" ]; then echo "== $name at $(label "$seconds"): done ($dir)" >&2; return; fi
+  if [ -f "$dir/done" ] && { [ -z "$EVAL3" ] || [ -f "$dir/$name/scores-eval3.json" ]; }; then
+    echo "== $name at $(label "$seconds"): done ($dir)" >&2; return
+  fi
   [ -n "$dry" ] || { mkdir -p "$dir"; [ -e "$dir/shared" ] || ln -s ../shared "$dir/shared"; }
   local to=(); [ -n "$dry" ] || to=(--output "$dir/budget.json")  # a dry run prints it
   [ -f "$dir/budget.json" ] || stage "$name at $(label "$seconds"): budget.json" \
@@ -104,12 +110,14 @@ for s in $wide_budgets; do
     --match-step-time "$step_time" --data "$out/shared/pretrain-seq$wseq"
 done
 
-# Each finished cell's table into benchmarks/results (once), then the curve over all of them.
+# Each finished cell's table into benchmarks/results (again, dated, when it changed: a stage
+# added later, e.g. eval3), then the curve over all of them.
 tables=(${TABLES:-})
 for done in "$out"/*/done; do
   [ -f "$done" ] || continue
   dir=$(dirname "$done"); name=$(basename "$dir")
-  ls benchmarks/results/*-cpu-quality-cell-"$name".json > /dev/null 2>&1 || \
+  last=$(ls benchmarks/results/*-cpu-quality-cell-"$name".json 2>/dev/null | tail -1)
+  [ -n "$last" ] && cmp -s "$last" "$dir/longer_functions.json" || \
     stage "$name: its table into benchmarks/results" \
     cp "$dir/longer_functions.json" "benchmarks/results/$today-cpu-quality-cell-$name.json"
   tables+=("$(ls benchmarks/results/*-cpu-quality-cell-"$name".json 2>/dev/null | tail -1 \

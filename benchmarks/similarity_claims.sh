@@ -5,12 +5,14 @@
 #   bash benchmarks/similarity_claims.sh OUT      (SEEDS="0 1 2" PRE_STEPS=3000 FT_STEPS=600
 #                                                  CORPUS_MB=240 QUERIES=0 SEQ_LEN=128
 #                                                  PRE_ARGS="" SHARED=OUT SETS="eval eval2"
-#                                                  DRAWS="1 2")
+#                                                  DRAWS="1 2" EVAL3=FILE)
 # SHARED holds what does not depend on the model (the corpora, the tokenizer, the pretraining
 # inputs, the prepared pretraining data per SEQ_LEN), so several studies share it
 # (benchmarks/longer_functions.sh); PRE_ARGS are more --config overrides of the pretraining
 # (e.g. "--config.model.positions=instruction --config.model.norm=pre"); PREPARE_ONLY=1 stops
-# after the shared stages.
+# after the shared stages. SETS may name eval3 (issue 59's pool-10,000 benchmark, built apart
+# with lmscale similarity-build --set eval3: EVAL3 is its JSONL): scored at pool 100, 1,000 and
+# 10,000 on EVAL3_QUERIES (2000) queries per pair and direction, at one draw.
 # Stages, each skipped where its output is there (so a stopped study continues): fetch the
 # sources, build eval, eval2 and the training pairs (disjoint from both), a pretraining corpus
 # from this machine's /usr/lib/x86_64-linux-gnu without the evaluation sets' libraries (the
@@ -33,6 +35,19 @@ shared=$(realpath -m "${SHARED:-$out}")
 corpora=$shared/corpora
 seq_len=${SEQ_LEN:-128}
 sets=${SETS:-eval eval2}
+bench_of() {  # a set's benchmark file: the study's corpora, or eval3's (EVAL3, built apart)
+  if [ "$1" != eval3 ]; then echo "$corpora/$1.jsonl"; return; fi
+  [ -n "${EVAL3:-}" ] && [ -f "$EVAL3" ] || {
+    echo "error: SETS has eval3 but EVAL3='${EVAL3:-}' is no file: give EVAL3=FILE.jsonl," \
+      "the benchmark lmscale similarity-build --set eval3 wrote (docs/similarity-corpora.md)" >&2
+    exit 1
+  }
+  echo "$EVAL3"
+}
+draws_of() {  # eval3 (64k functions) is scored once: its untrained encoders get no more draws
+  [ "$1" = eval3 ] || echo "${DRAWS-1 2}"
+}
+for set in $sets; do bench_of "$set" > /dev/null; done  # before any work
 mkdir -p "$corpora" "$out"
 
 for set in eval eval2 train; do
@@ -115,21 +130,25 @@ for s in $seeds; do
 done
 
 for set in $sets; do
+  bench=$(bench_of "$set")
+  pools=100,1000 queries=${QUERIES:-0}
+  # eval3 was built for pool 10,000 (issue 59); EVAL3_QUERIES queries per pair and direction.
+  [ "$set" != eval3 ] || { pools=100,1000,10000; queries=${EVAL3_QUERIES:-2000}; }
   [ -f "$out/scores-$set.json" ] || $py tools/eval_similarity.py \
-    --bench "$corpora/$set.jsonl" "${runs[@]}" --tokenizer "$tokenizer" --pool 100,1000 \
-    --queries "${QUERIES:-0}" --train-elf "$shared/corpus_in" \
+    --bench "$bench" "${runs[@]}" --tokenizer "$tokenizer" --pool "$pools" \
+    --queries "$queries" --train-elf "$shared/corpus_in" \
     --train-max-bytes $(( ${CORPUS_MB:-240} * 1000000 )) --json "$out/scores-$set.json"
   # The untrained encoders at more draws (--seed: other pools, other random weights): their
   # claims (MLM alone vs random weights vs TF-IDF) pair up draw by draw.
-  for s in ${DRAWS-1 2}; do
+  for s in $(draws_of "$set"); do
     [ -f "$out/scores-$set-draw$s.json" ] || $py tools/eval_similarity.py \
-      --bench "$corpora/$set.jsonl" --workdir "$out/pretrain/run" --tokenizer "$tokenizer" \
+      --bench "$bench" --workdir "$out/pretrain/run" --tokenizer "$tokenizer" \
       --pool 100,1000 --queries "${QUERIES:-0}" --seed "$s" --json "$out/scores-$set-draw$s.json"
   done
 done
 draws() {  # the set's eval JSONs: the main one, then one per extra draw
   local files=$out/scores-$1.json
-  for s in ${DRAWS-1 2}; do files+=",$out/scores-$1-draw$s.json"; done
+  for s in $(draws_of "$1"); do files+=",$out/scores-$1-draw$s.json"; done
   echo "$files"
 }
 set_args=(); for set in $sets; do set_args+=(--set "$set=$(draws "$set")"); done
@@ -141,4 +160,5 @@ $py benchmarks/similarity_seeds.py "${set_args[@]}" \
   --compare "pretrained + fine-tune>random init + fine-tune" \
   --compare "pretrained + fine-tune>TF-IDF" --compare "random init + fine-tune>TF-IDF" \
   --compare "TF-IDF, 3 draws>MLM only" --compare "MLM only>random weights, untrained" \
+  --cells "gcc-O0↔gcc-O3@100,all@100,gcc-O0↔gcc-O3@1000,all@1000,gcc-O0↔gcc-O3@10000,all@10000" \
   --json "$out/claims.json" --overwrite  # rebuilt on every run (also over an unmarked old one)

@@ -23,18 +23,19 @@ def gain_at(steps: int) -> float:
   return AT_1E14 + SLOPE * (math.log10(steps * FPS) - 14)
 
 
-def table(path, budget_s: int, steps: int, provenance: bool = True) -> str:
+def table(path, budget_s: int, steps: int, provenance: bool = True,
+          sets: tuple = (("eval", 1000), ("eval2", 1000), ("eval3", 10000))) -> str:
   """One cell, seq256-instruction at ``steps``, two seeds whose gains sit ±0.01 about the
   line (so least squares recovers it exactly), in the table's per-seed form."""
   g = gain_at(steps)
   pre = {"ft-pre-s0@600": 0.40 + g + 0.01, "ft-pre-s1@600": 0.40 + g - 0.01}
   rand = {"ft-rand-s0@600": 0.40, "ft-rand-s1@600": 0.40}
-  rows = [{"variant": "seq256-instruction", "set": s, "pair": "all", "pool": 1000,
+  rows = [{"variant": "seq256-instruction", "set": s, "pair": "all", "pool": pool,
            "pretrained_ft": {"mean": 0.40 + g, "n": 2}, "random_ft": {"mean": 0.40, "n": 2},
            "gain": {"mean": g}, "per_seed": {
                "pretrained_ft": pre, "random_ft": rand, "gain": [g + 0.01, g - 0.01],
                "runs": [["ft-pre-s0@600", "ft-rand-s0@600"], ["ft-pre-s1@600", "ft-rand-s1@600"]]}}
-          for s in ("eval", "eval2")]
+          for s, pool in sets]
   cls = [{"variant": "seq256-instruction", "start": start, "runs": 2,
           "per_seed": {"0": {"accuracy": acc, "macro_f1": acc - 0.1},
                        "1": {"accuracy": acc, "macro_f1": acc - 0.1}}}
@@ -92,6 +93,27 @@ def test_a_task_a_cell_lacks_is_missing_and_two_budgets_make_no_trend(tmp_path):
   fit, = [f for f in doc["fits"] if f["task"] == "eval"]
   assert not fit["gain"]["trend"] and fit["predictions"] == {}
   assert "no fit has 3 budgets: none stated" in p.stdout
+
+
+def test_eval3_is_read_at_pool_10000_and_a_cell_without_it_lists_it_missing(tmp_path):
+  """eval3 was built for pool 10,000 (issue 59): its pool-1,000 row (here scored 0) is not the
+  task's; a cell scored before eval3 existed names it missing rather than being dropped."""
+  with_eval3 = (("eval", 1000), ("eval2", 1000), ("eval3", 1000), ("eval3", 10000))
+  t = table(tmp_path / "a.json", 900, 1800, sets=with_eval3)
+  doc = json.loads(open(t).read())
+  for r in doc["rows"]:
+    if (r["set"], r["pool"]) == ("eval3", 1000):
+      r["per_seed"]["pretrained_ft"] = {k: 0.0 for k in r["per_seed"]["pretrained_ft"]}
+  open(t, "w").write(json.dumps(doc))
+  before = table(tmp_path / "b.json", 1800, 3600, sets=with_eval3[:2])
+  p, out = curve(tmp_path, t, before)
+  assert p.returncode == 0, p.stderr
+  first, second = out["cells"]
+  assert first["tasks"]["eval3"]["pretrained_ft"] == pytest.approx([0.40 + gain_at(1800) + 0.01,
+                                                                     0.40 + gain_at(1800) - 0.01])
+  assert "eval3" not in second["tasks"]
+  assert {"variant": "seq256-instruction", "budget_s": 1800, "budget": "30 min",
+          "what": "eval3 R@1, pool 10,000, all pairs"} in out["missing"]
 
 
 def test_a_cell_given_twice_is_one_error_line(tmp_path):
