@@ -16,6 +16,10 @@ with a contrastive encoder's vectors.
   vectors (``inference/function_vectors.embed``: what ``lmscale index`` keeps and ``lmscale
   search`` ranks with; a contrastive fine-tune's own pooling and projection), normalised, the
   nearest by cosine: the "name of the most similar known function" a search index gives.
+* each again as ``…_own_dropped`` (``--library-share S``, 0.5; 0: not): the training names less
+  each library's own sub-tokens (those in at least S of its names: its namespace, ``xml``,
+  ``g``), the naming fine-tune's targets (``finetune.name_library_share``): a test project's own
+  prefix is never in training, so transferring a training library's only costs precision.
 
 Both are scored by lmscale_jax/evals/naming.py's ``score`` (micro sub-token precision, recall,
 F1 and exact-name accuracy: the fine-tuned head's scores) on test.jsonl, or on ``--test-task``'s
@@ -45,6 +49,7 @@ from lmscale_jax.store import file_io, output_marks  # noqa: E402
 
 TOOL = "benchmarks/naming_baselines.py"
 CHUNK = 512  # test rows per similarity product: CHUNK × training rows of float64 at a time
+LIBRARY_SHARE = 0.5  # the naming fine-tune's default finetune.name_library_share (config/finetune.py)
 
 
 def parser():
@@ -58,6 +63,10 @@ def parser():
   p.add_argument("--index-workdir", default=None, metavar="RUN",
                  help="also transfer names by this model's function vectors (a contrastive "
                  "fine-tune's run, as lmscale index takes)")
+  p.add_argument("--library-share", type=float, default=LIBRARY_SHARE, metavar="S",
+                 help="also each baseline with the training names less their libraries' own "
+                 "sub-tokens (those in at least S of a library's names; the naming "
+                 f"fine-tune's finetune.name_library_share, {LIBRARY_SHARE}); 0: not")
   p.add_argument("--tokenizer", default="", metavar="tokenizer.json",
                  help="(--index-workdir of a pretraining run) its dataset's tokenizer")
   return p
@@ -83,11 +92,21 @@ def read_split(task: str, name: str) -> list[dict]:
   return rows
 
 
-def frequent_tokens(train: list[dict]) -> tuple[int, list[str]]:
+def frequent_tokens(names: list[list[str]]) -> tuple[int, list[str]]:
   """(k, the k tokens most training names hold)."""
-  held = collections.Counter(t for r in train for t in set(r["tokens"]))
-  k = max(1, round(sum(len(set(r["tokens"])) for r in train) / len(train)))
+  held = collections.Counter(t for name in names for t in set(name))
+  k = max(1, round(sum(len(set(name)) for name in names) / len(names)))
   return k, [t for t, _ in sorted(held.items(), key=lambda kv: (-kv[1], kv[0]))[:k]]
+
+
+def without_own(train: list[dict], share: float) -> list[list[str]]:
+  """The training names less each library's own sub-tokens (its namespace), by the naming
+  fine-tune's rule (finetune/name_labels.own_tokens, its one owner): what can transfer."""
+  from lmscale_jax.finetune import name_labels
+
+  libraries = [r["library"] for r in train]
+  own = name_labels.own_tokens(libraries, [r["tokens"] for r in train], share)
+  return [[t for t in r["tokens"] if t not in own[r["library"]]] for r in train]
 
 
 def most_similar(b, a) -> list[int]:
@@ -135,27 +154,33 @@ def encoder_nearest(workdir: str, tokenizer: str, train: list[dict],
 
 
 def run(task: str, test_task: str | None = None, index_workdir: str | None = None,
-        tokenizer: str = "") -> dict:
+        tokenizer: str = "", share: float = 0.0) -> dict:
   train = read_split(task, "train")
   test = read_split(test_task or task, "test")
   if overlap := sorted({r["library"] for r in train} & {r["library"] for r in test}):
     raise UserError(f"--test-task {test_task}: its test libraries {', '.join(overlap[:5])} are "
                     f"in {task}'s training split (build both with the same --seed and files)")
   truth = [r["tokens"] for r in test]
-  k, top = frequent_tokens(train)
+  names = {"": [r["tokens"] for r in train]}
+  if share > 0:  # the same transfer of the names less their libraries' own sub-tokens
+    names["_own_dropped"] = without_own(train, share)
+  baselines = {}
+  for suffix, kept in names.items():
+    k, top = frequent_tokens(kept)
+    baselines["frequent_tokens" + suffix] = {"k": k, "tokens": top,
+                                             "scores": naming.score([top] * len(test), truth)}
   found, fit = nearest(train, test)
-  baselines = {
-      "frequent_tokens": {"k": k, "tokens": top,
-                          "scores": naming.score([top] * len(test), truth)},
-      "tfidf_nearest": {**fit, "scores": naming.score([train[j]["tokens"] for j in found],
-                                                      truth)}}
+  for suffix, kept in names.items():
+    baselines["tfidf_nearest" + suffix] = {**fit, "scores": naming.score(
+        [kept[j] for j in found], truth)}
   if index_workdir:
     found, fit = encoder_nearest(index_workdir, tokenizer, train, test)
-    baselines["encoder_nearest"] = {**fit, "scores": naming.score(
-        [train[j]["tokens"] for j in found], truth)}
+    for suffix, kept in names.items():
+      baselines["encoder_nearest" + suffix] = {**fit, "scores": naming.score(
+          [kept[j] for j in found], truth)}
   return {"date": datetime.date.today().isoformat(), "device": _host.cpu_name(),
           "code": _host.code_version(), "task": task, "task_json_sha256": task_sha(task),
-          "test_task": test_task or task,
+          "test_task": test_task or task, "library_share": share,
           "examples": {"train": len(train), "test": len(test)},
           "unseen_in_training": unseen(task, test_task), "baselines": baselines}
 
@@ -179,7 +204,7 @@ def summary(doc: dict) -> str:
            f"test examples (test from {doc['test_task']})"]
   for name, b in doc["baselines"].items():
     s = b["scores"]
-    lines.append(f"{name:<16} P {s['precision']:.4f}  R {s['recall']:.4f}  F1 {s['f1']:.4f}  "
+    lines.append(f"{name:<28} P {s['precision']:.4f}  R {s['recall']:.4f}  F1 {s['f1']:.4f}  "
                  f"exact {s['exact']:.4f}")
   return "\n".join(lines)
 
@@ -191,7 +216,9 @@ def main(argv=None) -> int:
     for d in filter(None, (a.task, a.test_task)):
       if not os.path.isdir(d):
         raise UserError(f"--task {d}: no such directory (build one with lmscale naming-build)")
-    doc = run(a.task, a.test_task, a.index_workdir, a.tokenizer)
+    if not 0.0 <= a.library_share <= 1.0:
+      raise UserError(f"--library-share {a.library_share}: expected a share from 0 to 1")
+    doc = run(a.task, a.test_task, a.index_workdir, a.tokenizer, a.library_share)
     print(summary(doc))
     if a.json:
       output_marks.write_json(a.json, TOOL, doc)

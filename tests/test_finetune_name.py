@@ -137,3 +137,33 @@ def test_a_task_whose_vocabulary_is_not_the_runs_is_refused_in_one_line(named, t
   assert code == 1 and err.count("\n") == 1, err
   assert "the model's name vocabulary" in err and "is not this task's" in err
   assert sorted(p.name for p in named.iterdir()) == before
+
+
+def test_a_librarys_own_tokens_are_those_in_half_its_names_and_leave_only_its_targets():
+  """A namespace (``xml`` in every libxml name) is that library's own and no target there;
+  the same token in another library's names stays; a library of few names keeps its tokens."""
+  from lmscale_jax.finetune import name_labels
+
+  big = [["xml", "read", "file"], ["xml", "free"], ["xml", "new", "node"], ["xml", "get", "x"]]
+  libraries = ["libxml"] * 20 + ["libz"] * 20 + ["tiny"] * 3
+  names = big * 5 + [["inflate", "xml"]] * 2 + [["deflate", "init"]] * 18 + [["tiny", "x"]] * 3
+  own = name_labels.own_tokens(libraries, names, 0.5)
+  assert own == {"libxml": frozenset({"xml"}), "libz": frozenset({"deflate", "init"}),
+                 "tiny": frozenset()}
+  assert name_labels.own_tokens(libraries, names, 0.0)["libxml"] == frozenset()
+  named = name_labels.Named("f", "sha", ["t"] * len(names), names, list(range(len(names))),
+                            [{"library": lib} for lib in libraries])
+  left = name_labels.without_own(named, 0.5)
+  assert left.tokens[0] == ["read", "file"] and left.tokens[20] == ["inflate", "xml"]
+  assert left.tokens[22] == [] and left.tokens[-1] == ["tiny", "x"]
+  assert named.tokens[0] == ["xml", "read", "file"]  # the whole names stay for the rule
+
+
+def test_a_library_share_outside_0_to_1_is_one_line(task_dir, pretrained, tmp_path, capsys):
+  from lmscale_jax.cli import finetune
+
+  code = finetune.main(args(task_dir, pretrained, tmp_path / "run",
+                            "--config.finetune.name_library_share=1.5"))
+  err = capsys.readouterr().err.strip()
+  assert code != 0 and err.count("\n") == 0 and "finetune.name_library_share=1.5" in err
+  assert not (tmp_path / "run" / "checkpoints").exists()

@@ -134,11 +134,20 @@ def test_the_baselines_score_both_methods(task, tmp_path):
   r = run("baselines", "--task", task, "--json", out)
   assert r.returncode == 0, r.stderr
   doc = json.load(open(out))
-  for name in ("frequent_tokens", "tfidf_nearest"):
+  for name in ("frequent_tokens", "tfidf_nearest", "frequent_tokens_own_dropped",
+               "tfidf_nearest_own_dropped"):
     s = doc["baselines"][name]["scores"]
     assert s["functions"] == doc["examples"]["test"]
     assert all(0 <= s[k] <= 1 for k in ("precision", "recall", "f1", "exact"))
-  assert doc["baselines"]["frequent_tokens"]["k"] >= 1
+  assert doc["baselines"]["frequent_tokens"]["k"] >= 1 and doc["library_share"] == 0.5
+  r = run("baselines", "--task", task, "--library-share", "0", "--json", tmp_path / "b.json")
+  assert r.returncode == 0 and "own_dropped" not in r.stdout
+
+
+def test_a_library_share_outside_0_to_1_is_one_line(task, tmp_path):
+  r = run("baselines", "--task", task, "--library-share", "2", "--json", tmp_path / "b.json")
+  assert r.returncode == 1 and r.stderr.strip().count("\n") == 0
+  assert "--library-share 2.0" in r.stderr and not (tmp_path / "b.json").exists()
 
 
 def test_function_groups_files_split_by_source_library(tmp_path):

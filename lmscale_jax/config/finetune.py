@@ -41,6 +41,10 @@ def get_config() -> ml_collections.ConfigDict:
                                  # hold it (XFL's vocabulary)
   c.finetune.name_calibration = 0.1  # (name) the share of training rows (whole libraries) held
                                  # out to choose the prediction rule on
+  c.finetune.name_library_share = 0.5  # (name) a sub-token in at least this share of one training
+                                 # library's names is that library's own (its namespace: xml,
+                                 # g, sqlite) and not a target there: a new project's own never
+                                 # is in training (docs/naming.md; 0: every sub-token a target)
   c.finetune.temperature = 0.05  # InfoNCE logits = cosine / temperature
   c.finetune.proj_dim = 128      # the projection head's output size
   c.finetune.pool = "mean"       # mean (non-pad tokens) | cls
@@ -83,6 +87,7 @@ _INTS = (("train.batch_size", 2), ("train.steps", 1), ("train.warmup_steps", 0),
          ("init.step", -1), ("data.max_groups", 0), ("finetune.name_min_count", 1))
 _FLOATS = (("finetune.temperature", 0.0, 100.0, True, False),
            ("finetune.name_calibration", 0.0, 0.5, True, True),
+           ("finetune.name_library_share", 0.0, 1.0, False, True),
            ("finetune.dropout", 0.0, 1.0, False, True),
            ("train.learning_rate", 0.0, float("inf"), True, True),
            ("train.end_lr_frac", 0.0, 1.0, False, False),

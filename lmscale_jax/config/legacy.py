@@ -37,6 +37,8 @@ VALUES = {
     # from before them resumes unchanged under today's defaults.
     "finetune.name_min_count": 2,
     "finetune.name_calibration": 0.1,
+    # A naming run from before library-own tokens were left out trained on every sub-token.
+    "finetune.name_library_share": 0.0,
 }
 
 

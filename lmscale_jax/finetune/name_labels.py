@@ -5,7 +5,9 @@ JSONL file, one object per line, ``{"text": "<pretokenised instruction text>", "
 prediction rule is chosen on).
 
 The head's outputs are the training names' sub-tokens seen at least ``finetune.name_min_count``
-times (:func:`vocabulary`; XFL's vocabulary), sorted. A line without a text or without a
+times (:func:`vocabulary`; XFL's vocabulary), sorted, once each library's own sub-tokens (its
+namespace, :func:`own_tokens`: ``finetune.name_library_share``) are left out of its names'
+targets; the prediction rule is chosen, and the test file scored, against the whole names. A line without a text or without a
 non-empty list of string tokens, and a training file none of whose tokens is that frequent,
 are refused in one line naming ``FILE:LINE`` (or the file), before any work.
 
@@ -100,6 +102,36 @@ def vocabulary(train: Named, min_count: int) -> list[str]:
                       "no usable names to learn; give a larger file or a lower "
                       "--config.finetune.name_min_count")
   return tokens
+
+
+OWN_MIN_NAMES = 20  # a namespace shows over many names: a smaller library keeps its tokens
+
+
+def own_tokens(libraries: list[str], names: list[list[str]],
+               share: float) -> dict[str, frozenset]:
+  """Each library's own sub-tokens: those in at least ``share`` of its names (its namespace:
+  ``xml``, ``g``, ``sqlite``), for libraries of OWN_MIN_NAMES names or more; ``share`` 0:
+  none. The one owner of the rule (the naming fine-tune's targets, benchmarks/naming_baselines.py).
+  Measured on the 2026-12-06 task (docs/naming.md): the most frequent training tokens score
+  F1 0.02 on held-out training libraries with them, 0.04-0.05 without them."""
+  rows = collections.defaultdict(list)
+  for library, name in zip(libraries, names):
+    rows[library].append(set(name))
+  out = {}
+  for library, held in rows.items():
+    counts = collections.Counter(t for name in held for t in name)
+    big = share > 0 and len(held) >= OWN_MIN_NAMES
+    out[library] = frozenset(t for t, n in counts.items() if big and n >= share * len(held))
+  return out
+
+
+def without_own(named: Named, share: float) -> Named:
+  """``named`` with each function's tokens less its library's own (:func:`own_tokens`): what
+  a name learnt from one project can say of another's."""
+  libraries = [info.get("library", "") for info in named.info]
+  own = own_tokens(libraries, named.tokens, share)
+  tokens = [[t for t in name if t not in own[lib]] for lib, name in zip(libraries, named.tokens)]
+  return dataclasses.replace(named, tokens=tokens)
 
 
 def targets(named: Named, tokens: list[str]) -> np.ndarray:

@@ -184,10 +184,12 @@ def check_inputs(config, workdir: str) -> NamingTask:
   f = config.finetune
   train = name_labels.read(f.labels, "--labels")
   test = name_labels.read(f.eval_labels, "--eval-labels")
-  tokens = name_labels.vocabulary(train, int(f.name_min_count))
+  targets = name_labels.without_own(train, float(f.name_library_share))
+  tokens = name_labels.vocabulary(targets, int(f.name_min_count))
   fit_rows, held = name_labels.calibration_split(train, float(f.name_calibration),
                                                  int(config.train.seed))
-  fit, calibration = train.subset(fit_rows), train.subset(held)
+  # The rule is chosen on whole names, as the test file is scored.
+  fit, calibration = targets.subset(fit_rows), train.subset(held)
   labels_lib.check_enough(fit, config.train.batch_size)
   check_vocab(workdir, tokens)
   return NamingTask(train=train, test=test, tokens=tokens, fit=fit, calibration=calibration)
@@ -198,8 +200,8 @@ def check_vocab(workdir: str, tokens: list[str]) -> None:
   if os.path.exists(os.path.join(workdir, name_head.VOCAB)):
     saved = name_head.load_vocab(workdir)["tokens"]
     name_head.check_same(saved, tokens, f"--workdir {workdir}",
-                         "resume with the task (and finetune.name_min_count) it was trained "
-                         "on, or give a new --workdir")
+                         "resume with the task (and finetune.name_min_count, "
+                         "name_library_share) it was trained on, or give a new --workdir")
 
 
 def finetune(config, workdir: str, *, allow_config_change: bool = False, inputs=None,
