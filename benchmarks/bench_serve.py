@@ -280,12 +280,29 @@ def embed_load(port: int, clients: int, bodies: list[bytes]) -> dict:
       status, answer = c.send("POST", "/api/embed", bodies[i], "application/json")
       rows.append((status, time.perf_counter() - t, answer[:200]))
 
+  counted = batching_counters(port)
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(clients) as pool:
     for f in [pool.submit(client) for _ in range(clients)]:
       f.result()
   return {"clients": clients,
-          **load_row(rows, time.perf_counter() - start, f"batching, {clients} clients")}
+          **load_row(rows, time.perf_counter() - start, f"batching, {clients} clients"),
+          "token_fill": token_fill(counted, batching_counters(port))}
+
+
+def batching_counters(port: int) -> dict:
+  """The server's batcher counters (/api/info's ``batching``)."""
+  status, answer = Client(port).send("GET", "/api/info")
+  if status != 200:
+    raise UserError(f"GET /api/info: HTTP {status} {answer[:200]!r}")
+  return json.loads(answer)["batching"]
+
+
+def token_fill(before: dict, after: dict) -> float | None:
+  """The share of the positions the model computed that were the requests' own tokens,
+  between two reads of the counters (the rest: padding to the batch's rows and bucket)."""
+  slots = after["token_slots"] - before["token_slots"]
+  return (after["tokens"] - before["tokens"]) / slots if slots else None
 
 
 def load_row(rows: list, elapsed: float, what: str) -> dict:
@@ -333,6 +350,16 @@ def offline(model, texts: list[str]) -> float:
   return len(texts) / (time.perf_counter() - start)
 
 
+def offline_fill(model, texts: list[str]) -> float:
+  """The same share for the offline embedder's batches of ``texts`` (function_vectors'
+  rule: WINDOW batches sorted by length at a time)."""
+  from lmscale_jax.inference import function_vectors, trained_model
+
+  lengths = [len(trained_model.encode(model, t)[0]) for t in texts]
+  devices = function_vectors.mesh().devices.size
+  return sum(lengths) / function_vectors.window_slots(lengths, devices, int(model.cfg.seq_len))
+
+
 def batching(a, port: int, fns: list, model) -> list:
   """Per size of --batch-texts: lone, --clients and half as many, and offline (see above)."""
   warm = [json.dumps({"texts": texts_of(i, 32, fns)}).encode()
@@ -351,8 +378,11 @@ def batching(a, port: int, fns: list, model) -> list:
     half_load = open_load(port, full["requests_per_s"] / 2, bodies)
     after = offline(model, texts)
     out.append(batching_row(size, len(texts), lone, full, half, half_load, before, after))
-    print(json.dumps({k: out[-1][k] for k in ("texts_per_request", "throughput_ratio",
-                                              "p99_half_load_over_lone")}), flush=True)
+    out[-1]["offline_token_fill"] = offline_fill(model, texts)
+    print(json.dumps({**{k: out[-1][k] for k in ("texts_per_request", "throughput_ratio",
+                                                 "p99_half_load_over_lone",
+                                                 "offline_token_fill")},
+                      "token_fill": full["token_fill"]}), flush=True)
   return out
 
 

@@ -19,6 +19,7 @@ from tests.test_hf_tools import run  # noqa: F401 (fixture)
 from tests.test_search_index import binaries  # noqa: F401 (fixture: libs uses it)
 from tests.test_serve_api import (TOKEN, call, index_dir, libs, post_json,  # noqa: F401
                                   serve_command, start, stop)
+from lmscale_jax.inference import function_vectors
 from lmscale_jax.prep.elf import elf_functions
 
 
@@ -72,6 +73,11 @@ def test_concurrent_requests_share_batches_and_each_gets_its_own_rows(server, li
   assert after["batches"] - before["batches"] < len(asks)  # shared: 24 requests, fewer passes
   for ask, (_, answer) in zip(asks, answers):
     assert len(answer["embeddings"]) == len(ask)
+  # The model's work counted: each row's ids ([CLS] … [SEP]) within whole padded batches.
+  ids = sum(n + 2 for _, answer in answers for n in answer["tokens"])
+  slots = after["token_slots"] - before["token_slots"]
+  assert after["tokens"] - before["tokens"] == ids
+  assert ids < slots and slots % function_vectors.ROW_BUCKETS[0] == 0
   for want, (_, got) in zip(alone, answers):
     np.testing.assert_allclose(got["embeddings"], want, rtol=1e-4, atol=1e-4)
   by_text = {}

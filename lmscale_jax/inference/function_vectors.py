@@ -19,7 +19,16 @@ import numpy as np
 from lmscale_jax.errors import UserError
 from lmscale_jax.inference import trained_model
 
-BATCH = 32  # sequences per device per forward pass, the last batch padded with empty rows
+# Rows per device a forward pass computes: the fewest of these that hold its functions, the
+# rest empty rows. One size (32) made a lone served function cost 32 rows, and lmscale serve's
+# batches at 8 clients of one function each were 13% the functions' own tokens against 82%
+# offline (benchmarks/bench_serve.py's token_fill, 2026-12-07). Each size is one more compiled
+# program per length bucket (lmscale serve compiles them all before it listens).
+ROW_BUCKETS = (8, 32)
+BATCH = ROW_BUCKETS[-1]  # the most sequences per device per forward pass
+# A forward pass's own cost in token positions, what one more cut must save: a pass of 8 x 16
+# positions took 2.2 ms, of 32 x 16 3.6 ms (the demo model, 2 busy CPU cores, 2026-12-07).
+PASS_SLOTS = 256
 # Functions sorted by length together (WINDOW batches), each batch padded to the next multiple
 # of seq_len / BUCKETS rather than to seq_len: at seq 512, 34% of the similarity benchmark's
 # tokens were padding, 12% now, 1.44× the functions/s (docs/performance.md, "Embedding"). The
@@ -80,16 +89,56 @@ def padded_length(longest: int, seq_len: int) -> int:
   return min(seq_len, -(-longest // step) * step)
 
 
-def _by_length(window: list, size: int):
-  """``window``'s (index, ids) items, shortest first, in batches of ``size``."""
+def rows_for(n: int, devices: int) -> int:
+  """The rows a forward pass of ``n`` functions computes: the smallest ROW_BUCKETS size (per
+  device) that holds them."""
+  return next(r * devices for r in ROW_BUCKETS if r * devices >= n)
+
+
+def batch_slots(lengths: list[int], devices: int, seq_len: int) -> int:
+  """The token positions one forward pass computes for rows of ``lengths`` (ids, with [CLS]
+  and [SEP]): :func:`rows_for` rows, each padded to the batch's bucket. Over the rows' own
+  ``sum(lengths)``: how much of the model's work went to real tokens (lmscale serve's
+  /api/info, benchmarks/bench_serve.py)."""
+  return rows_for(len(lengths), devices) * padded_length(max(lengths), seq_len)
+
+
+def window_slots(lengths: list[int], devices: int, seq_len: int) -> int:
+  """:func:`batch_slots` over the batches :func:`embed` makes of these rows, in this order
+  (WINDOW batches at a time, cut by :func:`_by_length`): the offline embedder's work."""
+  span, total = BATCH * devices * WINDOW, 0
+  for i in range(0, len(lengths), span):
+    window = [(j, [0] * n) for j, n in enumerate(lengths[i:i + span])]
+    total += sum(batch_slots([len(ids) for _, ids in b], devices, seq_len)
+                 for b in _by_length(window, devices, seq_len))
+  return total
+
+
+def _by_length(window: list, devices: int, seq_len: int) -> list[list]:
+  """``window``'s (index, ids) items, shortest first, cut into batches of at most BATCH rows
+  per device where the positions computed are fewest (:func:`batch_slots` of each batch, and
+  PASS_SLOTS a pass): the cut points by dynamic programming, over at most WINDOW batches'
+  rows, about 1 ms of Python for 50 rows."""
   ordered = sorted(window, key=lambda item: len(item[1]))
-  return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+  most, n = BATCH * devices, len(ordered)
+  cost, cut = [0] + [float("inf")] * n, [0] * (n + 1)
+  for i in range(1, n + 1):
+    longest = padded_length(len(ordered[i - 1][1]), seq_len)
+    for j in range(max(0, i - most), i):
+      c = cost[j] + rows_for(i - j, devices) * longest + PASS_SLOTS
+      if c < cost[i]:
+        cost[i], cut[i] = c, j
+  batches, i = [], n
+  while i:
+    batches.append(ordered[cut[i]:i])
+    i = cut[i]
+  return batches[::-1]
 
 
 def _pooled(model, pool: str, batch: list, where) -> list:
-  """One vector per (index, ids) of ``batch``: always ``size`` rows in (the rest empty), padded
-  to the batch's bucket."""
-  size = BATCH * where.devices.size
+  """One vector per (index, ids) of ``batch``: :func:`rows_for` rows in (the rest empty),
+  padded to the batch's bucket."""
+  size = rows_for(len(batch), where.devices.size)
   rows = [ids for _, ids in batch]
   ids = trained_model.pad_batch(rows + [rows[0][:0]] * (size - len(rows)),
                                 padded_length(max(map(len, rows)), model.cfg.seq_len),
@@ -123,7 +172,7 @@ def embed(model, inputs, pool: str | None = None) -> dict:
   window: list = []
 
   def flush():
-    for batch in _by_length(window, size):  # only the input's last batch can be short
+    for batch in _by_length(window, where.devices.size, int(model.cfg.seq_len)):
       for (i, _), v in zip(batch, _pooled(model, pool, batch, where)):
         vectors[i] = v
     window.clear()

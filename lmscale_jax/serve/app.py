@@ -109,6 +109,7 @@ def info(served: Served, batcher: Batcher) -> dict:
           "batching": {"rows_per_batch": batcher.size, "wait_ms": 1000 * batcher.wait_s,
                        "buckets": function_vectors.BUCKETS, "batches": batcher.batches,
                        "functions": batcher.rows_run, "model_busy_s": batcher.busy_s,
+                       "tokens": batcher.tokens, "token_slots": batcher.token_slots,
                        "waiting": batcher.waiting}}
 
 

@@ -4,11 +4,11 @@ Triton's dynamic batchers).
 
 A request hands in its functions' token ids and awaits their vectors. Once a batch is full or
 the oldest row has waited ``wait_s`` (default 5 ms), the model thread takes the rows waiting
-(whole batches, up to WINDOW of them, while more than one batch waits: the rest are topped up
-by the requests that come meanwhile; all of them when they fit one batch) and embeds them by the offline rule of ``lmscale embed``
-(``inference/function_vectors``, its one owner): sorted by length, cut into batches of BATCH
-rows per device, each padded to its own bucket (the next multiple of seq_len / BUCKETS), one
-forward pass per batch through the same jitted program the offline embedder compiles. While
+(up to WINDOW batches' worth) and embeds them by the offline rule of ``lmscale embed``
+(``inference/function_vectors``, its one owner): sorted by length, cut where the positions
+computed are fewest into batches of 8 or 32 rows per device, each padded to its own bucket
+(the next multiple of seq_len / BUCKETS), one forward pass per batch through the same jitted
+programs the offline embedder compiles. While
 a forward pass runs, new requests queue, so under load the batches fill by themselves; alone,
 a request waits only ``wait_s``. Each request is answered as soon as its last row is done.
 
@@ -70,6 +70,7 @@ class Batcher:
     self.waiting, self.stopping = 0, False
     # Counters for /api/info: how full the batches run, and the model thread's busy seconds.
     self.batches = self.rows_run = 0
+    self.tokens = self.token_slots = 0  # the rows' own tokens, and the positions computed
     self.busy_s, self.last_end = 0.0, 0.0
     self.thread = threading.Thread(target=self.loop, name="lmscale-model", daemon=True)
     self.thread.start()
@@ -108,14 +109,16 @@ class Batcher:
       self.waiting -= 1
 
   def warm(self) -> int:
-    """Compiles every bucket's program (a row of each bucket's length), before the server
+    """Compiles every program (each row size at each bucket's length), before the server
     listens: no user's request waits for a compile (one was 1.7 s on the demo model) → the
-    number of buckets."""
-    seq_len = int(self.model.cfg.seq_len)
+    number of programs."""
+    seq_len, devices = int(self.model.cfg.seq_len), self.where.devices.size
     lengths = sorted({function_vectors.padded_length(n, seq_len) for n in range(1, seq_len + 1)})
-    for n in lengths:
-      function_vectors._pooled(self.model, self.pool, [(0, np.zeros(n, np.int32))], self.where)
-    return len(lengths)
+    for rows in function_vectors.ROW_BUCKETS:
+      for n in lengths:
+        batch = [(i, np.zeros(n, np.int32)) for i in range(rows * devices)]
+        function_vectors._pooled(self.model, self.pool, batch, self.where)
+    return len(lengths) * len(function_vectors.ROW_BUCKETS)
 
   def close(self) -> None:
     with self.cond:
@@ -153,11 +156,9 @@ class Batcher:
     return lambda: self.run_rows(taken)
 
   def take(self) -> int:
-    """Rows to embed now: all (at most WINDOW batches) when they fit one batch, else whole
-    batches only; the rest wait for the next, filled meanwhile by new requests (a partial batch
-    costs a full one: every batch has the same rows, one compiled program per bucket)."""
-    whole = len(self.rows) - len(self.rows) % self.size
-    return min(whole or len(self.rows), self.size * function_vectors.WINDOW)
+    """Rows to embed now: all that wait, at most WINDOW batches' worth (a partial batch runs
+    as 8 rows per device where it fits, not 32: function_vectors.ROW_BUCKETS)."""
+    return min(len(self.rows), self.size * function_vectors.WINDOW)
 
   def run_call(self, pending: Pending, fn, args) -> None:
     try:
@@ -173,7 +174,8 @@ class Batcher:
 
   def embed_rows(self, taken: list) -> None:
     items = [(i, ids) for i, (_, _, ids) in enumerate(taken)]
-    for batch in function_vectors._by_length(items, self.size):  # the offline rule, one owner
+    devices, seq_len = self.where.devices.size, int(self.model.cfg.seq_len)
+    for batch in function_vectors._by_length(items, devices, seq_len):  # the offline rule
       try:
         vectors = function_vectors._pooled(self.model, self.pool, batch, self.where)
       except BaseException as e:  # noqa: BLE001 — every request of the batch gets the error
@@ -182,6 +184,9 @@ class Batcher:
           taken[i][1][0].failed(e)
         continue
       self.batches, self.rows_run = self.batches + 1, self.rows_run + len(batch)
+      lengths = [len(ids) for _, ids in batch]
+      self.tokens += sum(lengths)
+      self.token_slots += function_vectors.batch_slots(lengths, devices, seq_len)
       for (i, _), vector in zip(batch, vectors):
         pending, slot = taken[i][1]
         pending.done(slot, vector)
