@@ -16,7 +16,6 @@ pretraining FLOPs.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import glob
 import json
