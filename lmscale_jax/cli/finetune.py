@@ -30,7 +30,9 @@ classification_eval.json); lmscale classify --workdir OUT --labels FILE scores a
 
 --task name: TRAIN and TEST are a naming task's files (lmscale naming-build: {"text", "name",
 "tokens": [sub-tokens]} per line); a masked-mean-pooled head of one sigmoid per name sub-token
-seen in --config.finetune.name_min_count (2) training names learns them; the prediction rule
+seen in --config.finetune.name_min_count (2) training names learns them, each name less its
+library's own sub-tokens (its namespace: in --config.finetune.name_library_share, 0.5, of that
+library's names; 0 keeps every one); the prediction rule
 (a probability threshold, or the k best tokens) is chosen on a slice of TRAIN's libraries
 held out of training (--config.finetune.name_calibration, 0.1), and TEST's token precision,
 recall, F1 and exact-name accuracy are logged every --eval-every steps and after the last
