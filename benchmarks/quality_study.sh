@@ -110,6 +110,9 @@ for s in $wide_budgets; do
     --match-step-time "$step_time" --data "$out/shared/pretrain-seq$wseq"
 done
 
+copy_table() {  # SRC DST: temp then rename, so an interrupted copy leaves no partial table
+  cp "$1" "$2.tmp" && mv "$2.tmp" "$2"
+}
 # Each finished cell's table into benchmarks/results (again, dated, when it changed: a stage
 # added later, e.g. eval3), then the curve over all of them.
 tables=(${TABLES:-})
@@ -119,7 +122,7 @@ for done in "$out"/*/done; do
   last=$(ls benchmarks/results/*-cpu-quality-cell-"$name".json 2>/dev/null | tail -1)
   [ -n "$last" ] && cmp -s "$last" "$dir/longer_functions.json" || \
     stage "$name: its table into benchmarks/results" \
-    cp "$dir/longer_functions.json" "benchmarks/results/$today-cpu-quality-cell-$name.json"
+    copy_table "$dir/longer_functions.json" "benchmarks/results/$today-cpu-quality-cell-$name.json"
   tables+=("$(ls benchmarks/results/*-cpu-quality-cell-"$name".json 2>/dev/null | tail -1 \
     || echo "$dir/longer_functions.json")")
 done
