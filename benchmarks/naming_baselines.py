@@ -44,12 +44,14 @@ sys.path.insert(0, ROOT)
 from benchmarks import _host  # noqa: E402
 from lmscale_jax.cli import args as cli_args  # noqa: E402  one line, exit 1 for a bad argument
 from lmscale_jax.errors import UserError  # noqa: E402
+from lmscale_jax.config import finetune as finetune_config  # noqa: E402
 from lmscale_jax.evals import naming, retrieval  # noqa: E402
 from lmscale_jax.store import file_io, output_marks  # noqa: E402
 
 TOOL = "benchmarks/naming_baselines.py"
 CHUNK = 512  # test rows per similarity product: CHUNK × training rows of float64 at a time
-LIBRARY_SHARE = 0.5  # the naming fine-tune's default finetune.name_library_share (config/finetune.py)
+# The naming fine-tune's default (config/finetune.py, its one owner).
+LIBRARY_SHARE = finetune_config.get_config().finetune.name_library_share
 
 
 def parser():
@@ -97,16 +99,6 @@ def frequent_tokens(names: list[list[str]]) -> tuple[int, list[str]]:
   held = collections.Counter(t for name in names for t in set(name))
   k = max(1, round(sum(len(set(name)) for name in names) / len(names)))
   return k, [t for t, _ in sorted(held.items(), key=lambda kv: (-kv[1], kv[0]))[:k]]
-
-
-def without_own(train: list[dict], share: float) -> list[list[str]]:
-  """The training names less each library's own sub-tokens (its namespace), by the naming
-  fine-tune's rule (finetune/name_labels.own_tokens, its one owner): what can transfer."""
-  from lmscale_jax.finetune import name_labels
-
-  libraries = [r["library"] for r in train]
-  own = name_labels.own_tokens(libraries, [r["tokens"] for r in train], share)
-  return [[t for t in r["tokens"] if t not in own[r["library"]]] for r in train]
 
 
 def most_similar(b, a) -> list[int]:
@@ -163,7 +155,10 @@ def run(task: str, test_task: str | None = None, index_workdir: str | None = Non
   truth = [r["tokens"] for r in test]
   names = {"": [r["tokens"] for r in train]}
   if share > 0:  # the same transfer of the names less their libraries' own sub-tokens
-    names["_own_dropped"] = without_own(train, share)
+    from lmscale_jax.finetune import name_labels  # here: it imports JAX, --help need not
+
+    names["_own_dropped"] = name_labels.names_less_own([r["library"] for r in train],
+                                                       names[""], share)
   baselines = {}
   for suffix, kept in names.items():
     k, top = frequent_tokens(kept)

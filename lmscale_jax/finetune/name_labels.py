@@ -7,8 +7,8 @@ prediction rule is chosen on).
 The head's outputs are the training names' sub-tokens seen at least ``finetune.name_min_count``
 times (:func:`vocabulary`; XFL's vocabulary), sorted, once each library's own sub-tokens (its
 namespace, :func:`own_tokens`: ``finetune.name_library_share``) are left out of its names'
-targets; the prediction rule is chosen, and the test file scored, against the whole names. A line without a text or without a
-non-empty list of string tokens, and a training file none of whose tokens is that frequent,
+targets; the prediction rule is chosen, and the test file scored, against the whole names.
+A line without a text or without a non-empty list of string tokens, and a training file none of whose tokens is that frequent,
 are refused in one line naming ``FILE:LINE`` (or the file), before any work.
 
 The slice the prediction rule is chosen on (:func:`calibration_split`) is held out of training:
@@ -113,7 +113,7 @@ def own_tokens(libraries: list[str], names: list[list[str]],
   ``xml``, ``g``, ``sqlite``), for libraries of OWN_MIN_NAMES names or more; ``share`` 0:
   none. The one owner of the rule (the naming fine-tune's targets, benchmarks/naming_baselines.py).
   Measured on the 2026-12-06 task (docs/naming.md): the most frequent training tokens score
-  F1 0.02 on held-out training libraries with them, 0.04-0.05 without them."""
+  F1 0.018-0.031 on held-out training libraries with them, 0.040-0.051 without them."""
   rows = collections.defaultdict(list)
   for library, name in zip(libraries, names):
     rows[library].append(set(name))
@@ -125,13 +125,18 @@ def own_tokens(libraries: list[str], names: list[list[str]],
   return out
 
 
+def names_less_own(libraries: list[str], names: list[list[str]],
+                   share: float) -> list[list[str]]:
+  """Each name less its library's own sub-tokens (:func:`own_tokens`): what a name learnt
+  from one project can say of another's."""
+  own = own_tokens(libraries, names, share)
+  return [[t for t in name if t not in own[lib]] for lib, name in zip(libraries, names)]
+
+
 def without_own(named: Named, share: float) -> Named:
-  """``named`` with each function's tokens less its library's own (:func:`own_tokens`): what
-  a name learnt from one project can say of another's."""
+  """``named`` with its names less their libraries' own sub-tokens (:func:`names_less_own`)."""
   libraries = [info.get("library", "") for info in named.info]
-  own = own_tokens(libraries, named.tokens, share)
-  tokens = [[t for t in name if t not in own[lib]] for lib, name in zip(libraries, named.tokens)]
-  return dataclasses.replace(named, tokens=tokens)
+  return dataclasses.replace(named, tokens=names_less_own(libraries, named.tokens, share))
 
 
 def targets(named: Named, tokens: list[str]) -> np.ndarray:

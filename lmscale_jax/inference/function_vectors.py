@@ -118,7 +118,8 @@ def _by_length(window: list, devices: int, seq_len: int) -> list[list]:
   """``window``'s (index, ids) items, shortest first, cut into batches of at most BATCH rows
   per device where the positions computed are fewest (:func:`batch_slots` of each batch, and
   PASS_SLOTS a pass): the cut points by dynamic programming, over at most WINDOW batches'
-  rows, about 1 ms of Python for 50 rows."""
+  rows: 0.5 ms of Python for 50 rows, 3.2 ms for 256 (measured on 2 busy cores, 2026-12-07;
+  a 256-function window takes about 0.5 s to embed on them)."""
   ordered = sorted(window, key=lambda item: len(item[1]))
   most, n = BATCH * devices, len(ordered)
   cost, cut = [0] + [float("inf")] * n, [0] * (n + 1)
