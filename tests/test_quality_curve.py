@@ -180,6 +180,16 @@ def test_the_study_wants_its_directory_and_its_dry_run_runs_nothing(tmp_path):
     assert f"== {what}" in p.stderr
 
 
+def test_eval3_without_its_benchmark_file_is_one_line_before_any_work(tmp_path):
+  out = tmp_path / "claims"
+  for env in ({"SETS": "eval eval3"}, {"SETS": "eval3", "EVAL3": str(tmp_path / "none.jsonl")}):
+    p = subprocess.run(["bash", "benchmarks/similarity_claims.sh", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("error: SETS has eval3 but EVAL3=") and "similarity-build" in p.stderr
+    assert not out.exists()
+
+
 def test_a_budget_is_the_seconds_over_the_shared_step_time(tmp_path):
   out = tmp_path / "budget.json"
   p = subprocess.run([sys.executable, "benchmarks/quality_budget.py", "--variant",
