@@ -45,3 +45,25 @@ def test_short_and_long_functions_waiting_together_are_not_padded_to_the_longest
   batches = fv._by_length(window(lengths), 1, SEQ)
   assert sorted(len(b) for b in batches) == [8, 8]
   assert fv.window_slots(lengths, 1, SEQ) == 8 * fv.padded_length(20, SEQ) + 8 * SEQ
+
+
+def costs_where_a_large_pass_costs(factor: float, devices: int = 1) -> dict:
+  """A measured_passes-shaped table: a row costs its length, times ``factor`` in the large pass."""
+  lengths = {fv.padded_length(n, SEQ) for n in range(1, SEQ + 1)}
+  small, large = (r * devices for r in fv.ROW_BUCKETS)
+  return {**{(small, n): small * n for n in lengths},
+          **{(large, n): factor * large * n for n in lengths}}
+
+
+def test_measured_passes_decide_the_row_size_where_a_large_pass_costs_more_a_row():
+  lengths = [SEQ] * 64  # as a CPU measured it: 32 rows at the longest length, 1.8x a row's cost
+  for devices in (1, 4):
+    costs = costs_where_a_large_pass_costs(1.8, devices)
+    batches = fv._by_length(window(lengths), devices, SEQ, costs)
+    assert sorted(i for b in batches for i, _ in b) == list(range(64))
+    assert all(len(b) <= fv.ROW_BUCKETS[0] * devices for b in batches)
+  # the same window by positions (and where the large pass is cheaper a row) fills 32 rows
+  assert {len(b) for b in fv._by_length(window(lengths), 1, SEQ)} == {fv.BATCH}
+  cheap = costs_where_a_large_pass_costs(0.5)
+  assert {len(b) for b in fv._by_length(window(lengths), 1, SEQ, cheap)} == {fv.BATCH}
+

@@ -376,3 +376,24 @@ def test_finish_over_task_files_of_two_runs_is_one_line(model, paths, tmp_path, 
   index_array.run_task(model, paths[:2], str(where), 1, 3, say=lambda _: None)
   one_line("index", ["finish", "--output", where], capsys, "task files of different runs")
   assert not (where / index_files.INDEX).exists()
+
+
+
+def test_measured_passes_time_every_program_and_cut_to_the_same_vectors(model, binaries):
+  """lmscale serve's cut (by its programs' measured seconds) against lmscale embed's (by
+  positions): every program timed once compiled, and the vectors row for row within 1e-5."""
+  where = function_vectors.mesh()
+  costs = function_vectors.measured_passes(model, "mean", where, repeats=1)
+  seq = int(model.cfg.seq_len)
+  lengths = {function_vectors.padded_length(n, seq) for n in range(1, seq + 1)}
+  rows = {r * where.devices.size for r in function_vectors.ROW_BUCKETS}
+  assert set(costs) == {(r, n) for r in rows for n in lengths}
+  assert all(0 < s < 60 for s in costs.values())
+  fns = [f for p in binaries["O0"] for f in index.elf_functions_of(p)]
+  texts = [" [NEXT] ".join(f.instructions[:k]) for f in fns for k in (1, 9, 30, 400)]
+  inputs = [(f"f{i}", "", *trained_model.encode(model, t)) for i, t in enumerate(texts)]
+  small = {key: (1.0 if key[0] == min(rows) else 99.0) for key in costs}  # 8 rows always
+  by_positions = function_vectors.embed(model, inputs)["embeddings"]
+  for table in (costs, small):
+    measured = function_vectors.embed(model, inputs, costs=table)["embeddings"]
+    assert float(np.abs(measured - by_positions).max()) < 1e-5

@@ -78,6 +78,9 @@ def test_concurrent_requests_share_batches_and_each_gets_its_own_rows(server, li
   slots = after["token_slots"] - before["token_slots"]
   assert after["tokens"] - before["tokens"] == ids
   assert ids < slots and slots % function_vectors.ROW_BUCKETS[0] == 0
+  # The batches are cut by the passes the server timed before it listened: every program.
+  assert len(after["pass_ms"]) == len(function_vectors.ROW_BUCKETS) * function_vectors.BUCKETS
+  assert all(ms > 0 for ms in after["pass_ms"].values())
   for want, (_, got) in zip(alone, answers):
     np.testing.assert_allclose(got["embeddings"], want, rtol=1e-4, atol=1e-4)
   by_text = {}

@@ -12,6 +12,7 @@ float rounding (tests/test_search_array.py: 4 host devices against 1, within 1e-
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -28,6 +29,8 @@ ROW_BUCKETS = (8, 32)
 BATCH = ROW_BUCKETS[-1]  # the most sequences per device per forward pass
 # A forward pass's own cost in token positions, what one more cut must save: a pass of 8 x 16
 # positions took 2.2 ms, of 32 x 16 3.6 ms (the demo model, 2 busy CPU cores, 2026-12-07).
+# The cost of a pass where none is measured (:func:`positions_cost`); lmscale serve measures its
+# programs (:func:`measured_passes`): a row is not the same price in every program.
 PASS_SLOTS = 256
 # Functions sorted by length together (WINDOW batches), each batch padded to the next multiple
 # of seq_len / BUCKETS rather than to seq_len: at seq 512, 34% of the similarity benchmark's
@@ -103,30 +106,61 @@ def batch_slots(lengths: list[int], devices: int, seq_len: int) -> int:
   return rows_for(len(lengths), devices) * padded_length(max(lengths), seq_len)
 
 
-def window_slots(lengths: list[int], devices: int, seq_len: int) -> int:
+def window_slots(lengths: list[int], devices: int, seq_len: int,
+                 costs: dict | None = None) -> int:
   """:func:`batch_slots` over the batches :func:`embed` makes of these rows, in this order
   (WINDOW batches at a time, cut by :func:`_by_length`): the offline embedder's work."""
   span, total = BATCH * devices * WINDOW, 0
   for i in range(0, len(lengths), span):
     window = [(j, [0] * n) for j, n in enumerate(lengths[i:i + span])]
     total += sum(batch_slots([len(ids) for _, ids in b], devices, seq_len)
-                 for b in _by_length(window, devices, seq_len))
+                 for b in _by_length(window, devices, seq_len, costs))
   return total
 
 
-def _by_length(window: list, devices: int, seq_len: int) -> list[list]:
+def positions_cost(rows: int, length: int) -> int:
+  """A forward pass's cost, unmeasured: the token positions it computes, plus PASS_SLOTS. The
+  offline tools cut by it: their vectors do not depend on a clock (the same cuts every run)."""
+  return rows * length + PASS_SLOTS
+
+
+def measured_passes(model, pool: str, where, repeats: int = 3) -> dict:
+  """{(rows, length): seconds} of a forward pass of every program (ROW_BUCKETS rows per device
+  at each length bucket), compiled, then the fastest of ``repeats``. On a CPU a row is not the
+  same price everywhere: at the demo model's length 128 a pass of 8 rows took 6.6 ms, of 32
+  rows 47 ms, 1.8x a row's cost (one core, 2026-12-07); on a GPU the larger pass should win."""
+  seq_len, devices = int(model.cfg.seq_len), where.devices.size
+  word = model.special_ids["[UNK]"]  # not padding: every position computed as in use
+  out = {}
+  for rows in ROW_BUCKETS:
+    for n in sorted({padded_length(k, seq_len) for k in range(1, seq_len + 1)}):
+      batch = [(i, np.full(n, word, np.int32)) for i in range(rows * devices)]
+      _pooled(model, pool, batch, where)  # its compile, not timed
+      out[rows * devices, n] = min(timed(_pooled, model, pool, batch, where)
+                                   for _ in range(repeats))
+  return out
+
+
+def timed(fn, *args) -> float:
+  start = time.perf_counter()
+  fn(*args)
+  return time.perf_counter() - start
+
+
+def _by_length(window: list, devices: int, seq_len: int, costs: dict | None = None) -> list[list]:
   """``window``'s (index, ids) items, shortest first, cut into batches of at most BATCH rows
-  per device where the positions computed are fewest (:func:`batch_slots` of each batch, and
-  PASS_SLOTS a pass): the cut points by dynamic programming, over at most WINDOW batches'
+  per device where the passes cost least (``costs``: :func:`measured_passes`; None:
+  :func:`positions_cost`): the cut points by dynamic programming, over at most WINDOW batches'
   rows: 0.5 ms of Python for 50 rows, 3.2 ms for 256 (measured on 2 busy cores, 2026-12-07;
   a 256-function window takes about 0.5 s to embed on them)."""
   ordered = sorted(window, key=lambda item: len(item[1]))
   most, n = BATCH * devices, len(ordered)
+  price = positions_cost if costs is None else lambda rows, length: costs[rows, length]
   cost, cut = [0] + [float("inf")] * n, [0] * (n + 1)
   for i in range(1, n + 1):
     longest = padded_length(len(ordered[i - 1][1]), seq_len)
     for j in range(max(0, i - most), i):
-      c = cost[j] + rows_for(i - j, devices) * longest + PASS_SLOTS
+      c = cost[j] + price(rows_for(i - j, devices), longest)
       if c < cost[i]:
         cost[i], cut[i] = c, j
   batches, i = [], n
@@ -159,13 +193,13 @@ def token_mean(h: np.ndarray) -> np.ndarray:
   return h.mean(axis=0) if len(h) else np.zeros(h.shape[1:], h.dtype)
 
 
-def embed(model, inputs, pool: str | None = None) -> dict:
+def embed(model, inputs, pool: str | None = None, costs: dict | None = None) -> dict:
   """``inputs``: (name, file, ids, truncated) per function, ids as ``trained_model.encode``
   gives them → the arrays of an embeddings file (``embeddings`` float32 [N, H], ``names``,
   ``files``, ``tokens``, ``truncated``, ``pool``, ``projection``). The functions are embedded
   WINDOW batches at a time, sorted by length inside each window so that a batch is padded to
   its own bucket (:func:`padded_length`), not to ``seq_len``; the vectors come back in the
-  input's order."""
+  input's order. ``costs``: cut by measured passes (:func:`_by_length`), as lmscale serve does."""
   pool = resolve_pool(model, pool)
   where = mesh()
   size = BATCH * where.devices.size
@@ -173,7 +207,7 @@ def embed(model, inputs, pool: str | None = None) -> dict:
   window: list = []
 
   def flush():
-    for batch in _by_length(window, where.devices.size, int(model.cfg.seq_len)):
+    for batch in _by_length(window, where.devices.size, int(model.cfg.seq_len), costs):
       for (i, _), v in zip(batch, _pooled(model, pool, batch, where)):
         vectors[i] = v
     window.clear()

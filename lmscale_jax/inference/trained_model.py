@@ -61,6 +61,12 @@ class TrainedModel:
   def special_ids(self) -> dict:
     return toklib.validate(self.tokenizer, self.source)
 
+  @functools.cached_property
+  def words_kept(self) -> int | None:
+    """Words of a text that can reach the ids :func:`encode` keeps (``seq_len``), or None: the
+    tokenizer is not word-local (``store/tokenizer.word_local``) and reads the whole text."""
+    return int(self.cfg.seq_len) if toklib.word_local(self.tokenizer) else None
+
 
 # --------------------------------------------------------------------------- loading
 def abstract_params(run_config, cfg, classes: int = 0):
@@ -185,7 +191,9 @@ def load(workdir: str = "", hf: str = "", step: int | None = None,
 def encode(model: TrainedModel, text: str) -> tuple[np.ndarray, bool]:
   """``[CLS] text [SEP]`` ids (int32) as training saw them, cut at ``seq_len``; and whether
   they were cut."""
-  ids = model.tokenizer.encode(text).ids
+  # Past seq_len words, the rest cannot change the ids kept; and the cut is still seen: seq_len
+  # words give at least seq_len ids, plus [CLS] and [SEP].
+  ids = model.tokenizer.encode(toklib.leading_words(text, model.words_kept)).ids
   cut = len(ids) > model.cfg.seq_len
   if cut:  # keep the final [SEP]: every training sequence ends a function with one
     ids = ids[:model.cfg.seq_len - 1] + ids[-1:]

@@ -2,15 +2,17 @@
 length-bucketed batches, by one model thread (the anchor: text-embeddings-inference's and
 Triton's dynamic batchers).
 
-A request hands in its functions' token ids and awaits their vectors. Once a batch is full or
-the oldest row has waited ``wait_s`` (default 5 ms), the model thread takes the rows waiting
-(up to WINDOW batches' worth) and embeds them by the offline rule of ``lmscale embed``
-(``inference/function_vectors``, its one owner): sorted by length, cut where the positions
-computed are fewest into batches of 8 or 32 rows per device, each padded to its own bucket
-(the next multiple of seq_len / BUCKETS), one forward pass per batch through the same jitted
-programs the offline embedder compiles. While
-a forward pass runs, new requests queue, so under load the batches fill by themselves; alone,
-a request waits only ``wait_s``. Each request is answered as soon as its last row is done.
+A request hands in its functions' token ids (encoded on the event loop when it has at most
+``app.INLINE_TEXTS``) and awaits their vectors. Once a batch is full or the oldest row has
+waited ``wait_s`` (default 5 ms), the model thread takes the rows waiting (up to WINDOW
+batches' worth) and cuts them as ``lmscale embed`` does (``inference/function_vectors``, its
+one owner): sorted by length, into passes of 8 or 32 rows per device, each padded to its own
+bucket (the next multiple of seq_len / BUCKETS), through the same jitted programs, the cut
+points where the passes cost least. The one difference: the server prices a pass by what its
+program measured at start-up (``warm``), ``lmscale embed`` by the positions it computes (its
+vectors may not depend on a clock). While a forward pass runs, new requests queue, so under
+load the batches fill by themselves; alone, a request waits only ``wait_s``. Each request is
+answered as soon as its last row is done.
 
 Other model calls (fill-mask) run on the same thread, between batches: one model, one thread,
 no two forward passes sharing the cores."""
@@ -71,6 +73,7 @@ class Batcher:
     # Counters for /api/info: how full the batches run, and the model thread's busy seconds.
     self.batches = self.rows_run = 0
     self.tokens = self.token_slots = 0  # the rows' own tokens, and the positions computed
+    self.costs: dict | None = None  # the passes' measured seconds (warm); None: by positions
     self.busy_s, self.last_end = 0.0, 0.0
     self.thread = threading.Thread(target=self.loop, name="lmscale-model", daemon=True)
     self.thread.start()
@@ -109,16 +112,12 @@ class Batcher:
       self.waiting -= 1
 
   def warm(self) -> int:
-    """Compiles every program (each row size at each bucket's length), before the server
-    listens: no user's request waits for a compile (one was 1.7 s on the demo model) → the
-    number of programs."""
-    seq_len, devices = int(self.model.cfg.seq_len), self.where.devices.size
-    lengths = sorted({function_vectors.padded_length(n, seq_len) for n in range(1, seq_len + 1)})
-    for rows in function_vectors.ROW_BUCKETS:
-      for n in lengths:
-        batch = [(i, np.zeros(n, np.int32)) for i in range(rows * devices)]
-        function_vectors._pooled(self.model, self.pool, batch, self.where)
-    return len(lengths) * len(function_vectors.ROW_BUCKETS)
+    """Compiles every program (each row size at each bucket's length) and times it, before the
+    server listens: no user's request waits for a compile (one was 1.7 s on the demo model), and
+    the batches are cut by what their passes cost here (``function_vectors.measured_passes``)
+    → the number of programs."""
+    self.costs = function_vectors.measured_passes(self.model, self.pool, self.where)
+    return len(self.costs)
 
   def close(self) -> None:
     with self.cond:
@@ -175,7 +174,7 @@ class Batcher:
   def embed_rows(self, taken: list) -> None:
     items = [(i, ids) for i, (_, _, ids) in enumerate(taken)]
     devices, seq_len = self.where.devices.size, int(self.model.cfg.seq_len)
-    for batch in function_vectors._by_length(items, devices, seq_len):  # the offline rule
+    for batch in function_vectors._by_length(items, devices, seq_len, self.costs):
       try:
         vectors = function_vectors._pooled(self.model, self.pool, batch, self.where)
       except BaseException as e:  # noqa: BLE001 — every request of the batch gets the error

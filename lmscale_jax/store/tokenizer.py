@@ -166,6 +166,30 @@ def validate(tok, where: str) -> dict:
   return ids
 
 
+def word_local(tok) -> bool:
+  """Whether ``tok`` turns every whitespace-separated word of a text into at least one id, from
+  that word alone: WordPiece (an unknown word is [UNK], never nothing) after a WhitespaceSplit
+  pre-tokenizer, no normalizer (BertNormalizer drops control characters: a word could vanish),
+  no added token holding a space. The binary tokenizer (:func:`from_pretoken_counts`) is."""
+  from tokenizers import models, pre_tokenizers
+
+  return (tok.normalizer is None and isinstance(tok.model, models.WordPiece)
+          and isinstance(tok.pre_tokenizer, pre_tokenizers.WhitespaceSplit)
+          and not any(any(c.isspace() for c in t.content)
+                      for t in tok.get_added_tokens_decoder().values()))
+
+
+def leading_words(text: str, words: int | None) -> str:
+  """The first ``words`` whitespace-separated words of ``text`` (None: all of it). With a
+  :func:`word_local` tokenizer they hold the text's first ``words`` ids, so a function cut at
+  ``seq_len`` ids need not be tokenized whole: libz's functions average 842 ids against 256
+  kept, and tokenizing them whole was 0.57 ms a function, a third of ``lmscale embed``'s time."""
+  if words is None:
+    return text
+  parts = text.split(None, words)
+  return text if len(parts) <= words else " ".join(parts[:words])
+
+
 # --------------------------------------------------------------------------- for transformers
 # The files `transformers.AutoTokenizer.from_pretrained(DIR)` reads beside tokenizer.json.
 TOKENIZER_CONFIG = "tokenizer_config.json"

@@ -36,6 +36,8 @@ def _at(where: str, what: str) -> str:
 def check(text: str, where: str = "") -> str:
   """``text`` itself when it holds no lone surrogate (what invalid UTF-8 bytes become in argv,
   an unpaired ``\\u`` escape in JSON); else TextError naming ``where`` and the position."""
+  if text.isascii():  # CPython keeps this flag: no scan (the search was 40 µs on a function)
+    return text
   found = _SURROGATE.search(text)
   if found:
     code = ord(found.group())
