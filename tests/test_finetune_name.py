@@ -167,3 +167,20 @@ def test_a_library_share_outside_0_to_1_is_one_line(task_dir, pretrained, tmp_pa
   err = capsys.readouterr().err.strip()
   assert code != 0 and err.count("\n") == 0 and "finetune.name_library_share=1.5" in err
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_finished_run_rescored_chooses_its_rule_again_and_scores_as_its_last_evaluation(
+    named, tmp_path, capsys):
+  """benchmarks/naming_rescore.py: the run's calibration slice and held-out file, inference as
+  lmscale name runs it; with the grid the run had, the run's own rule and scores."""
+  from benchmarks import naming_rescore
+
+  out = tmp_path / "rescored.json"
+  assert naming_rescore.main(["--workdir", str(named), "--json", str(out)]) == 0
+  again, report = json.load(open(out)), json.load(open(named / name_run.EVAL_REPORT))
+  assert again["step"] == STEPS and again["functions"] == report["functions"]
+  assert again["thresholds"] == list(name_run.THRESHOLDS)
+  assert again["rule"]["kind"] == report["rule"]["kind"]
+  for k in ("precision", "recall", "f1", "exact"):
+    assert abs(again[k] - report[k]) < 1e-3, (k, again[k], report[k])
+  assert f"F1 {again['f1']:.4f}" in capsys.readouterr().out

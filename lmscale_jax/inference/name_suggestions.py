@@ -67,14 +67,19 @@ def probabilities(model: trained_model.TrainedModel, texts: list[str],
   return np.concatenate(out)
 
 
+def ranked(model: trained_model.TrainedModel, texts: list[str], top: int,
+           batch_size: int = BATCH) -> tuple[list[list[str]], np.ndarray]:
+  """Each text's ``top`` best sub-tokens, best first, and their probabilities [N, top]."""
+  probs = probabilities(model, texts, batch_size)
+  order = np.argsort(-probs, axis=1, kind="stable")[:, :top]
+  vocab = model.namer["tokens"]
+  return [[vocab[j] for j in row] for row in order.tolist()], np.take_along_axis(probs, order, 1)
+
+
 def suggest(namer: Namer, texts: list[str], top: int, batch_size: int = BATCH) -> list[dict]:
   """Per text: ``suggested`` (the rule's sub-tokens joined by "_", "" where it keeps none) and
   ``tokens``, the ``top`` best sub-tokens as [token, probability rounded to 4 places]."""
-  probs = probabilities(namer.model, texts, batch_size)
-  order = np.argsort(-probs, axis=1, kind="stable")[:, :max(top, name_head.TOP)]
-  vocab = namer.model.namer["tokens"]
-  best = [[vocab[j] for j in row] for row in order.tolist()]
-  best_p = np.take_along_axis(probs, order, 1)
+  best, best_p = ranked(namer.model, texts, max(top, name_head.TOP), batch_size)
   named = name_head.apply_rule(namer.rule, best, best_p)
   return [{"suggested": "_".join(n),
            "tokens": [[t, round(float(p), 4)] for t, p in zip(b[:top], ps[:top])]}

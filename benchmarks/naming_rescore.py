@@ -1,0 +1,69 @@
+"""A finished naming fine-tune scored again, as its last evaluation scored it but with today's
+rules: the prediction rule chosen on the run's own calibration slice among
+``name_run.rules()`` (a grid that has grown since the run), then the held-out file scored.
+Inference as ``lmscale name`` runs it (float32); the run's ``naming_eval.json`` is left as it is.
+
+  python benchmarks/naming_rescore.py --workdir RUN [--step N] --json OUT
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import _host  # noqa: E402
+from lmscale_jax.cli.args import Parser, guarded  # noqa: E402
+
+
+def parser() -> Parser:
+  p = Parser(description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", required=True, help="a naming fine-tune's --workdir")
+  p.add_argument("--step", type=int, default=None, help="its checkpoint (default: the latest)")
+  p.add_argument("--json", required=True, help="where to write the scores")
+  return p
+
+
+def rescored(workdir: str, step: int | None) -> dict:
+  from lmscale_jax.finetune import name_run
+  from lmscale_jax.inference import name_suggestions
+  from lmscale_jax.model import name_head
+
+  namer = name_suggestions.load(workdir, step=step)
+  model = namer.model
+  task = name_run.check_inputs(model.run_config, workdir)  # the run's split and vocabulary
+  rule = name_run.choose_rule(*name_suggestions.ranked(model, task.calibration.texts,
+                                                       name_head.TOP),
+                              task.calibration.tokens)
+  scores = name_run.report(task.test, task.tokens, rule,
+                           *name_suggestions.ranked(model, task.test.texts, name_head.TOP))
+  scores.pop("predictions")
+  return {"step": model.step, "calibration_functions": len(task.calibration),
+          "thresholds": list(name_run.THRESHOLDS), **scores}
+
+
+def main(argv=None) -> int:
+  a = parser().parse_args(argv)
+
+  def go() -> int:
+    from lmscale_jax.store import file_io
+
+    out = rescored(a.workdir, a.step)
+    doc = {"tool": "benchmarks/naming_rescore.py", "workdir": os.path.abspath(a.workdir),
+           "date": datetime.date.today().isoformat(), "code": _host.code_version(),
+           "device": _host.host_description(ROOT), **out}
+    file_io.atomic_write_json(a.json, doc)
+    r = out["rule"]
+    print(f"{a.workdir} step {out['step']}: F1 {out['f1']:.4f} (P {out['precision']:.4f}, R "
+          f"{out['recall']:.4f}), rule {r['kind']} {r.get('threshold', r.get('k'))} chosen on "
+          f"{out['calibration_functions']} (calibration F1 {r['calibration_f1']:.4f})")
+    return 0
+
+  return guarded(go, "nothing was written")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
