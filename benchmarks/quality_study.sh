@@ -113,18 +113,22 @@ done
 copy_table() {  # SRC DST: temp then rename, so an interrupted copy leaves no partial table
   cp "$1" "$2.tmp" && mv "$2.tmp" "$2"
 }
+latest_table() {  # NAME -> the newest of that cell's tables in benchmarks/results, or nothing
+  # (never a failure: under pipefail, ls of a cell with no table yet ended the study, exit 2)
+  ls benchmarks/results/*-cpu-quality-cell-"$1".json 2>/dev/null | tail -1 || true
+}
 # Each finished cell's table into benchmarks/results (again, dated, when it changed: a stage
 # added later, e.g. eval3), then the curve over all of them.
 tables=(${TABLES:-})
 for done in "$out"/*/done; do
   [ -f "$done" ] || continue
   dir=$(dirname "$done"); name=$(basename "$dir")
-  last=$(ls benchmarks/results/*-cpu-quality-cell-"$name".json 2>/dev/null | tail -1)
+  last=$(latest_table "$name")
   [ -n "$last" ] && cmp -s "$last" "$dir/longer_functions.json" || \
     stage "$name: its table into benchmarks/results" \
     copy_table "$dir/longer_functions.json" "benchmarks/results/$today-cpu-quality-cell-$name.json"
-  tables+=("$(ls benchmarks/results/*-cpu-quality-cell-"$name".json 2>/dev/null | tail -1 \
-    || echo "$dir/longer_functions.json")")
+  last=$(latest_table "$name")  # the copy (DRY_RUN: none, so the cell's own)
+  tables+=("${last:-$dir/longer_functions.json}")
 done
 join() { local IFS=,; echo "$*"; }
 if [ ${#tables[@]} -eq 0 ]; then

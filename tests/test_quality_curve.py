@@ -180,6 +180,24 @@ def test_the_study_wants_its_directory_and_its_dry_run_runs_nothing(tmp_path):
     assert f"== {what}" in p.stderr
 
 
+def test_a_finished_cell_with_no_table_yet_goes_on_to_its_copy_and_the_curve(tmp_path):
+  """The first copy of a cell's table: looking for an earlier one finds none, which under
+  pipefail ended the study (exit 2) before the copy and the curve."""
+  out = tmp_path / "study"
+  cell = out / "zz-no-table-yet-15m"
+  cell.mkdir(parents=True)
+  (cell / "done").touch()
+  (cell / "longer_functions.json").write_text("{}")
+  p = subprocess.run(["bash", "benchmarks/quality_study.sh", str(out)], cwd=ROOT,
+                     capture_output=True, text=True, timeout=60,
+                     env={**os.environ, "DRY_RUN": "1", "BUDGETS": "", "WIDE_BUDGETS": ""})
+  assert p.returncode == 0, p.stderr
+  assert "== zz-no-table-yet-15m: its table into benchmarks/results" in p.stderr
+  assert "== the curve over 1 cell tables" in p.stderr
+  assert f"{cell}/longer_functions.json" in p.stderr  # DRY_RUN copied nothing: the cell's own
+  assert not [f for f in os.listdir(os.path.join(ROOT, "benchmarks", "results")) if "zz-no-table" in f]
+
+
 def test_eval3_without_its_benchmark_file_is_one_line_before_any_work(tmp_path):
   out = tmp_path / "claims"
   for env in ({"SETS": "eval eval3"}, {"SETS": "eval3", "EVAL3": str(tmp_path / "none.jsonl")}):
