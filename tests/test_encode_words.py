@@ -38,7 +38,7 @@ def texts():
   rng = np.random.default_rng(0)
   pool = WORDS + ["movzx", "unseenword", "x" * 150, "é"]  # pieces, [UNK], too long, non-ASCII
   for n in (0, 1, SEQ - 3, SEQ - 2, SEQ - 1, SEQ, SEQ + 1, SEQ + 2, 3 * SEQ, 400):
-    for gap in (" ", "  \n\t "):
+    for gap in (" ", "  \n\t ", "\x0b", "\x1c", " \x1f "):  # \x1c, \x1f: not spaces to it
       yield gap.join(rng.choice(pool, size=n)) + gap
 
 
@@ -60,7 +60,12 @@ def test_a_tokenizer_that_is_not_word_local_reads_the_whole_text():
   assert trained_model.encode(model, text)[0].tolist() == whole_then_cut(model, text)[0]
 
 
-def test_leading_words_keeps_a_short_text_as_it_is():
+def test_leading_words_keeps_the_text_as_written_up_to_the_last_word_kept():
   assert toklib.leading_words("a  b\tc", 3) == "a  b\tc"
-  assert toklib.leading_words("a  b\tc d", 3) == "a b c"
+  assert toklib.leading_words(" a  b\tc d", 3) == " a  b\tc"
+  assert toklib.leading_words("a\x1cb c d", 2) == "a\x1cb c"  # \x1c is inside a word
   assert toklib.leading_words("a b", None) == "a b"
+  few_long = " ".join(["movabs" * 8] * 250)  # fewer words than asked, each long: no backtracking
+  assert toklib.leading_words(few_long, 256) == few_long
+  assert toklib.leading_words(few_long, 3) == " ".join(["movabs" * 8] * 3)
+  assert toklib.leading_words("é b c", 1) == "é b c"  # not ASCII: read whole
