@@ -3,7 +3,10 @@ rules: the prediction rule chosen on the run's own calibration slice among
 ``name_run.rules()`` (a grid that has grown since the run), then the held-out file scored.
 Inference as ``lmscale name`` runs it (float32); the run's ``naming_eval.json`` is left as it is.
 
-  python benchmarks/naming_rescore.py --workdir RUN [--step N] --json OUT
+  python benchmarks/naming_rescore.py --workdir RUN [--step N] --json OUT [--overwrite]
+
+``--json`` is written temp-then-rename, and never over a file this tool did not write (an
+input, the run's own naming_eval.json) unless ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import _host  # noqa: E402
-from lmscale_jax.cli.args import Parser, guarded  # noqa: E402
+from lmscale_jax.cli.args import Parser, guarded, output_file  # noqa: E402
+
+TOOL = "benchmarks/naming_rescore.py"
 
 
 def parser() -> Parser:
-  p = Parser(description=__doc__.splitlines()[0])
+  p = Parser(prog=TOOL, description=__doc__.splitlines()[0])
   p.add_argument("--workdir", required=True, help="a naming fine-tune's --workdir")
   p.add_argument("--step", type=int, default=None, help="its checkpoint (default: the latest)")
-  p.add_argument("--json", required=True, help="where to write the scores")
+  p.add_argument("--json", required=True, type=output_file, help="where to write the scores")
   return p
 
 
@@ -49,13 +54,13 @@ def main(argv=None) -> int:
   a = parser().parse_args(argv)
 
   def go() -> int:
-    from lmscale_jax.store import file_io
+    from lmscale_jax.store import output_marks
 
     out = rescored(a.workdir, a.step)
-    doc = {"tool": "benchmarks/naming_rescore.py", "workdir": os.path.abspath(a.workdir),
+    doc = {"workdir": os.path.abspath(a.workdir),
            "date": datetime.date.today().isoformat(), "code": _host.code_version(),
            "device": _host.host_description(ROOT), **out}
-    file_io.atomic_write_json(a.json, doc)
+    output_marks.write_json(a.json, TOOL, doc)
     r = out["rule"]
     print(f"{a.workdir} step {out['step']}: F1 {out['f1']:.4f} (P {out['precision']:.4f}, R "
           f"{out['recall']:.4f}), rule {r['kind']} {r.get('threshold', r.get('k'))} chosen on "

@@ -184,3 +184,16 @@ def test_a_finished_run_rescored_chooses_its_rule_again_and_scores_as_its_last_e
   for k in ("precision", "recall", "f1", "exact"):
     assert abs(again[k] - report[k]) < 1e-3, (k, again[k], report[k])
   assert f"F1 {again['f1']:.4f}" in capsys.readouterr().out
+
+
+def test_rescoring_never_replaces_a_file_it_did_not_write(named, capsys):
+  """--json naming the run's own naming_eval.json: one line, before any work, file untouched."""
+  from benchmarks import naming_rescore
+
+  report = named / name_run.EVAL_REPORT
+  before = report.read_bytes()
+  with pytest.raises(SystemExit) as e:
+    naming_rescore.main(["--workdir", str(named), "--json", str(report)])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 1 and len(err) == 1 and "is not an earlier output" in err[0], err
+  assert report.read_bytes() == before
