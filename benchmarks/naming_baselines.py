@@ -16,6 +16,11 @@ with a contrastive encoder's vectors.
   vectors (``inference/function_vectors.embed``: what ``lmscale index`` keeps and ``lmscale
   search`` ranks with; a contrastive fine-tune's own pooling and projection), normalised, the
   nearest by cosine: the "name of the most similar known function" a search index gives.
+* ``callee_copy`` (a task whose ELF examples carry ``calls``, the names each function calls
+  that a stripped copy still shows): the sub-tokens of those names that training functions'
+  own names held often enough (:func:`callee_copy`); ``callee_copy_else_tfidf_nearest``: that,
+  or where it suggests nothing, ``tfidf_nearest``'s (neither again as ``…_own_dropped``:
+  they copy no training name).
 * each again as ``…_own_dropped`` (``--library-share S``, 0.5; 0: not): the training names less
   each library's own sub-tokens (those in at least S of its names: its namespace, ``xml``,
   ``g``), the naming fine-tune's targets (``finetune.name_library_share``): a test project's own
@@ -85,7 +90,7 @@ def read_split(task: str, name: str) -> list[dict]:
       try:
         row = json.loads(line)
         rows.append({"text": row["text"], "tokens": list(row["tokens"]),
-                     "library": row["library"]})
+                     "library": row["library"], "calls": row.get("calls")})
       except (json.JSONDecodeError, KeyError, TypeError):
         raise UserError(f"{path}:{i}: expected a JSON object with \"text\", \"tokens\" and "
                         "\"library\"") from None
@@ -122,6 +127,38 @@ def nearest(train: list[dict], test: list[dict]) -> tuple[list[int], dict]:
   found = most_similar(b, a)
   return found, {"features": len(vectorizer.vocabulary_),
                  "seconds": round(time.perf_counter() - start, 2)}
+
+
+def callee_tokens(calls: list[str]) -> set[str]:
+  """The sub-tokens of the names a function calls, normalised as names are (symbol_names)."""
+  from lmscale_jax.similarity import symbol_names
+
+  out: set[str] = set()
+  for callee in calls:
+    name, _ = symbol_names.normalise(callee)
+    out.update(symbol_names.tokens(name) if name else ())
+  return out
+
+
+def callee_copy(train: list[dict], test: list[dict]) -> tuple[list[list[str]], dict]:
+  """Each test function's suggestion: the sub-tokens of the names it calls whose copy rate
+  (the share of training functions calling such a name whose own name holds the token,
+  smoothed by one function at the overall rate) is at least a threshold chosen on the
+  training split's F1 → (suggestions, the rule)."""
+  held, called = collections.Counter(), collections.Counter()
+  for r in train:
+    for t in callee_tokens(r["calls"] or []):
+      called[t], held[t] = called[t] + 1, held[t] + (t in r["tokens"])
+  overall = sum(held.values()) / max(sum(called.values()), 1)
+
+  def suggest(rows, threshold):
+    return [sorted(t for t in callee_tokens(r["calls"] or [])
+                   if (held[t] + overall) / (called[t] + 1) >= threshold) for r in rows]
+
+  grid = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+  best = max(grid, key=lambda t: naming.score(suggest(train, t), [r["tokens"] for r in train])["f1"])
+  return suggest(test, best), {"threshold": best, "overall_copy_rate": round(overall, 4),
+                               "test_functions_calling_names": sum(bool(r["calls"]) for r in test)}
 
 
 def encoder_nearest(workdir: str, tokenizer: str, train: list[dict],
@@ -168,6 +205,11 @@ def run(task: str, test_task: str | None = None, index_workdir: str | None = Non
   for suffix, kept in names.items():
     baselines["tfidf_nearest" + suffix] = {**fit, "scores": naming.score(
         [kept[j] for j in found], truth)}
+  if any(r["calls"] is not None for r in train):  # built with calls (its ELF examples)
+    copied, rule = callee_copy(train, test)
+    baselines["callee_copy"] = {**rule, "scores": naming.score(copied, truth)}
+    baselines["callee_copy_else_tfidf_nearest"] = {**rule, "scores": naming.score(
+        [c or names[""][j] for c, j in zip(copied, found)], truth)}
   if index_workdir:
     found, fit = encoder_nearest(index_workdir, tokenizer, train, test)
     for suffix, kept in names.items():

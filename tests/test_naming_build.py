@@ -33,10 +33,16 @@ LIBS = {
 }
 
 
+# A function that calls an import and one of its library's exports: the names a stripped copy
+# still shows ("calls").
+CALLER = ("void free(void *);\nint gamma_release_table(const int *p, int n) { free((void *)p); "
+          "return gamma_init_table(p, n) + n * 5 + 1; }\n")
+
+
 def c_source(lib: str, names: list[str]) -> str:
   funcs = [f"int {n}(const int *p, int n) {{ {BODY.format(k=10 * i + len(lib))} }}\n"
            for i, n in enumerate(names, 1)]
-  return "".join(funcs) + SHARED
+  return "".join(funcs) + SHARED + (CALLER if lib == "gamma" else "")
 
 
 def compile_library(work, lib: str) -> str:
@@ -97,8 +103,11 @@ def test_a_text_of_every_library_stays_once_in_test_and_leaves_training(task):
 
 def test_every_line_carries_the_contract_fields_and_normalised_names(task):
   rows = read_jsonl(task / "train.jsonl") + read_jsonl(task / "test.jsonl")
-  assert all(set(r) == {"text", "name", "tokens", "library", "function", "binary"} for r in rows)
+  assert all(set(r) == {"text", "name", "tokens", "library", "function", "binary", "calls"}
+             for r in rows)
   by_function = {r["function"]: r for r in rows}
+  assert by_function["gamma_release_table"]["calls"] == ["free", "gamma_init_table"]
+  assert by_function["gamma_init_table"]["calls"] == []
   assert by_function["alphaComputeSum"]["tokens"] == ["alpha", "compute", "sum"]
   assert by_function["__alpha_internal_step"]["name"] == "alpha_internal_step"
   assert by_function["alpha_reset2"]["tokens"] == ["alpha", "reset", "2"]
@@ -140,6 +149,10 @@ def test_the_baselines_score_both_methods(task, tmp_path):
     assert s["functions"] == doc["examples"]["test"]
     assert all(0 <= s[k] <= 1 for k in ("precision", "recall", "f1", "exact"))
   assert doc["baselines"]["frequent_tokens"]["k"] >= 1 and doc["library_share"] == 0.5
+  copy = doc["baselines"]["callee_copy"]  # the task's ELF examples carry what they call
+  assert 0 < copy["threshold"] < 1 and 0 <= copy["overall_copy_rate"] <= 1
+  assert copy["scores"]["functions"] == doc["examples"]["test"]
+  assert "callee_copy_else_tfidf_nearest" in doc["baselines"]
   r = run("baselines", "--task", task, "--library-share", "0", "--json", tmp_path / "b.json")
   assert r.returncode == 0 and "own_dropped" not in r.stdout
 
@@ -181,7 +194,7 @@ def test_files_with_no_usable_names_are_one_line_naming_them_and_the_drops(elfs,
   assert r.returncode == 1 and r.stdout == ""
   line = r.stderr.strip()
   assert "\n" not in line and line.startswith("error: ") and elfs[0] in line
-  assert "no usable function names" in line and "too_small 14" in line
+  assert "no usable function names" in line and "too_small 15" in line
   assert not os.path.exists(tmp_path / "t" / "task.json")
 
 

@@ -9,7 +9,8 @@ exported functions, binaries you compile) and per function group of each functio
 and sub-tokens (symbol versions, compiler suffixes and leading underscores removed; generated,
 unnamed and C++ names dropped and counted), split by library so that no library is on both
 sides and no function text of the test split is in training. DIR gets train.jsonl and
-test.jsonl ({"text", "name", "tokens", "library", "function", "binary"} per line) and
+test.jsonl ({"text", "name", "tokens", "library", "function", "binary"} per line, and "calls"
+for ELF examples: the names each calls that a stripped copy still shows) and
 task.json (the files and their sha256, the rules, the split, counts, the training token counts,
 the share of test tokens never seen in training); the same files and seed write byte-identical
 files. The rules: lmscale_jax/similarity/naming_task.py and symbol_names.py; the baselines:

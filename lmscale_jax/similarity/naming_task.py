@@ -20,8 +20,10 @@ split by library so that every test name comes from a project never trained on
   within a split; both counted.
 
 The task directory (written atomically, task.json last): ``train.jsonl`` and ``test.jsonl``,
-one ``{"text", "name", "tokens", "library", "function", "binary"}`` per line (``function``: the
-raw symbol; ``binary``: the ELF file, or ``source:variant``), sorted; ``task.json``: the input
+one ``{"text", "name", "tokens", "library", "function", "binary", "calls"}`` per line
+(``function``: the raw symbol; ``binary``: the ELF file, or ``source:variant``; ``calls``, ELF
+examples only: the names the function calls that its file shows stripped, imports and the
+file's exports, :mod:`lmscale_jax.prep.elf.call_names`), sorted; ``task.json``: the input
 files and their sha256, the rules, the split, counts, what was dropped and why, the training
 split's token counts (functions per sub-token) and the share of test tokens never seen in
 training. No date: one seed and the same files give byte-identical directories.
@@ -36,7 +38,7 @@ import os
 import re
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.prep.elf import elf_corpus, elf_functions
+from lmscale_jax.prep.elf import call_names, elf_corpus, elf_functions
 from lmscale_jax.prep.elf.pretokenize import NEXT
 from lmscale_jax.similarity import function_groups, provenance, symbol_names
 from lmscale_jax.store import file_io
@@ -46,7 +48,7 @@ TEST_FRACTION = 0.25
 MIN_INSTRUCTIONS = 8  # the similarity corpora's own floor, so both sources agree
 VARIANTS = ("one", "all")
 SPLITS = provenance.SPLITS
-FIELDS = ("text", "name", "tokens", "library", "function", "binary")
+FIELDS = ("text", "name", "tokens", "library", "function", "binary", "calls")
 DROP_REASONS = ("unnamed", "generated", "cpp_mangled", "no_letters", "too_small")
 RULE = ("by library (ELF: soname or file name without .so and version; function groups: the "
         "source's first directory): libraries in the order of sha256('{seed}:{library}'), each "
@@ -119,9 +121,14 @@ def labelled(symbol: str, text: str, library: str, binary: str, unit: str,
 
 def elf_examples(path: str, dropped, min_instructions: int) -> tuple[list[dict], dict]:
   library = library_of_elf(path)
+  functions = elf_functions.functions(path, source="symbols")
   rows = [labelled(fn.name, fn.text, library, path, f"{path}:{fn.name}", dropped,
                    min_instructions)
-          for fn in elf_functions.functions(path, source="symbols")]
+          for fn in functions]
+  calls = call_names.called(path)  # what each calls, as the stripped file still shows it
+  for fn, r in zip(functions, rows):
+    if r:
+      r["calls"] = calls.get(fn.address, [])
   rows = [r for r in rows if r]
   return rows, {"file": path, "kind": "elf", "library": library, "functions": len(rows)}
 
@@ -254,7 +261,8 @@ def split_counts(rows: list[dict]) -> dict:
           "names": len({r["name"] for r in rows}),
           "tokens": len({t for r in rows for t in r["tokens"]}),
           "mean_tokens_per_name": round(sum(len(set(r["tokens"])) for r in rows)
-                                        / max(len(rows), 1), 3)}
+                                        / max(len(rows), 1), 3),
+          "examples_calling_names": sum(bool(r.get("calls")) for r in rows)}
 
 
 def token_counts(rows: list[dict]) -> dict[str, int]:
@@ -285,7 +293,8 @@ def write(path: str, splits: dict, task: dict) -> None:
   check_output(path)
   os.makedirs(path, exist_ok=True)
   for s in SPLITS:
-    lines = [json.dumps({k: r[k] for k in FIELDS}, sort_keys=True) for r in splits[s]]
+    lines = [json.dumps({k: r[k] for k in FIELDS if k in r}, sort_keys=True)
+             for r in splits[s]]
     file_io.atomic_write_bytes(os.path.join(path, f"{s}.jsonl"),
                                ("\n".join(lines) + "\n").encode())
   file_io.atomic_write_json(os.path.join(path, "task.json"), task)
