@@ -18,9 +18,9 @@ with a contrastive encoder's vectors.
   nearest by cosine: the "name of the most similar known function" a search index gives.
 * ``callee_copy`` (a task whose ELF examples carry ``calls``, the names each function calls
   that a stripped copy still shows): the sub-tokens of those names that training functions'
-  own names held often enough (:func:`callee_copy`); ``callee_copy_else_tfidf_nearest``: that,
-  or where it suggests nothing, ``tfidf_nearest``'s (neither again as ``…_own_dropped``:
-  they copy no training name).
+  own names held often enough (:mod:`lmscale_jax.evals.callee_copy`);
+  ``callee_copy_else_tfidf_nearest``: that, or where it suggests nothing, ``tfidf_nearest``'s
+  (neither again as ``…_own_dropped``: they copy no training name).
 * each again as ``…_own_dropped`` (``--library-share S``, 0.5; 0: not): the training names less
   each library's own sub-tokens (those in at least S of its names: its namespace, ``xml``,
   ``g``), the naming fine-tune's targets (``finetune.name_library_share``): a test project's own
@@ -129,36 +129,17 @@ def nearest(train: list[dict], test: list[dict]) -> tuple[list[int], dict]:
                  "seconds": round(time.perf_counter() - start, 2)}
 
 
-def callee_tokens(calls: list[str]) -> set[str]:
-  """The sub-tokens of the names a function calls, normalised as names are (symbol_names)."""
-  from lmscale_jax.similarity import symbol_names
+def callee_suggestions(train: list[dict], test: list[dict]) -> tuple[list[list[str]], dict]:
+  """Each test function's callee_copy suggestion (rates and threshold from the training split)
+  → (suggestions, the rule)."""
+  from lmscale_jax.evals import callee_copy
 
-  out: set[str] = set()
-  for callee in calls:
-    name, _ = symbol_names.normalise(callee)
-    out.update(symbol_names.tokens(name) if name else ())
-  return out
-
-
-def callee_copy(train: list[dict], test: list[dict]) -> tuple[list[list[str]], dict]:
-  """Each test function's suggestion: the sub-tokens of the names it calls whose copy rate
-  (the share of training functions calling such a name whose own name holds the token,
-  smoothed by one function at the overall rate) is at least a threshold chosen on the
-  training split's F1 → (suggestions, the rule)."""
-  held, called = collections.Counter(), collections.Counter()
-  for r in train:
-    for t in callee_tokens(r["calls"] or []):
-      called[t], held[t] = called[t] + 1, held[t] + (t in r["tokens"])
-  overall = sum(held.values()) / max(sum(called.values()), 1)
-
-  def suggest(rows, threshold):
-    return [sorted(t for t in callee_tokens(r["calls"] or [])
-                   if (held[t] + overall) / (called[t] + 1) >= threshold) for r in rows]
-
-  grid = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
-  best = max(grid, key=lambda t: naming.score(suggest(train, t), [r["tokens"] for r in train])["f1"])
-  return suggest(test, best), {"threshold": best, "overall_copy_rate": round(overall, 4),
-                               "test_functions_calling_names": sum(bool(r["calls"]) for r in test)}
+  calls = [r["calls"] for r in train]
+  rates = callee_copy.fit(calls, [r["tokens"] for r in train])
+  threshold = callee_copy.chosen_threshold(rates, calls, [r["tokens"] for r in train])
+  return callee_copy.suggested(rates, [r["calls"] for r in test], threshold), {
+      "threshold": threshold, "overall_copy_rate": round(rates.overall, 4),
+      "test_functions_calling_names": sum(bool(r["calls"]) for r in test)}
 
 
 def encoder_nearest(workdir: str, tokenizer: str, train: list[dict],
@@ -206,7 +187,7 @@ def run(task: str, test_task: str | None = None, index_workdir: str | None = Non
     baselines["tfidf_nearest" + suffix] = {**fit, "scores": naming.score(
         [kept[j] for j in found], truth)}
   if any(r["calls"] is not None for r in train):  # built with calls (its ELF examples)
-    copied, rule = callee_copy(train, test)
+    copied, rule = callee_suggestions(train, test)
     baselines["callee_copy"] = {**rule, "scores": naming.score(copied, truth)}
     baselines["callee_copy_else_tfidf_nearest"] = {**rule, "scores": naming.score(
         [c or names[""][j] for c, j in zip(copied, found)], truth)}
