@@ -18,7 +18,7 @@ with a contrastive encoder's vectors.
   nearest by cosine: the "name of the most similar known function" a search index gives.
 * ``callee_copy`` (a task whose ELF examples carry ``calls``, the names each function calls
   that a stripped copy still shows): the sub-tokens of those names that training functions'
-  own names held often enough (:mod:`lmscale_jax.evals.callee_copy`);
+  own names held often enough (:mod:`lmscale_jax.inference.callee_copy`);
   ``callee_copy_else_tfidf_nearest``: that, or where it suggests nothing, ``tfidf_nearest``'s
   (neither again as ``…_own_dropped``: they copy no training name).
 * each again as ``…_own_dropped`` (``--library-share S``, 0.5; 0: not): the training names less
@@ -54,6 +54,7 @@ from lmscale_jax.evals import naming, retrieval  # noqa: E402
 from lmscale_jax.store import file_io, output_marks  # noqa: E402
 
 TOOL = "benchmarks/naming_baselines.py"
+COPY_GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)  # callee_copy's thresholds
 CHUNK = 512  # test rows per similarity product: CHUNK × training rows of float64 at a time
 # The naming fine-tune's default (config/finetune.py, its one owner).
 LIBRARY_SHARE = finetune_config.get_config().finetune.name_library_share
@@ -132,11 +133,13 @@ def nearest(train: list[dict], test: list[dict]) -> tuple[list[int], dict]:
 def callee_suggestions(train: list[dict], test: list[dict]) -> tuple[list[list[str]], dict]:
   """Each test function's callee_copy suggestion (rates and threshold from the training split)
   → (suggestions, the rule)."""
-  from lmscale_jax.evals import callee_copy
+  from lmscale_jax.inference import callee_copy
 
   calls = [r["calls"] for r in train]
   rates = callee_copy.fit(calls, [r["tokens"] for r in train])
-  threshold = callee_copy.chosen_threshold(rates, calls, [r["tokens"] for r in train])
+  names = [r["tokens"] for r in train]
+  threshold = max(COPY_GRID, key=lambda t: naming.score(callee_copy.suggested(rates, calls, t),
+                                                        names)["f1"])
   return callee_copy.suggested(rates, [r["calls"] for r in test], threshold), {
       "threshold": threshold, "overall_copy_rate": round(rates.overall, 4),
       "test_functions_calling_names": sum(bool(r["calls"]) for r in test)}

@@ -1,7 +1,9 @@
 """A finished naming fine-tune scored again, as its last evaluation scored it but with today's
 rules: the prediction rule chosen on the run's own calibration slice among
-``name_run.rules()`` (a grid that has grown since the run), then the held-out file scored.
-Inference as ``lmscale name`` runs it (float32); the run's ``naming_eval.json`` is left as it is.
+``name_run.rules()`` (a grid that has grown since the run), over the model's tokens alone or,
+where the run's training file carries ``calls``, merged with the called names'
+(``name_run.scored``), then the held-out file scored. Inference as ``lmscale name`` runs it
+(float32); the run's ``naming_eval.json`` is left as it is.
 
   python benchmarks/naming_rescore.py --workdir RUN [--step N] --json OUT [--overwrite]
 
@@ -40,11 +42,9 @@ def rescored(workdir: str, step: int | None) -> dict:
   namer = name_suggestions.load(workdir, step=step)
   model = namer.model
   task = name_run.check_inputs(model.run_config, workdir)  # the run's split and vocabulary
-  rule = name_run.choose_rule(*name_suggestions.ranked(model, task.calibration.texts,
-                                                       name_head.TOP),
-                              task.calibration.tokens)
-  scores = name_run.report(task.test, task.tokens, rule,
-                           *name_suggestions.ranked(model, task.test.texts, name_head.TOP))
+  ranked = [name_suggestions.ranked(model, named.texts, name_head.TOP)
+            for named in (task.calibration, task.test)]
+  scores = name_run.scored(task, *ranked)  # with the called names where the run has them
   scores.pop("predictions")
   return {"step": model.step, "calibration_functions": len(task.calibration),
           "thresholds": list(name_run.THRESHOLDS), **scores}

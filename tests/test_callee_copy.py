@@ -1,12 +1,13 @@
-"""Name sub-tokens copied from what a function calls (lmscale_jax/evals/callee_copy.py): the
-rates learnt on training names, a token never seen at the overall rate, the threshold chosen
-on training F1."""
+"""Name sub-tokens copied from what a function calls (lmscale_jax/inference/callee_copy.py): the
+rates learnt on training names, a token never seen at the overall rate, suggestions at a
+threshold, a model's tokens merged, the rates saved and read back."""
 
 from __future__ import annotations
 
 import pytest
 
-from lmscale_jax.evals import callee_copy
+from lmscale_jax.errors import UserError
+from lmscale_jax.inference import callee_copy
 
 # Training functions: what each calls and its own name's sub-tokens.
 CALLS = [["gz_open", "free"], ["gz_read", "free"], ["inflateInit2_", "free"], None]
@@ -36,11 +37,18 @@ def test_suggestions_keep_the_tokens_at_or_above_the_threshold_and_none_without_
   assert got == [["gz"], [], []]  # write, never seen, is at 0.5; free at 0.125
 
 
-def test_the_threshold_is_the_grids_best_training_f1():
+def test_a_models_tokens_merge_with_the_called_names_at_the_larger_score():
   rates = callee_copy.fit(CALLS, NAMES)
-  chosen = callee_copy.chosen_threshold(rates, CALLS, NAMES)
-  assert chosen in callee_copy.GRID
-  from lmscale_jax.evals import naming
-  f1 = {t: naming.score(callee_copy.suggested(rates, CALLS, t), NAMES)["f1"]
-        for t in callee_copy.GRID}
-  assert f1[chosen] == max(f1.values())
+  names, scores = callee_copy.merged([["gz", "read"]], [[0.1, 0.4]], rates, [["gz_close"]], 3)
+  assert names == [["gz", "close", "read"]]  # gz: its rate 0.83; close: never seen, 0.5
+  assert scores[0] == pytest.approx([2.5 / 3, 0.5, 0.4])
+
+
+def test_rates_saved_are_read_back_and_a_damaged_file_is_one_line(tmp_path):
+  rates = callee_copy.fit(CALLS, NAMES)
+  callee_copy.save(str(tmp_path), rates)
+  assert callee_copy.load(str(tmp_path)) == rates
+  assert callee_copy.load(str(tmp_path / "none")) is None
+  (tmp_path / callee_copy.FILE).write_text("{\"format\": 3}")
+  with pytest.raises(UserError, match=r"callee_copy.json: unreadable .*restore the run's own"):
+    callee_copy.load(str(tmp_path))

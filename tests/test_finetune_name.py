@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from lmscale_jax.evals import naming
+from lmscale_jax.inference import callee_copy
 from lmscale_jax.finetune import name_run
-from lmscale_jax.inference import trained_model
+from lmscale_jax.inference import name_suggestions, trained_model
 from lmscale_jax.model import name_head
 from tests.test_finetune import bench, pretrained, rows  # noqa: F401 (fixtures)
 from tests.test_hf_tools import run_tool
@@ -37,6 +38,12 @@ def write_jsonl(path, objects) -> None:
   path.write_text("".join(json.dumps(o) + "\n" for o in objects))
 
 
+def called(name: str) -> list[str]:
+  """What the fixture's functions call (naming-build's "calls"): an import named after the
+  function's first sub-token, as a library's helpers often are, and one that tells nothing."""
+  return [f"{sub_tokens(name)[0]}_helper", "free"]
+
+
 @pytest.fixture(scope="module")
 def task_dir(bench, tmp_path_factory):
   """DIR with train.jsonl and test.jsonl in naming-build's format."""
@@ -45,7 +52,8 @@ def task_dir(bench, tmp_path_factory):
 
   def functions(part):
     return [{"text": v["text"], "name": g["name"], "tokens": sub_tokens(g["name"]),
-             "library": g["source"], "function": g["name"], "binary": variant}
+             "library": g["source"], "function": g["name"], "binary": variant,
+             "calls": called(g["name"])}
             for g in part for variant, v in sorted(g["variants"].items())]
 
   write_jsonl(out / "train.jsonl", functions([g for g in groups if g["source"] != TEST_LIBRARY]))
@@ -104,6 +112,24 @@ def test_a_naming_finetune_lowers_its_loss_and_writes_its_scores(named, task_dir
   model = trained_model.load(workdir=str(named))
   assert model.namer["tokens"] == vocab["tokens"] and model.classifier is None
   assert model.namer["kernel"].shape == (64, len(vocab["tokens"]))
+
+
+def test_a_task_with_calls_keeps_copy_rates_and_the_rule_reads_them_where_they_help(named):
+  """The fixture's functions call a helper named after their first sub-token: the calibration
+  slice prefers the rule reading the called names, and the report keeps the model's own."""
+  report = json.load(open(named / name_run.EVAL_REPORT))
+  rates = callee_copy.load(str(named))
+  assert rates is not None and rates.called["free"] > 0 and rates.rate("free") < 0.5
+  assert report["rule"]["calls"] is True
+  alone = report["without_calls"]
+  assert alone["rule"]["kind"] in name_head.RULES and "calls" not in alone["rule"]
+  assert report["f1"] > alone["f1"] and report["recall"] > alone["recall"]
+  namer = name_suggestions.load(str(named))
+  text = "push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret"
+  token = max(sorted(rates.called), key=rates.rate)  # copied by nearly every caller
+  with_calls = name_suggestions.suggest(namer, [text], 5, calls=[[f"{token}_helper"]])[0]
+  assert token in with_calls["suggested"].split("_")
+  assert dict(with_calls["tokens"])[token] >= round(rates.rate(token), 4)
 
 
 def test_an_empty_name_is_refused_in_one_line_before_work(task_dir, pretrained, tmp_path,

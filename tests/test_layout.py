@@ -40,7 +40,8 @@ ALLOWED = {
     "model": {"errors", "config", "store"},
     # The run core: loop, step, gradients, checkpoints, workdir, metrics; it names no task.
     "train": {"errors", "exits", "config", "store", "cluster", "model"},
-    "inference": {"errors", "config", "store", "model", "train"},
+    # similarity: a name's sub-tokens (symbol_names), which a naming model's copy rates read.
+    "inference": {"errors", "config", "store", "model", "train", "similarity"},
     # Pretraining, a task on the run core beside finetune/: the MLM task, its steps, its run.
     "pretrain": {"config", "store", "input", "model", "train"},
     "similarity": {"errors", "store", "progress", "prep.elf"},

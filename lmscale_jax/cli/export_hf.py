@@ -244,7 +244,10 @@ def namer_card(model: trained_model.TrainedModel, rule: dict) -> str:
               "not measured (no naming_eval.json)")
   kept = (f"the {rule['k']} most probable sub-tokens" if rule["kind"] == "topk" else
           f"every sub-token of probability ≥ {rule['threshold']}" +
-          (" (the most probable one where none is)" if rule["kind"] == "threshold_min1" else ""))
+          (" (the most probable one where none is)" if rule["kind"] == "threshold_min1" else "")
+          + ("; a sub-token of a name the function calls scores the larger of its probability "
+             "and its copy rate (`callee_copy.json`: lmscale name reads the calls of an ELF "
+             "file; the logits alone do not)" if rule.get("calls") else ""))
   return f"""---
 library_name: transformers
 pipeline_tag: text-classification
@@ -293,6 +296,7 @@ def read_scores(workdir: str, naming: bool = False) -> dict | None:
 
 def save(model: trained_model.TrainedModel, out_dir: str) -> str:
   """The model's files into ``out_dir``; returns its model card."""
+  from lmscale_jax.inference import callee_copy
   from lmscale_jax.finetune import name_run
   from lmscale_jax.inference import trained_model
   from lmscale_jax.model import contrastive, hf_classifier, hf_convert, name_head
@@ -305,6 +309,9 @@ def save(model: trained_model.TrainedModel, out_dir: str) -> str:
     rule = name_head.saved_rule(os.path.join(model.source, name_run.EVAL_REPORT))
     hf_classifier.save_namer(trained_model.namer_params(model), model.cfg,
                              model.namer["tokens"], rule, out_dir)
+    copy = callee_copy.load(model.source)
+    if copy is not None:  # the rates lmscale name merges where the rule reads the calls
+      callee_copy.save(out_dir, copy)
     return namer_card(model, rule)
   hf_convert.save_model(model.params, model.cfg, out_dir)
   if model.head is not None:

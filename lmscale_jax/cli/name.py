@@ -9,8 +9,10 @@ function of FILE (a stripped file's too: found by .eh_frame, named sub_<hex addr
 one named (a symbol name or sub_<hex>) or starting at ADDR, is read as the model saw
 functions in training; for each, the suggested name (the sub-tokens the run's prediction rule
 keeps, joined by "_": the rule chosen on held-out training libraries, its naming_eval.json)
-and the --top best sub-tokens with their probabilities, as a table or (--json) one object per
-function.
+and the --top best sub-tokens with their scores, as a table or (--json) one object per
+function, with the names it calls that the file shows stripped (imports, exports). A run
+trained on names with "calls" whose rule reads them scores a called name's sub-token by the
+larger of its probability and its copy rate (docs/naming.md, "What a function calls").
 """
 
 from __future__ import annotations
@@ -83,14 +85,18 @@ def suggest(a) -> dict:
   """Every wanted function's suggestions (inference/name_suggestions: the server's too)."""
   from lmscale_jax.inference import name_suggestions
 
+  from lmscale_jax.prep.elf import call_names
+
   found = functions(a)  # before the model: a bad file costs nothing
   namer = load(a)
+  called = call_names.called(a.elf, source="auto")  # the names a stripped file still shows
+  calls = [called.get(f.address, []) for f in found]
   named = name_suggestions.suggest(namer, [f.text for f in found], a.top,
-                                   a.batch_size or name_suggestions.BATCH)
+                                   a.batch_size or name_suggestions.BATCH, calls)
   return {"elf": os.path.abspath(a.elf), "model": a.workdir or a.hf, "step": namer.model.step,
           "rule": namer.rule, "functions": [
-              {"function": f.name, "address": f"{f.address:#x}", **n}
-              for f, n in zip(found, named)]}
+              {"function": f.name, "address": f"{f.address:#x}", **n, "calls": c}
+              for f, n, c in zip(found, named, calls)]}
 
 
 def table(out: dict) -> str:

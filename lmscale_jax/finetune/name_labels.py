@@ -44,14 +44,20 @@ class Named:
   tokens: list[list[str]]
   lines: list[int]        # each function's 1-based line in the file
   info: list[dict]        # each function's optional keys (name, library, function, binary)
+  # What each calls, by name (naming-build's "calls": ELF examples), None where unknown.
+  calls: list[list[str] | None] = dataclasses.field(default_factory=list)
 
   def __len__(self) -> int:
     return len(self.texts)
 
+  @property
+  def has_calls(self) -> bool:
+    return any(c is not None for c in self.calls)
+
   def subset(self, rows: list[int]) -> "Named":
     return Named(self.path, self.sha256, [self.texts[r] for r in rows],
                  [self.tokens[r] for r in rows], [self.lines[r] for r in rows],
-                 [self.info[r] for r in rows])
+                 [self.info[r] for r in rows], [self.calls[r] for r in rows])
 
 
 def read(path: str, flag: str = "--labels") -> Named:
@@ -59,7 +65,7 @@ def read(path: str, flag: str = "--labels") -> Named:
   if not os.path.isfile(path):
     raise LabelsError(f"{flag} {path}: no such file (a JSONL file of {{\"text\", \"tokens\"}} "
                       "objects: lmscale naming-build's train.jsonl/test.jsonl)")
-  texts, tokens, lines, info = [], [], [], []
+  texts, tokens, lines, info, calls = [], [], [], [], []
   for number, line in enumerate(user_text.read_file(path).split("\n"), 1):
     if not line.strip():
       continue
@@ -68,11 +74,12 @@ def read(path: str, flag: str = "--labels") -> Named:
     tokens.append(list(dict.fromkeys(row["tokens"])))
     lines.append(number)
     info.append({k: row[k] for k in OPTIONAL if isinstance(row.get(k), str)})
+    calls.append(row.get("calls"))
   if not texts:
     raise LabelsError(f"{flag} {path}: no functions (an empty file; expected one {{\"text\", "
                       "\"tokens\"} object per line)")
   return Named(path=path, sha256=file_io.sha256_file(path), texts=texts, tokens=tokens,
-               lines=lines, info=info)
+               lines=lines, info=info, calls=calls)
 
 
 def _parse(line: str, where: str) -> dict:
@@ -84,6 +91,10 @@ def _parse(line: str, where: str) -> dict:
   if not isinstance(row, dict) or not isinstance(row.get("text"), str):
     raise LabelsError(f"{where}: expected an object with a string \"text\" and a list "
                       "\"tokens\" (lmscale naming-build's format)")
+  made = row.get("calls")
+  if made is not None and not (isinstance(made, list) and all(isinstance(c, str) for c in made)):
+    raise LabelsError(f"{where}: \"calls\" is {made!r}, expected a list of the names the "
+                      "function calls (lmscale naming-build's), or no \"calls\"")
   got = row.get("tokens")
   if not isinstance(got, list) or not got or not all(isinstance(t, str) and t for t in got):
     raise LabelsError(f"{where}: \"tokens\" is {got!r}, expected a non-empty list of the "

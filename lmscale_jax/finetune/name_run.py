@@ -37,6 +37,7 @@ from lmscale_jax.evals import naming
 from lmscale_jax.finetune import base_run, classify_run, finetune_state
 from lmscale_jax.finetune import labels as labels_lib
 from lmscale_jax.finetune import name_labels
+from lmscale_jax.inference import callee_copy
 from lmscale_jax.model import bert as model_lib
 from lmscale_jax.model import classifier as classifier_lib
 from lmscale_jax.model import name_head
@@ -60,6 +61,9 @@ class NamingTask:
   tokens: list[str]
   fit: name_labels.Named
   calibration: name_labels.Named
+  # Copy rates of the called names' sub-tokens (inference/callee_copy), from the trained-on rows'
+  # whole names; None where the training file has no "calls".
+  copy: callee_copy.CopyRates | None = None
 
 
 # ----------------------------------------------------------------------------- steps
@@ -167,6 +171,36 @@ def report(test: name_labels.Named, tokens: list[str], rule: dict, names, probs,
   return out
 
 
+def scored(task: NamingTask, calibration, test) -> dict:
+  """The rule chosen on the calibration slice from the model's best tokens there
+  (``calibration``: (tokens, probabilities)) and its held-out report (``report``) from the
+  model's best tokens on the test file; where the task has calls, the better of that rule and
+  the one reading them (:func:`with_calls`), and then ``without_calls``: the model's own rule
+  and held-out scores."""
+  rule = choose_rule(*calibration, task.calibration.tokens)
+  if task.copy is None:
+    return report(task.test, task.tokens, rule, *test)
+  best, merged = with_calls(rule, task, calibration, test)
+  out = report(task.test, task.tokens, best, *merged)
+  if best.get("calls"):
+    alone = name_head.apply_rule(rule, *test)
+    out["without_calls"] = {"rule": {k: v for k, v in rule.items() if k != "by_kind"},
+                            **naming.score(alone, task.test.tokens)}
+  return out
+
+
+def with_calls(rule: dict, task: NamingTask, calibration, test):
+  """The better, on the calibration slice, of ``rule`` (the model's tokens alone) and the rule
+  chosen on the model's tokens merged with the called names' (``callee_copy.merged``; that
+  rule marked ``"calls": true``) → (the rule, the held-out tokens and scores it reads)."""
+  merged = [callee_copy.merged(*best, task.copy, named.calls, TOP)
+            for best, named in ((calibration, task.calibration), (test, task.test))]
+  both = choose_rule(*merged[0], task.calibration.tokens)
+  if both["calibration_f1"] <= rule["calibration_f1"]:
+    return rule, test
+  return {**both, "calls": True}, merged[1]
+
+
 class NameLog(base_run.FinetuneLog):
   """The rows of a naming fine-tune: binary cross-entropy summed over the vocabulary, the
   batch's micro token F1 at p >= 0.5 (``f1``), functions and tokens per second; evaluation
@@ -193,7 +227,10 @@ def check_inputs(config, workdir: str) -> NamingTask:
   fit, calibration = targets.subset(fit_rows), train.subset(held)
   labels_lib.check_enough(fit, config.train.batch_size)
   check_vocab(workdir, tokens)
-  return NamingTask(train=train, test=test, tokens=tokens, fit=fit, calibration=calibration)
+  whole = train.subset(fit_rows)
+  copy = callee_copy.fit(whole.calls, whole.tokens) if train.has_calls else None
+  return NamingTask(train=train, test=test, tokens=tokens, fit=fit, calibration=calibration,
+                    copy=copy)
 
 
 def check_vocab(workdir: str, tokens: list[str]) -> None:
@@ -231,6 +268,8 @@ class NameFinetune(classify_run.LabelledFinetune):
     if jax.process_index() == 0:
       name_head.save_vocab(self.workdir, inputs.tokens, int(f.name_min_count),
                            inputs.train.sha256)
+      if inputs.copy is not None:
+        callee_copy.save(self.workdir, inputs.copy)
     prior = name_labels.targets(inputs.fit, inputs.tokens).mean(0)
     self.steps = build_steps(self.config, self.model.cfg, prior)
     self.batches = name_labels.NameBatches(inputs.fit, inputs.tokens, self.model, seed=t.seed,
@@ -256,8 +295,8 @@ class NameFinetune(classify_run.LabelledFinetune):
 
   def evaluate(self, state) -> dict:
     i = self.inputs
-    rule = choose_rule(*self.best(state.params, self.calibration_ids), i.calibration.tokens)
-    scores = report(i.test, i.tokens, rule, *self.best(state.params, self.test_ids))
+    scores = scored(i, self.best(state.params, self.calibration_ids),
+                    self.best(state.params, self.test_ids))
     step = int(jax.device_get(state.step))
     if jax.process_index() == 0:
       file_io.atomic_write_json(os.path.join(self.workdir, EVAL_REPORT),
@@ -267,5 +306,6 @@ class NameFinetune(classify_run.LabelledFinetune):
     self.say(f"step {step}: held-out token precision {scores['precision']:.3f}, recall "
              f"{scores['recall']:.3f}, F1 {scores['f1']:.3f}, exact {scores['exact']:.3f} "
              f"({len(i.test)} functions; rule {r['kind']} "
-             f"{r.get('threshold', r.get('k'))}, chosen on {len(i.calibration)})")
+             f"{r.get('threshold', r.get('k'))}{' with the called names' if r.get('calls') else ''}"
+             f", chosen on {len(i.calibration)})")
     return {f"eval_{k}": scores[k] for k in ("precision", "recall", "f1", "exact")}

@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from lmscale_jax.errors import UserError
-from lmscale_jax.inference import trained_model
+from lmscale_jax.inference import callee_copy, trained_model
 from lmscale_jax.model import name_head
 
 BATCH = 64  # functions per forward pass
@@ -30,6 +30,9 @@ class Namer:
   model: trained_model.TrainedModel
   rule: dict     # which scored tokens make the name (name_head.RULES)
   given: str     # the model as the user gave it ("--workdir RUN"): its error lines name it
+  # The called names' copy rates (inference/callee_copy), used where the rule says "calls" and
+  # a function's calls are known (an ELF file's, not a pasted text's).
+  copy: callee_copy.CopyRates | None = None
 
 
 def load(workdir: str = "", hf: str = "", step: int | None = None,
@@ -45,7 +48,11 @@ def load(workdir: str = "", hf: str = "", step: int | None = None,
   name_head.check_fits(model.namer["tokens"], model.namer["bias"].shape[0], given)
   rule = model.namer["rule"] if hf else name_head.saved_rule(
       os.path.join(workdir, name_head.EVAL_REPORT))
-  return Namer(model, rule, given)
+  copy = callee_copy.load(hf or workdir)
+  if rule.get("calls") and copy is None:
+    raise UserError(f"{given}: its prediction rule reads the names functions call, but its "
+                    f"{callee_copy.FILE} is missing (restore the run's own file)")
+  return Namer(model, rule, given, copy)
 
 
 def padded_rows(n: int, batch_size: int) -> int:
@@ -76,10 +83,16 @@ def ranked(model: trained_model.TrainedModel, texts: list[str], top: int,
   return [[vocab[j] for j in row] for row in order.tolist()], np.take_along_axis(probs, order, 1)
 
 
-def suggest(namer: Namer, texts: list[str], top: int, batch_size: int = BATCH) -> list[dict]:
+def suggest(namer: Namer, texts: list[str], top: int, batch_size: int = BATCH,
+            calls: list | None = None) -> list[dict]:
   """Per text: ``suggested`` (the rule's sub-tokens joined by "_", "" where it keeps none) and
-  ``tokens``, the ``top`` best sub-tokens as [token, probability rounded to 4 places]."""
+  ``tokens``, the ``top`` best sub-tokens as [token, score rounded to 4 places]; ``calls``
+  (each text's called names, or None per text or for all): where the rule reads them, a
+  called name's sub-token scores the larger of its probability and its copy rate."""
   best, best_p = ranked(namer.model, texts, max(top, name_head.TOP), batch_size)
+  if namer.rule.get("calls") and calls is not None:
+    best, best_p = callee_copy.merged(best, best_p, namer.copy, calls,
+                                      max(top, name_head.TOP))
   named = name_head.apply_rule(namer.rule, best, best_p)
   return [{"suggested": "_".join(n),
            "tokens": [[t, round(float(p), 4)] for t, p in zip(b[:top], ps[:top])]}

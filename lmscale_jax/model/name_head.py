@@ -83,9 +83,10 @@ def sigmoid(logits: np.ndarray) -> np.ndarray:
 
 def apply_rule(rule: dict, top_tokens: list[list[str]], top_probs: np.ndarray) -> list[list[str]]:
   """The predicted name of each function from its best tokens (best first) and their
-  probabilities [N, K] under ``rule`` ({"kind": one of RULES, "threshold" or "k"})."""
+  probabilities [N, K] (or lists, one per function, as long as its tokens) under ``rule``
+  ({"kind": one of RULES, "threshold" or "k"})."""
   kind, out = rule["kind"], []
-  for tokens, probs in zip(top_tokens, np.asarray(top_probs)):
+  for tokens, probs in zip(top_tokens, top_probs):
     if kind == "topk":
       out.append(list(tokens[:int(rule["k"])]))
       continue

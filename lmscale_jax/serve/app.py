@@ -215,8 +215,10 @@ def add_model_endpoints(app: FastAPI, served: Served, batcher: Batcher) -> None:
 def answers_of(served: Served, queries: list, k: int, vectors: np.ndarray, codes: list) -> dict:
   """query.ranked's answers with each query's text and each result's binary's sha256, and the
   model's warning about its scores (query.similarity_warning; null for a similarity model)."""
-  answers = query.ranked(served.corpus, queries, vectors, codes, k)
-  for a, (_, _, text) in zip(answers, queries):
+  answers = query.ranked(served.corpus, [q[:3] for q in queries], vectors, codes, k)
+  for a, (_, _, text, *called) in zip(answers, queries):
+    if called:  # an upload's: what /api/name reads with the text (the page sends both)
+      a["calls"] = called[0]
     a["text"] = text
     a["results"] = [{**r, "sha256": served.sha256_of(r["binary"], r["function"], r["address"])}
                     for r in a["results"]]
@@ -236,8 +238,8 @@ async def batched_search(served: Served, batcher: Batcher, queries: list, k: int
 
 
 SEARCH_BODY = '{"text": "push rbp [NEXT] …", "k": 10} or multipart/form-data with a field file'
-NAME_BODY = ('{"texts": ["push rbp [NEXT] …", …], "k": 5}, {"text": "…", "k": 5} or '
-             "multipart/form-data with a field file")
+NAME_BODY = ('{"texts": ["push rbp [NEXT] …", …], "k": 5} (optional "calls": per text, the '
+             'names it calls), {"text": "…", "k": 5} or multipart/form-data with a field file')
 
 
 async def search_queries(request: Request, served: Served, default_k: int = 10,
@@ -260,7 +262,9 @@ async def search_queries(request: Request, served: Served, default_k: int = 10,
   doc = inputs.json_object(await request.body(), NAME_BODY if texts else SEARCH_BODY)
   k = inputs.k_of(doc.get("k"), default_k, served.limits)
   if texts and "texts" in doc:
-    return [(None, None, t) for t in inputs.texts_of(doc, served.limits)], k
+    given = inputs.texts_of(doc, served.limits)
+    calls = inputs.calls_of(doc, given) or [None] * len(given)
+    return [(None, None, t, c) for t, c in zip(given, calls)], k
   return inputs.text_queries(inputs.text_of(doc), served.limits), k
 
 
@@ -310,9 +314,12 @@ def names(served: Served, queries: list, k: int) -> dict:
   """/api/name's answer: ``lmscale name``'s suggestions (inference/name_suggestions, their one
   owner) for each query function, named and placed as /api/search names its queries."""
   namer = served.namer
-  named = name_suggestions.suggest(namer, [q[2] for q in queries], k)
+  calls = [q[3] if len(q) > 3 else None for q in queries]
+  named = name_suggestions.suggest(namer, [q[2] for q in queries], k,
+                                   calls=calls if any(c is not None for c in calls) else None)
   return {"model": described(namer.model), "rule": namer.rule, "k": k, "functions": [
-      {"function": name, "address": address, **n} for (name, address, _), n in zip(queries, named)]}
+      {"function": q[0], "address": q[1], **n, **({"calls": c} if c is not None else {})}
+      for q, n, c in zip(queries, named, calls)]}
 
 
 def add_name(app: FastAPI, served: Served, batcher: Batcher) -> None:

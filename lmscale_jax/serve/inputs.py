@@ -10,6 +10,7 @@ import re
 import tempfile
 
 from lmscale_jax.errors import UserError
+from lmscale_jax.prep.elf import call_names
 from lmscale_jax.search import index, listing, query
 from lmscale_jax.serve.guard import ApiError
 from lmscale_jax.serve.served import Limits
@@ -86,6 +87,21 @@ def texts_of(doc: dict, limits: Limits) -> list[str]:
   return texts
 
 
+def calls_of(doc: dict, texts: list[str]) -> list | None:
+  """/api/name's optional "calls": per text, the names its function calls (what /api/search
+  answers give an upload's queries), or null where unknown."""
+  calls = doc.get("calls")
+  if calls is None:
+    return None
+  if not isinstance(calls, list) or len(calls) != len(texts):
+    raise ApiError(400, f"calls: expected a list of {len(texts)} (one per text) lists of "
+                   "called names, or no calls")
+  for i, c in enumerate(calls):
+    if c is not None and not (isinstance(c, list) and all(isinstance(n, str) for n in c)):
+      raise ApiError(400, f"calls[{i}]: expected a list of names or null, got {repr(c)[:40]}")
+  return calls
+
+
 def shown_name(filename: str | None) -> str:
   """The upload's own file name (no directories), for its file on disk and its messages."""
   name = re.sub(r"[^A-Za-z0-9._+-]", "_", os.path.basename(filename or ""))[:100]
@@ -93,9 +109,10 @@ def shown_name(filename: str | None) -> str:
 
 
 def elf_queries(data: bytes, filename: str | None, name: str | None, address: int | None,
-                limits: Limits) -> list[tuple[str, int | None, str]]:
-  """(name, address, text) of the query functions of an uploaded ELF file, read from a copy in
-  a private temp directory (mode 0700) deleted after."""
+                limits: Limits) -> list[tuple[str, int | None, str, list[str]]]:
+  """(name, address, text, calls) of the query functions of an uploaded ELF file, read from a
+  copy in a private temp directory (mode 0700) deleted after; calls: the names each calls
+  that the file shows stripped (prep/elf/call_names)."""
   shown = shown_name(filename)
   with tempfile.TemporaryDirectory(prefix="lmscale-serve-") as where:
     path = os.path.join(where, shown)
@@ -117,11 +134,23 @@ def elf_queries(data: bytes, filename: str | None, name: str | None, address: in
       fns = query.pick(fns, shown, name, address)
     except UserError as e:
       raise ApiError(404, str(e)) from None
+    called = names_called(path, shown)
   if len(fns) > limits.max_functions:
     raise ApiError(413, f"{shown}: {len(fns)} functions, over the server's limit of "
                    f"{limits.max_functions} per search (lmscale serve --max-functions); "
                    "pick one with the field function or address")
-  return [(f.name, f.address, f.text) for f in fns]
+  return [(f.name, f.address, f.text, called.get(f.address, [])) for f in fns]
+
+
+def names_called(path: str, shown: str) -> dict:
+  """call_names.called of an upload whose functions were read: {} where its tables of calls do
+  not parse (extra evidence for naming, not a reason to refuse the file; logged)."""
+  try:
+    return call_names.called(path, source="auto")
+  except Exception as e:  # noqa: BLE001 — a fuzzed relocation table: the file's, not ours
+    log.warning("%s: its calls were not read (%s: %s)", shown, type(e).__name__,
+                str(e).replace(path, shown))
+    return {}
 
 
 def text_queries(text: str, limits: Limits) -> list[tuple[str, int | None, str]]:

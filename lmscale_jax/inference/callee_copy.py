@@ -7,15 +7,20 @@ names (normalised and split as names are: :mod:`lmscale_jax.similarity.symbol_na
 copy rate learnt on training functions: of those calling a name that holds the token, the share
 whose own name holds it, smoothed by one function at the overall rate (a token never seen in
 training, e.g. a new library's own prefix, gets the overall rate). The suggestions: the tokens
-whose rate reaches a threshold, chosen on training data.
+whose rate reaches a threshold: the baseline's chosen on training F1
+(benchmarks/naming_baselines.py), a naming run's with its model's tokens on its calibration
+slice (finetune/name_run.with_calls).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import os
 
-GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)  # thresholds the training F1 chooses from
+from lmscale_jax.errors import UserError
+
 
 
 def called_tokens(calls: list[str]) -> set[str]:
@@ -60,8 +65,43 @@ def suggested(rates: CopyRates, calls: list[list[str] | None], threshold: float)
   return [sorted(t for t, r in rates.scores(c).items() if r >= threshold) for c in calls]
 
 
-def chosen_threshold(rates: CopyRates, calls: list, names: list[list[str]]) -> float:
-  """The GRID threshold of the best micro F1 on (``calls``, ``names``)."""
-  from lmscale_jax.evals import naming
+def merged(names: list[list[str]], probs, rates: CopyRates, calls: list, top: int):
+  """A naming model's best tokens (best first) and their probabilities, with each called
+  name's sub-token scored by the larger of the model's probability and its copy rate → the
+  ``top`` best of each function again (tokens, scores), best first (ties: the token)."""
+  out_names, out_scores = [], []
+  for ns, ps, made in zip(names, probs, calls):
+    scored = dict(zip(ns, map(float, ps)))
+    for t, r in rates.scores(made).items():
+      scored[t] = max(scored.get(t, 0.0), r)
+    best = sorted(scored.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+    out_names.append([t for t, _ in best])
+    out_scores.append([p for _, p in best])
+  return out_names, out_scores
 
-  return max(GRID, key=lambda t: naming.score(suggested(rates, calls, t), names)["f1"])
+
+FILE = "callee_copy.json"  # a naming run's (and its export's) rates
+FORMAT = "lmscale_jax.callee_copy/1"
+
+
+def save(directory: str, rates: CopyRates) -> None:
+  from lmscale_jax.store import file_io
+
+  file_io.atomic_write_json(os.path.join(directory, FILE), {
+      "format": FORMAT, "overall": rates.overall, "held": rates.held, "called": rates.called})
+
+
+def load(directory: str) -> CopyRates | None:
+  """A run's or an export's rates; None where it has none (trained on names without calls)."""
+  path = os.path.join(directory, FILE)
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      doc = json.load(f)
+    if doc.get("format") != FORMAT:
+      raise ValueError(f"format {doc.get('format')!r}")
+    return CopyRates(dict(doc["held"]), dict(doc["called"]), float(doc["overall"]))
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise UserError(f"{path}: unreadable ({e}); expected {FORMAT} as lmscale finetune --task "
+                    "name writes it (restore the run's own file)") from None
