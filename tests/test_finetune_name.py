@@ -212,6 +212,32 @@ def test_a_finished_run_rescored_chooses_its_rule_again_and_scores_as_its_last_e
   assert f"F1 {again['f1']:.4f}" in capsys.readouterr().out
 
 
+def test_a_run_rescored_with_a_rebuild_of_its_task_reads_the_rebuilds_calls(
+    named, task_dir, tmp_path, capsys):
+  """--task: the same examples without "calls" score as the run's own rule without them; a
+  task of other examples is one line."""
+  from benchmarks import naming_rescore
+
+  bare = tmp_path / "bare"
+  bare.mkdir()
+  for name in ("train.jsonl", "test.jsonl"):
+    rows = [json.loads(x) for x in open(task_dir / name).read().splitlines()]
+    write_jsonl(bare / name, [{k: v for k, v in r.items() if k != "calls"} for r in rows])
+  out = tmp_path / "bare.json"
+  assert naming_rescore.main(["--workdir", str(named), "--task", str(bare), "--json",
+                              str(out)]) == 0
+  again, report = json.load(open(out)), json.load(open(named / name_run.EVAL_REPORT))
+  assert "calls" not in again["rule"] and again["task"] == str(bare)
+  assert abs(again["f1"] - report["without_calls"]["f1"]) < 1e-3
+  capsys.readouterr()
+  (bare / "test.jsonl").write_text((bare / "test.jsonl").read_text().split("\n", 1)[1])
+  assert naming_rescore.main(["--workdir", str(named), "--task", str(bare), "--json",
+                              str(tmp_path / "no.json")]) == 1
+  err = capsys.readouterr().err.strip()
+  assert err.startswith(f"error: --task {bare}: its test.jsonl is not the run's ") and "\n" not in err
+  assert not (tmp_path / "no.json").exists()
+
+
 def test_rescoring_never_replaces_a_file_it_did_not_write(named, capsys):
   """--json naming the run's own naming_eval.json: one line, before any work, file untouched."""
   from benchmarks import naming_rescore
