@@ -144,6 +144,18 @@ def test_an_empty_name_is_refused_in_one_line_before_work(task_dir, pretrained, 
   assert not (tmp_path / "w").exists()
 
 
+def test_calls_that_are_not_a_list_of_names_are_one_line_before_work(task_dir, pretrained,
+                                                                     tmp_path, capsys):
+  bad = tmp_path / "train.jsonl"
+  write_jsonl(bad, [{"text": "ret", "tokens": ["ret"], "calls": "free"}])
+  argv = args(task_dir, pretrained, tmp_path / "w")
+  argv[argv.index("--labels") + 1] = str(bad)
+  code, _, err = run_tool("finetune", argv, capsys)
+  assert code == 1 and err.count("\n") == 1, err
+  assert f"{bad}:1: \"calls\" is 'free', expected a list of the names" in err
+  assert not (tmp_path / "w").exists()
+
+
 def test_a_file_without_a_frequent_token_has_no_usable_names(task_dir, pretrained, tmp_path,
                                                              capsys):
   bad = tmp_path / "train.jsonl"

@@ -257,7 +257,8 @@ async def search_queries(request: Request, served: Served, default_k: int = 10,
       k = inputs.k_of(inputs.field(form, "k"), default_k, served.limits)
       name, address = inputs.field(form, "function"), inputs.field(form, "address")
     queries = await anyio.to_thread.run_sync(inputs.elf_queries, data, filename, name,
-                                             inputs.address_of(address), served.limits)
+                                             inputs.address_of(address), served.limits,
+                                             served.namer is not None)  # calls: for naming
     return queries, k
   doc = inputs.json_object(await request.body(), NAME_BODY if texts else SEARCH_BODY)
   k = inputs.k_of(doc.get("k"), default_k, served.limits)

@@ -109,10 +109,11 @@ def shown_name(filename: str | None) -> str:
 
 
 def elf_queries(data: bytes, filename: str | None, name: str | None, address: int | None,
-                limits: Limits) -> list[tuple[str, int | None, str, list[str]]]:
-  """(name, address, text, calls) of the query functions of an uploaded ELF file, read from a
-  copy in a private temp directory (mode 0700) deleted after; calls: the names each calls
-  that the file shows stripped (prep/elf/call_names)."""
+                limits: Limits, calls: bool = False) -> list[tuple]:
+  """(name, address, text) of the query functions of an uploaded ELF file, read from a copy in
+  a private temp directory (mode 0700) deleted after; ``calls`` (a server with a naming
+  model): (name, address, text, calls), the names each calls that the file shows stripped
+  (prep/elf/call_names)."""
   shown = shown_name(filename)
   with tempfile.TemporaryDirectory(prefix="lmscale-serve-") as where:
     path = os.path.join(where, shown)
@@ -134,11 +135,13 @@ def elf_queries(data: bytes, filename: str | None, name: str | None, address: in
       fns = query.pick(fns, shown, name, address)
     except UserError as e:
       raise ApiError(404, str(e)) from None
-    called = names_called(path, shown)
+    called = names_called(path, shown) if calls else None
   if len(fns) > limits.max_functions:
     raise ApiError(413, f"{shown}: {len(fns)} functions, over the server's limit of "
                    f"{limits.max_functions} per search (lmscale serve --max-functions); "
                    "pick one with the field function or address")
+  if called is None:
+    return [(f.name, f.address, f.text) for f in fns]
   return [(f.name, f.address, f.text, called.get(f.address, [])) for f in fns]
 
 

@@ -42,7 +42,8 @@ def called(path: str, source: str = "symbols", imports_only: bool = False) -> di
       funcs = elf_corpus.function_symbols(elf_corpus.section_headers(elf, data), data, source)
       slots, own = slot_names(elf), exported(elf)
       if imports_only:  # a library calls its own exports through its PLT too
-        slots = {a: n for a, n in slots.items() if n not in set(own.values())}
+        defined = set(own.values())
+        slots = {a: n for a, n in slots.items() if n not in defined}
       targets = {**stub_names(elf, slots), **({} if imports_only else own)}
       code = _code_sections(elf)
       return {a: names_called(_code(data, code, a, size), a, targets, slots)
