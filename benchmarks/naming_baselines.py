@@ -138,8 +138,9 @@ def callee_suggestions(train: list[dict], test: list[dict]) -> tuple[list[list[s
   calls = [r["calls"] for r in train]
   rates = callee_copy.fit(calls, [r["tokens"] for r in train])
   names = [r["tokens"] for r in train]
+  weights = naming.library_weights([r["library"] for r in train])  # chosen as a run chooses
   threshold = max(COPY_GRID, key=lambda t: naming.score(callee_copy.suggested(rates, calls, t),
-                                                        names)["f1"])
+                                                        names, weights)["f1"])
   return callee_copy.suggested(rates, [r["calls"] for r in test], threshold), {
       "threshold": threshold, "overall_copy_rate": round(rates.overall, 4),
       "test_functions_calling_names": sum(bool(r["calls"]) for r in test)}

@@ -1,7 +1,7 @@
 """The compiler-provenance baseline: TF-IDF of the pretokens + logistic regression, on a task
 built by lmscale provenance-build.
 
-  python benchmarks/provenance_baseline.py --task DIR [--json OUT.json]
+  python benchmarks/provenance_baseline.py --task DIR [--read-as RUN] [--json OUT.json]
 
 scikit-learn's ``TfidfVectorizer(token_pattern=r"\\S+", lowercase=False)`` (each pretoken a
 term: mnemonics, registers, ``[NEXT]``, constants; the same features as the similarity
@@ -10,7 +10,9 @@ max_iter fixed here before any test score was seen (no tuning: the test split is
 Prints and writes (--json, atomically) accuracy, macro-F1 and per-label F1 on test.jsonl
 (lmscale_jax/evals/classification.py, the scores the fine-tuned classifier reports), the
 confusion matrix, the majority class's scores (the floor), the fit's seconds and whether it
-converged, with the date, the machine and the code's commit.
+converged, with the date, the machine and the code's commit. ``--read-as RUN`` first cuts
+every text (train and test) to what that run's encoder reads (its tokenizer, cut at its
+``seq_len``: ``trained_model.text_read``): the baseline seeing what the fine-tuned classifier sees.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def parser():
   p = cli_args.Parser(prog=TOOL, description=__doc__.splitlines()[0])
   p.add_argument("--task", required=True, metavar="DIR",
                  help="a task directory of lmscale provenance-build")
+  p.add_argument("--read-as", default=None, metavar="RUN",
+                 help="cut every text to what this training run's encoder reads (its seq_len)")
   p.add_argument("--json", type=cli_args.output_file, default=None, metavar="OUT",
                  help="also write the result here")
   return p
@@ -91,8 +95,18 @@ def fit_predict(train_x, train_y, test_x) -> tuple[list[str], dict]:
                      "converged": bool(max(model.n_iter_) < MAX_ITER)}
 
 
-def run(task: str) -> dict:
+def read_as(workdir: str, *splits: list[str]) -> tuple[list[str], ...]:
+  """Each split's texts cut to what ``workdir``'s encoder reads."""
+  from lmscale_jax.inference import model_dir, trained_model
+
+  model = trained_model.architecture(model_dir.read_run(workdir, "", None))
+  return tuple([trained_model.text_read(model, t) for t in texts] for texts in splits)
+
+
+def run(task: str, read_by: str | None = None) -> dict:
   (train_x, train_y), (test_x, test_y) = read_split(task, "train"), read_split(task, "test")
+  if read_by:
+    train_x, test_x = read_as(read_by, train_x, test_x)
   labels = read_labels(task, train_y, test_y)
   predicted, fit = fit_predict(train_x, train_y, test_x)
   return {"date": datetime.date.today().isoformat(), "device": _host.cpu_name(),
@@ -100,6 +114,7 @@ def run(task: str) -> dict:
           "method": {"name": "tfidf+logreg",
                      "vectorizer": "TfidfVectorizer(token_pattern='\\\\S+', lowercase=False)",
                      "classifier": f"LogisticRegression(C={C}, max_iter={MAX_ITER})", **fit},
+          "read_as": read_by and os.path.abspath(read_by),
           "examples": {"train": len(train_y), "test": len(test_y)},
           "scores": classification.classification_scores(test_y, predicted, labels),
           "majority": classification.majority_scores(train_y, test_y, labels)}
@@ -113,7 +128,8 @@ def task_sha(task: str) -> str | None:
 def summary(doc: dict) -> str:
   s, m = doc["scores"], doc["majority"]
   lines = [f"{doc['task']}: {doc['examples']['train']} training, {doc['examples']['test']} test "
-           f"examples; {doc['method']['features']} TF-IDF terms; fit {doc['method']['fit_s']} s",
+           f"examples; {doc['method']['features']} TF-IDF terms; fit {doc['method']['fit_s']} s"
+           + (f"; texts cut to what {doc['read_as']} reads" if doc.get("read_as") else ""),
            f"tfidf+logreg  accuracy {s['accuracy']:.4f}  macro-F1 {s['macro_f1']:.4f}",
            f"majority ({m['label']})  accuracy {m['accuracy']:.4f}  macro-F1 {m['macro_f1']:.4f}"]
   lines += [f"  {lab:<12} F1 {v['f1']:.4f}  (support {v['support']})"
@@ -128,7 +144,7 @@ def main(argv=None) -> int:
     if not os.path.isdir(a.task):
       raise UserError(f"--task {a.task}: no such directory (build one with lmscale "
                       "provenance-build)")
-    doc = run(a.task)
+    doc = run(a.task, a.read_as)
     print(summary(doc))
     if a.json:
       output_marks.write_json(a.json, TOOL, doc)

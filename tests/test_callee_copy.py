@@ -1,9 +1,10 @@
 """Name sub-tokens copied from what a function calls (lmscale_jax/inference/callee_copy.py): the
 rates learnt on training names, a token never seen at the overall rate, suggestions at a
-threshold, a model's tokens merged, the rates saved and read back."""
+threshold, a model's tokens merged or gated, the rates saved and read back."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from lmscale_jax.errors import UserError
@@ -52,3 +53,28 @@ def test_rates_saved_are_read_back_and_a_damaged_file_is_one_line(tmp_path):
   (tmp_path / callee_copy.FILE).write_text("{\"format\": 3}")
   with pytest.raises(UserError, match=r"callee_copy.json: unreadable .*restore the run's own"):
     callee_copy.load(str(tmp_path))
+
+
+def test_candidates_are_the_models_tokens_then_the_called_ones_with_their_evidence():
+  rates = callee_copy.fit(CALLS, NAMES)
+  tokens, x = callee_copy.candidates(["read", "gz"], [0.5, 0.2], rates, ["gz_close"])
+  assert tokens == ["read", "gz", "close"] and x.shape == (3, len(callee_copy.FEATURES))
+  assert x[0].tolist() == [0.5, 0.0, 0.0, 0.0, 0.0, pytest.approx(np.log(3)), 1.0]
+  assert x[1][:4].tolist() == [0.2, pytest.approx(np.log(0.25)), pytest.approx(2.5 / 3), 1.0]
+  assert x[1][4] == pytest.approx(np.log(3))  # gz: 2 training callers
+  assert x[2][[0, 2, 3, 6]].tolist() == [0.0, 0.5, 1.0, 0.0]  # close: never seen, not the model's
+
+
+def test_a_gate_fitted_where_copying_pays_ranks_the_copied_token_first():
+  rates = callee_copy.fit(CALLS, NAMES)
+  # Functions whose name is what they call; the model's guess ("misc") is always wrong.
+  names, probs = [["misc"]] * 40, [[0.6]] * 40
+  calls = [[f"{t}_helper"] for t in ("gz", "inflate") * 20]
+  truth = [[c[0].split("_")[0]] for c in calls]
+  gate = callee_copy.fit_gate(names, probs, rates, calls, truth, [1.0] * 40)
+  got, scores = callee_copy.gated([["misc"]], [[0.6]], rates, [["gz_helper"]], gate, 3)
+  assert sorted(got[0]) == ["gz", "helper", "misc"] and got[0][0] == "gz"
+  assert scores[0][0] > 0.5 > max(scores[0][1:])  # helper: called, never in a name
+  assert callee_copy.gate_from_json(gate.as_json()) == gate
+  with pytest.raises(ValueError, match="gate features"):
+    callee_copy.gate_from_json({**gate.as_json(), "features": ["probability"]})

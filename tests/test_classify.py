@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -294,3 +295,26 @@ def test_the_exported_classifier_in_transformers_gives_our_logits(classified, ta
   diff = np.abs(np.asarray(theirs["logits"]) - trained_model.class_logits(model, ids)).max()
   print(f"exported classifier: max |logits diff| {diff:.2e}")
   assert diff < 1e-4
+
+
+def test_the_text_an_encoder_reads_gives_its_ids_and_limits_the_baseline(task, pretrained,
+                                                                        tmp_path):
+  """trained_model.text_read: the prefix of a function whose ids are the ones the encoder keeps
+  (seq_len 64 here: most functions are cut); provenance_baseline.py --read-as fits on those."""
+  model = trained_model.from_workdir(str(pretrained[1]))
+  texts = [json.loads(x)["text"] for x in open(task[0])]
+  cut = 0
+  for text in texts:
+    read = trained_model.text_read(model, text)
+    ids, was_cut = trained_model.encode(model, text)
+    assert text.startswith(read) and (read == text) != was_cut
+    assert trained_model.encode(model, read)[0].tolist() == ids.tolist()
+    cut += was_cut
+  assert cut > len(texts) // 2
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "provenance_baseline.py"),
+                      "--task", os.path.dirname(task[0]), "--read-as", str(pretrained[1]),
+                      "--json", str(tmp_path / "b.json")], capture_output=True, text=True,
+                     timeout=300, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 0, r.stderr
+  doc = json.load(open(tmp_path / "b.json"))
+  assert doc["read_as"] == os.path.abspath(pretrained[1]) and "texts cut to what" in r.stdout

@@ -14,6 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
+from lmscale_jax.errors import UserError
 from lmscale_jax.evals import naming
 from lmscale_jax.inference import callee_copy
 from lmscale_jax.finetune import name_run
@@ -127,9 +128,24 @@ def test_a_task_with_calls_keeps_copy_rates_and_the_rule_reads_them_where_they_h
   namer = name_suggestions.load(str(named))
   text = "push rbp [NEXT] mov rbp rsp [NEXT] pop rbp [NEXT] ret"
   token = max(sorted(rates.called), key=rates.rate)  # copied by nearly every caller
-  with_calls = name_suggestions.suggest(namer, [text], 5, calls=[[f"{token}_helper"]])[0]
-  assert token in with_calls["suggested"].split("_")
-  assert dict(with_calls["tokens"])[token] >= round(rates.rate(token), 4)
+  calls = [[f"{token}_helper"]]
+  with_calls = name_suggestions.suggest(namer, [text], 5, calls=calls)[0]
+  # lmscale name joins them as the evaluation did: the gate fitted on the calibration slice.
+  gate = callee_copy.gate_from_json(report["rule"]["gate"])
+  best = name_suggestions.ranked(namer.model, [text], name_head.TOP)
+  names, scores = callee_copy.gated(*best, rates, calls, gate, name_head.TOP)
+  assert with_calls["tokens"] == [[t, round(p, 4)] for t, p in zip(names[0][:5], scores[0][:5])]
+  assert token in callee_copy.candidates(*(b[0] for b in best), rates, calls[0])[0]
+
+
+def test_a_damaged_gate_in_the_rule_is_one_line_at_load(named, tmp_path):
+  other = tmp_path / "run"
+  shutil.copytree(named, other)
+  report = json.load(open(other / name_run.EVAL_REPORT))
+  report["rule"]["gate"]["weights"] = "x"
+  json.dump(report, open(other / name_run.EVAL_REPORT, "w"))
+  with pytest.raises(UserError, match=r"its prediction rule's gate is unreadable .*restore"):
+    name_suggestions.load(str(other))
 
 
 def test_an_empty_name_is_refused_in_one_line_before_work(task_dir, pretrained, tmp_path,

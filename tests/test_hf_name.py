@@ -63,6 +63,7 @@ def test_the_export_in_transformers_gives_the_runs_sigmoid_probabilities(named, 
     trained_model.from_hf(str(exported))
   card = (exported / "README.md").read_text()
   assert "function namer" in card and f"| name sub-tokens | {len(tokens)}" in card
+  assert ("scored together by the rule's gate" in card) == ("gate" in rule)
 
 
 def test_lmscale_name_from_the_export_suggests_what_the_run_does(named, exported, stripped,

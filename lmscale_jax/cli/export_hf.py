@@ -245,7 +245,11 @@ def namer_card(model: trained_model.TrainedModel, rule: dict) -> str:
   kept = (f"the {rule['k']} most probable sub-tokens" if rule["kind"] == "topk" else
           f"every sub-token of probability ≥ {rule['threshold']}" +
           (" (the most probable one where none is)" if rule["kind"] == "threshold_min1" else "")
-          + ("; a sub-token of a name the function calls scores the larger of its probability "
+          + ("; the model's best sub-tokens and those of the names the function calls are "
+             "scored together by the rule's gate (config.json) from their probabilities and "
+             "copy rates (`callee_copy.json`: lmscale name reads the calls of an ELF file; the "
+             "logits alone do not)" if rule.get("gate") else
+             "; a sub-token of a name the function calls scores the larger of its probability "
              "and its copy rate (`callee_copy.json`: lmscale name reads the calls of an ELF "
              "file; the logits alone do not)" if rule.get("calls") else ""))
   return f"""---

@@ -11,8 +11,9 @@ functions in training; for each, the suggested name (the sub-tokens the run's pr
 keeps, joined by "_": the rule chosen on held-out training libraries, its naming_eval.json)
 and the --top best sub-tokens with their scores, as a table or (--json) one object per
 function, with the names it calls that the file shows stripped (imports, exports). A run
-trained on names with "calls" whose rule reads them scores a called name's sub-token by the
-larger of its probability and its copy rate (docs/naming.md, "What a function calls").
+trained on names with "calls" whose rule reads them scores its own best sub-tokens and the
+called names' together, by the gate its rule carries (docs/naming.md, "A rule chosen across
+libraries, and a gate").
 """
 
 from __future__ import annotations

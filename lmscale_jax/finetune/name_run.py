@@ -15,7 +15,8 @@ V·ln 2). The workdir also holds ``name_vocab.json`` (output ``i`` is ``tokens[i
 whose task gives another vocabulary is refused) and, after each evaluation (every
 ``train.eval_every`` steps and after the last), ``naming_eval.json``: the prediction rule
 chosen on the calibration slice of the training file (the best F1 among
-:data:`name_head.RULES`, each at its best threshold or k), its precision, recall, F1 and
+:data:`name_head.RULES`, each at its best threshold or k; F1 with no library weighing more than
+the slice's median one: ``naming.library_weights``), its precision, recall, F1 and
 exact-name accuracy on the held-out file, every rule's scores there too, and one prediction
 per held-out function.
 """
@@ -136,11 +137,14 @@ def rules():
     yield {"kind": "topk", "k": k}
 
 
-def choose_rule(names: list[list[str]], probs: np.ndarray, truth: list[list[str]]) -> dict:
-  """The rule of the best F1 on the calibration slice ({"kind", its parameter, "f1"}); the
-  best of each kind under ``by_kind``."""
-  scored = [(naming.score(name_head.apply_rule(r, names, probs), truth)["f1"], i, r)
-            for i, r in enumerate(rules())]
+def choose_rule(names: list[list[str]], probs: np.ndarray,
+                calibration: name_labels.Named) -> dict:
+  """The rule of the best F1 on the calibration slice, its libraries weighed as
+  ``naming.library_weights`` says ({"kind", its parameter, "calibration_f1"}); the best of each
+  kind under ``by_kind``."""
+  weights = naming.library_weights([i.get("library", "") for i in calibration.info])
+  scored = [(naming.score(name_head.apply_rule(r, names, probs), calibration.tokens,
+                          weights)["f1"], i, r) for i, r in enumerate(rules())]
   by_kind = {}
   for f1, _, r in scored:
     if f1 > by_kind.get(r["kind"], (-1.0, None))[0]:
@@ -177,7 +181,7 @@ def scored(task: NamingTask, calibration, test) -> dict:
   model's best tokens on the test file; where the task has calls, the better of that rule and
   the one reading them (:func:`with_calls`), and then ``without_calls``: the model's own rule
   and held-out scores."""
-  rule = choose_rule(*calibration, task.calibration.tokens)
+  rule = choose_rule(*calibration, task.calibration)
   if task.copy is None:
     return report(task.test, task.tokens, rule, *test)
   best, merged = with_calls(rule, task, calibration, test)
@@ -191,14 +195,18 @@ def scored(task: NamingTask, calibration, test) -> dict:
 
 def with_calls(rule: dict, task: NamingTask, calibration, test):
   """The better, on the calibration slice, of ``rule`` (the model's tokens alone) and the rule
-  chosen on the model's tokens merged with the called names' (``callee_copy.merged``; that
-  rule marked ``"calls": true``) → (the rule, the held-out tokens and scores it reads)."""
-  merged = [callee_copy.merged(*best, task.copy, named.calls, TOP)
-            for best, named in ((calibration, task.calibration), (test, task.test))]
-  both = choose_rule(*merged[0], task.calibration.tokens)
+  chosen on the model's tokens and the called names' scored by a gate fitted there
+  (``callee_copy.fit_gate``; that rule marked ``"calls": true`` and carrying its ``"gate"``)
+  → (the rule, the held-out tokens and scores it reads)."""
+  named = task.calibration
+  weights = naming.library_weights([i.get("library", "") for i in named.info])
+  gate = callee_copy.fit_gate(*calibration, task.copy, named.calls, named.tokens, weights)
+  gated = [callee_copy.gated(*best, task.copy, calls, gate, TOP)
+           for best, calls in ((calibration, named.calls), (test, task.test.calls))]
+  both = choose_rule(*gated[0], named)
   if both["calibration_f1"] <= rule["calibration_f1"]:
     return rule, test
-  return {**both, "calls": True}, merged[1]
+  return {**both, "calls": True, "gate": gate.as_json()}, gated[1]
 
 
 class NameLog(base_run.FinetuneLog):

@@ -33,6 +33,7 @@ class Namer:
   # The called names' copy rates (inference/callee_copy), used where the rule says "calls" and
   # a function's calls are known (an ELF file's, not a pasted text's).
   copy: callee_copy.CopyRates | None = None
+  gate: callee_copy.Gate | None = None  # how the rule joins the two (None: the larger score)
 
 
 def load(workdir: str = "", hf: str = "", step: int | None = None,
@@ -52,7 +53,18 @@ def load(workdir: str = "", hf: str = "", step: int | None = None,
   if rule.get("calls") and copy is None:
     raise UserError(f"{given}: its prediction rule reads the names functions call, but its "
                     f"{callee_copy.FILE} is missing (restore the run's own file)")
-  return Namer(model, rule, given, copy)
+  return Namer(model, rule, given, copy, rule_gate(rule, given))
+
+
+def rule_gate(rule: dict, given: str) -> callee_copy.Gate | None:
+  """The gate a rule carries (None where it has none: a run saved before gates)."""
+  if "gate" not in rule:
+    return None
+  try:
+    return callee_copy.gate_from_json(rule["gate"])
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise UserError(f"{given}: its prediction rule's gate is unreadable ({e}); restore the "
+                    "run's own naming_eval.json (or export it again)") from None
 
 
 def padded_rows(n: int, batch_size: int) -> int:
@@ -83,16 +95,27 @@ def ranked(model: trained_model.TrainedModel, texts: list[str], top: int,
   return [[vocab[j] for j in row] for row in order.tolist()], np.take_along_axis(probs, order, 1)
 
 
+def joined(namer: Namer, best, best_p, calls: list | None, top: int):
+  """The model's best tokens joined with the called names' as the rule says: scored by its
+  gate, always (its threshold is on the gate's scale; no calls known reads as none), or, for a
+  run saved before gates, by the larger of probability and copy rate where calls are known."""
+  if namer.gate is not None:
+    calls = calls if calls is not None else [None] * len(best)
+    return callee_copy.gated(best, best_p, namer.copy, calls, namer.gate, top)
+  if calls is None:
+    return best, best_p
+  return callee_copy.merged(best, best_p, namer.copy, calls, top)
+
+
 def suggest(namer: Namer, texts: list[str], top: int, batch_size: int = BATCH,
             calls: list | None = None) -> list[dict]:
   """Per text: ``suggested`` (the rule's sub-tokens joined by "_", "" where it keeps none) and
   ``tokens``, the ``top`` best sub-tokens as [token, score rounded to 4 places]; ``calls``
-  (each text's called names, or None per text or for all): where the rule reads them, a
-  called name's sub-token scores the larger of its probability and its copy rate."""
+  (each text's called names, or None per text or for all): where the rule reads them, the
+  model's tokens and the called names' are scored together (:func:`joined`)."""
   best, best_p = ranked(namer.model, texts, max(top, name_head.TOP), batch_size)
-  if namer.rule.get("calls") and calls is not None:
-    best, best_p = callee_copy.merged(best, best_p, namer.copy, calls,
-                                      max(top, name_head.TOP))
+  if namer.rule.get("calls"):
+    best, best_p = joined(namer, best, best_p, calls, max(top, name_head.TOP))
   named = name_head.apply_rule(namer.rule, best, best_p)
   return [{"suggested": "_".join(n),
            "tokens": [[t, round(float(p), 4)] for t, p in zip(b[:top], ps[:top])]}

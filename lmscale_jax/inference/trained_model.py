@@ -200,6 +200,15 @@ def encode(model: TrainedModel, text: str) -> tuple[np.ndarray, bool]:
   return np.asarray(ids, np.int32), cut
 
 
+def text_read(model: TrainedModel, text: str) -> str:
+  """The part of ``text`` that :func:`encode` keeps: the whole text, or up to the end of the last
+  token before the cut (what a baseline must be limited to for a like-for-like comparison)."""
+  enc = model.tokenizer.encode(toklib.leading_words(text, model.words_kept))
+  if len(enc.ids) <= model.cfg.seq_len:
+    return text
+  return text[:enc.offsets[model.cfg.seq_len - 2][1]]  # ids[1 : seq_len - 1] are kept
+
+
 def pad_batch(rows: list[np.ndarray], length: int, pad_id: int) -> np.ndarray:
   out = np.full((len(rows), length), pad_id, np.int32)
   for i, r in enumerate(rows):
