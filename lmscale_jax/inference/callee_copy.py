@@ -101,8 +101,8 @@ def candidates(names: list[str], probs, rates: CopyRates, calls: list[str] | Non
   rows = []
   for t in tokens:
     p, called = model.get(t, 0.0), t in copy
-    odds = math.log(min(max(p, 1e-6), 1 - 1e-6) / (1 - min(max(p, 1e-6), 1 - 1e-6)))
-    rows.append([p, odds, copy.get(t, 0.0), float(called),
+    q = min(max(p, 1e-6), 1 - 1e-6)  # finite log-odds for a token the model gives 0 or 1
+    rows.append([p, math.log(q / (1 - q)), copy.get(t, 0.0), float(called),
                  math.log1p(rates.called.get(t, 0)) * called, math.log1p(len(copy)),
                  float(t in model)])
   return tokens, np.asarray(rows, np.float64).reshape(-1, len(FEATURES))
@@ -136,7 +136,9 @@ def fit_gate(names, probs, rates: CopyRates, calls: list, truth: list[list[str]]
   xs, ys, ws = [], [], []
   for ns, ps, made, real, w in zip(names, probs, calls, truth, weights):
     tokens, x = candidates(ns, ps, rates, made)
-    xs.append(x), ys.extend(t in set(real) for t in tokens), ws.extend([w] * len(tokens))
+    xs.append(x)
+    ys.extend(t in set(real) for t in tokens)
+    ws.extend([w] * len(tokens))
   model = LogisticRegression(C=1.0, max_iter=2000).fit(np.concatenate(xs), ys, sample_weight=ws)
   return Gate([float(v) for v in model.coef_[0]], float(model.intercept_[0]))
 
