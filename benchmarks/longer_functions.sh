@@ -19,8 +19,9 @@
 # so a stopped study continues; the table is OUT/longer_functions.json. A smoke run:
 # BUDGET_S=20 SEEDS=0 FT_STEPS=10 CLS_STEPS=10 QUERIES=50 CORPUS_MB=24 SETS=eval. Then the
 # compiler-provenance task (lmscale provenance-build over the three corpora), fine-tuned for
-# CLS_STEPS (600) from each variant's weights and from random ones, beside its TF-IDF +
-# logistic-regression baseline (benchmarks/provenance_baseline.py).
+# CLS_STEPS (600) from each variant's weights and from random ones (CLS_WINDOWS, 1: each function
+# read as up to that many windows, lmscale finetune --windows; the runs are cls-*-w<N> past 1),
+# beside its TF-IDF + logistic-regression baseline (benchmarks/provenance_baseline.py).
 set -euo pipefail
 usage() { awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
 case "${1:-}" in
@@ -93,12 +94,13 @@ corpora=$out/shared/corpora
 [ -f "$task/task.json" ] || $py -m lmscale_jax.cli.lmscale provenance-build \
   --bench "$corpora/eval.jsonl" "$corpora/eval2.jsonl" "$corpora/train-pairs.jsonl" \
   --output "$task"
-cls_steps=${CLS_STEPS:-600}
+cls_steps=${CLS_STEPS:-600} cls_windows=${CLS_WINDOWS:-1}
+windowed=$([ "$cls_windows" = 1 ] || echo "-w$cls_windows")
 for v in $variants; do
   IFS=: read -r name seq positions norm model <<< "$v"
   for s in ${SEEDS:-0 1}; do
     for start in pre rand; do
-      run=$out/$name/cls-$start-s$s
+      run=$out/$name/cls-$start-s$s$windowed
       [ -f "$run/classification_eval.json" ] && grep -q "\"step\": $cls_steps" \
         "$run/classification_eval.json" && continue
       init=(--init-workdir "$out/$name/pretrain/run")
@@ -106,8 +108,8 @@ for v in $variants; do
       $py -m lmscale_jax.cli.lmscale finetune --task classify --labels "$task/train.jsonl" \
         --eval-labels "$task/test.jsonl" --workdir "$run" "${init[@]}" --seed "$s" \
         --tokenizer "$out/shared/demo/data/tokenizer.json" --steps "$cls_steps" \
-        --eval-every "$cls_steps" --checkpoint-every "$cls_steps" --log-every 50 \
-        --learning-rate 3e-4 --warmup-steps 60 > "$run.log" 2>&1 \
+        --windows "$cls_windows" --eval-every "$cls_steps" --checkpoint-every "$cls_steps" \
+        --log-every 50 --learning-rate 3e-4 --warmup-steps 60 > "$run.log" 2>&1 \
         || { tail -3 "$run.log" >&2; exit 1; }
     done
   done

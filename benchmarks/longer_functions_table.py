@@ -20,6 +20,7 @@ import datetime
 import glob
 import json
 import os
+import re
 import sys
 
 from lmscale_jax.cli import args as cli_args
@@ -75,21 +76,27 @@ def per_seed(pre: dict, rand: dict, gain: dict) -> dict:
           "random_ft": dict(zip(rand["runs"], rand["recall_at_1"]))}
 
 
+CLS_RUN = re.compile(r"cls-(pre|rand)-s(\d+)(?:-w(\d+))?$")  # longer_functions.sh's names
+
+
 def provenance_rows(study: str, budget: dict) -> list[dict]:
-  """Per variant and start (pretrained / random): the classification runs' held-out accuracy
-  and macro-F1 (``cls-{pre,rand}-s{seed}/classification_eval.json``), over seeds."""
+  """Per variant, start (pretrained / random) and windows read per function (CLS_WINDOWS): the
+  classification runs' held-out accuracy and macro-F1
+  (``cls-{pre,rand}-s{seed}[-w{windows}]/classification_eval.json``), over seeds."""
   rows = []
   for name in budget["variants"]:
-    for start, label in (("pre", PRE), ("rand", RAND)):
-      runs = sorted(glob.glob(os.path.join(study, name, f"cls-{start}-s*",
-                                           "classification_eval.json")))
-      scores = [read_json(p) for p in runs]
-      if scores:
-        seeds = [os.path.basename(os.path.dirname(p)).rsplit("-s", 1)[1] for p in runs]
-        rows.append({"variant": name, "start": label, "runs": len(scores),
-                     **{k: summary([s[k] for s in scores]) for k in ("accuracy", "macro_f1")},
-                     "per_seed": {seed: {k: s[k] for k in ("accuracy", "macro_f1")}
-                                  for seed, s in zip(seeds, scores)}})
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(study, name, "cls-*", "classification_eval.json"))):
+      m = CLS_RUN.match(os.path.basename(os.path.dirname(path)))
+      if m:
+        runs.setdefault((int(m[3] or 1), m[1]), {})[m[2]] = read_json(path)
+    for (windows, start), by_seed in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+      scores = list(by_seed.values())
+      rows.append({"variant": name, "start": PRE if start == "pre" else RAND,
+                   "windows": windows, "runs": len(scores),
+                   **{k: summary([s[k] for s in scores]) for k in ("accuracy", "macro_f1")},
+                   "per_seed": {seed: {k: s[k] for k in ("accuracy", "macro_f1")}
+                                for seed, s in by_seed.items()}})
   return rows
 
 
@@ -130,7 +137,8 @@ def provenance_markdown(rows: list[dict], baseline: dict | None) -> str:
   lines = ["| variant | start | accuracy | macro-F1 |", "|---|---|---|---|"]
   for r in rows:
     seeds = f"{r['runs']} seed{'s' if r['runs'] > 1 else ''}"
-    lines.append(f"| {r['variant']} | {r['start']} ({seeds}) | {fmt(r['accuracy'])} | "
+    windows = f", {r['windows']} windows" if r.get("windows", 1) > 1 else ""
+    lines.append(f"| {r['variant']} | {r['start']} ({seeds}{windows}) | {fmt(r['accuracy'])} | "
                  f"{fmt(r['macro_f1'])} |")
   if baseline:
     lines.append(f"| TF-IDF + logistic regression | — | {baseline['accuracy']:.3f} | "

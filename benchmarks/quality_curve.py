@@ -151,7 +151,9 @@ def similarity_scores(doc: dict, name: str, set_name: str) -> dict | None:
 
 
 def provenance_scores(doc: dict, name: str, metric: str) -> dict | None:
-  rows = {r["start"]: r for r in doc.get("provenance") or [] if r["variant"] == name}
+  # The curve's cells read one window per function (longer_functions.sh's CLS_WINDOWS=1).
+  rows = {r["start"]: r for r in doc.get("provenance") or []
+          if r["variant"] == name and r.get("windows", 1) == 1}
   pre, rand = rows.get(PRE), rows.get(RAND)
   if pre is None or rand is None:
     return None

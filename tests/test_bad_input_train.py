@@ -386,7 +386,8 @@ def test_a_workdir_older_than_a_key_resumes_under_the_keys_legacy_value(data, re
                                             "finetune.labels", "finetune.eval_labels",
                                             "finetune.name_min_count",
                                             "finetune.name_calibration",
-                                            "finetune.name_library_share"}
+                                            "finetune.name_library_share",
+                                            "finetune.windows"}
   with pytest.raises(checkpoint.IncompatibleCheckpoint, match="model.packed_attention='cross', "
                      "this run has model.packed_attention='segment'"):
     train.train_and_evaluate(small_train_config(data, steps=4), str(resumable))

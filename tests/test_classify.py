@@ -318,3 +318,78 @@ def test_the_text_an_encoder_reads_gives_its_ids_and_limits_the_baseline(task, p
   assert r.returncode == 0, r.stderr
   doc = json.load(open(tmp_path / "b.json"))
   assert doc["read_as"] == os.path.abspath(pretrained[1]) and "texts cut to what" in r.stdout
+
+
+# --------------------------------------------------------------------------- windows
+def test_a_long_function_reads_as_windows_cut_at_instructions_in_order(task, pretrained):
+  """trained_model.text_windows: consecutive windows that together are the function (joined at
+  the [NEXT] each cut falls on), each kept whole by encode, at most the number asked for."""
+  model = trained_model.from_workdir(str(pretrained[1]))
+  texts = [json.loads(x)["text"] for x in open(task[0])]
+  counts = []
+  for text in texts:
+    windows = trained_model.text_windows(model, text, 1000)
+    assert " [NEXT] ".join(windows) == text
+    assert not any(trained_model.encode(model, w)[1] for w in windows)
+    assert trained_model.text_windows(model, text, 2) == windows[:2]
+    assert windows[0] == text or trained_model.text_read(model, text).startswith(windows[0])
+    counts.append(len(windows))
+  print(f"windows per function: max {max(counts)}, mean {np.mean(counts):.2f}")
+  assert min(counts) == 1 and max(counts) >= 3
+  assert trained_model.text_windows(model, "", 4) == [""]
+
+
+WINDOWS = 4
+
+
+@pytest.fixture(scope="module")
+def windowed(task, pretrained, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("cls-windows") / "run"
+  from lmscale_jax.cli import finetune
+
+  argv = args(task, pretrained, workdir, "--windows", WINDOWS)
+  argv[argv.index("--steps") + 1] = argv[argv.index("--eval-every") + 1] = "20"
+  assert finetune.main(argv) == 0
+  return workdir
+
+
+def test_a_run_on_windows_trains_on_each_and_scores_a_function_by_their_mean(windowed, task,
+                                                                             tmp_path, capsys):
+  """--windows 4: every training function's windows are rows of its label; the held-out report
+  counts functions (62), and lmscale classify scores them as the run's last evaluation did,
+  from the mean of each function's window log-probabilities (checked against the model)."""
+  report = json.load(open(windowed / classify_run.EVAL_REPORT))
+  assert report["examples"] == 62 and sum(map(sum, report["confusion"])) == 62
+  assert json.load(open(windowed / "config.json"))["config"]["finetune"]["windows"] == WINDOWS
+  out = tmp_path / "scores.json"
+  code, said, err = run_tool("classify", ["--workdir", windowed, "--labels", task[1],
+                                          "--json", out, "--batch-size", 5], capsys)
+  assert code == 0, err
+  scores = json.load(open(out))
+  assert scores["confusion"] == report["confusion"] and len(scores["predictions"]) == 62
+  model = trained_model.load(workdir=str(windowed))
+  texts = [json.loads(x)["text"] for x in open(task[1]).read().splitlines()]
+  mine = []
+  for text in texts:
+    windows = trained_model.text_windows(model, text, WINDOWS)
+    ids = trained_model.pad_batch([trained_model.encode(model, w)[0] for w in windows],
+                                  model.cfg.seq_len, model.special_ids["[PAD]"])
+    logits = trained_model.class_logits(model, ids).astype(np.float64)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    mine.append(model.classifier["labels"][int(np.argmax(log_probs.mean(0)))])
+  assert [p["predicted"] for p in scores["predictions"]] == mine
+  code, printed, err = run_tool("export_hf", ["--workdir", windowed, "--output",
+                                              tmp_path / "hf"], capsys)
+  assert code == 0, err
+  assert json.load(open(tmp_path / "hf" / "config.json"))["windows"] == WINDOWS
+  assert f"up to {WINDOWS} windows" in (tmp_path / "hf" / "README.md").read_text()
+
+
+def test_windows_on_another_task_are_one_line_before_any_work(bench, pretrained, tmp_path):
+  r = subprocess.run([*lmscale("finetune"), "--pairs", bench, "--workdir", tmp_path / "out",
+                      "--init-workdir", pretrained[1], "--windows", "3"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+  assert "finetune.windows=3: only --task classify" in r.stderr
+  assert not (tmp_path / "out").exists()

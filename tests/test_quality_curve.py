@@ -146,6 +146,10 @@ def test_the_study_table_keeps_each_seed_paired(tmp_path):
       d.mkdir()
       (d / "classification_eval.json").write_text(json.dumps(
           {"accuracy": acc[seed], "macro_f1": acc[seed] / 2}))
+  windowed = tmp_path / "v" / "cls-pre-s0-w8"  # CLS_WINDOWS=8: a row of its own
+  windowed.mkdir()
+  (windowed / "classification_eval.json").write_text(json.dumps({"accuracy": 0.9,
+                                                                 "macro_f1": 0.5}))
   out = tmp_path / "table.json"
   p = subprocess.run([sys.executable, "benchmarks/longer_functions_table.py", "--study",
                       str(tmp_path), "--json", str(out)], cwd=ROOT, capture_output=True,
@@ -155,9 +159,12 @@ def test_the_study_table_keeps_each_seed_paired(tmp_path):
   row, = doc["rows"]
   assert row["per_seed"]["gain"] == [0.05, 0.2]
   assert row["per_seed"]["pretrained_ft"] == {"ft-pre-s0@600": 0.5, "ft-pre-s1@600": 0.6}
-  pre = next(r for r in doc["provenance"] if r["start"] == PRE)
+  pre = next(r for r in doc["provenance"] if r["start"] == PRE and r["windows"] == 1)
   assert pre["per_seed"] == {"0": {"accuracy": 0.7, "macro_f1": 0.35},
                              "1": {"accuracy": 0.8, "macro_f1": 0.4}}
+  pre8, = [r for r in doc["provenance"] if r["windows"] == 8]
+  assert pre8["start"] == PRE and pre8["per_seed"] == {"0": {"accuracy": 0.9, "macro_f1": 0.5}}
+  assert len(doc["provenance"]) == 3 and "(1 seed, 8 windows)" in p.stdout + out.read_text()
   assert doc["pretraining"] == {}  # no pretraining run in this study: nothing recorded
 
 

@@ -43,13 +43,16 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-def predictions(model: trained_model.TrainedModel, ids: np.ndarray,
-                batch_size: int) -> np.ndarray:
-  """The predicted class of every row of ``ids``, ``batch_size`` rows at a time."""
+def log_probs(model: trained_model.TrainedModel, ids: np.ndarray,
+              batch_size: int) -> np.ndarray:
+  """The class log-probabilities of every row of ``ids``, ``batch_size`` rows at a time."""
+  from scipy import special  # scikit-learn's dependency
+
   from lmscale_jax.inference import trained_model
 
-  return np.concatenate([np.argmax(trained_model.class_logits(model, ids[i:i + batch_size]), -1)
-                         for i in range(0, len(ids), batch_size)])
+  logits = np.concatenate([trained_model.class_logits(model, ids[i:i + batch_size])
+                           for i in range(0, len(ids), batch_size)])
+  return special.log_softmax(logits.astype(np.float64), axis=-1)
 
 
 def score(a) -> dict:
@@ -65,8 +68,11 @@ def score(a) -> dict:
                     "finetune --task classify makes one)")
   names = model.classifier["labels"]
   labels_lib.check_known(examples, names, "--labels")
-  ids, _ = labels_lib.encode_all(model, examples.texts)
-  predicted = predictions(model, ids, a.batch_size)
+  # A run trained on windows (finetune.windows) scores a function by their mean, as it was
+  # evaluated while training.
+  ids, owner = classify_run.read_windows(model, examples, classify_run.windows_of(model.run_config))
+  predicted = classify_run.pooled_classes(log_probs(model, ids, a.batch_size), owner,
+                                          len(examples))
   out = {"workdir": a.workdir, "step": model.step,
          **classify_run.report(examples, names, predicted)}
   out["predictions"] = [{"line": line, "label": label, "predicted": names[p], **info}

@@ -201,6 +201,12 @@ e = torch.nn.functional.normalize(v @ head["weight"].T + head["bias"], dim=-1)  
 """
 
 
+def classify_windows(model: trained_model.TrainedModel) -> int:
+  from lmscale_jax.finetune import classify_run
+
+  return classify_run.windows_of(model.run_config)
+
+
 def classifier_card(model: trained_model.TrainedModel) -> str:
   c, cfg, run = model.run_config, model.cfg, model.source
   names = model.classifier["labels"]
@@ -208,6 +214,11 @@ def classifier_card(model: trained_model.TrainedModel) -> str:
   held_out = (f"accuracy {scores['accuracy']:.3f}, macro-F1 {scores['macro_f1']:.3f} on "
               f"`{scores['file']}` ({scores['examples']} examples)" if scores else
               "not measured (no classification_eval.json)")
+  windows = classify_windows(model)
+  if windows > 1:
+    held_out += (f"; each function read as up to {windows} windows of {cfg.seq_len} tokens cut "
+                 "at instructions (`[NEXT]`), scored by the mean of their log-probabilities "
+                 "(config.json `windows`); one call of the pipeline reads one window")
   return f"""---
 library_name: transformers
 pipeline_tag: text-classification
@@ -307,7 +318,8 @@ def save(model: trained_model.TrainedModel, out_dir: str) -> str:
 
   if model.classifier is not None:
     hf_classifier.save_classifier(trained_model.classifier_params(model), model.cfg,
-                                  model.classifier["labels"], out_dir)
+                                  model.classifier["labels"], out_dir,
+                                  {"windows": classify_windows(model)})
     return classifier_card(model)
   if model.namer is not None:
     rule = name_head.saved_rule(os.path.join(model.source, name_run.EVAL_REPORT))

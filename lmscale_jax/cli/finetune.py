@@ -7,8 +7,8 @@
       [--dropout 0.1] [--seed 0] [--checkpoint-every 500] [--log-every 10] [--max-groups 0]
       [--allow-config-change] [--config FILE] [--config.SECTION.KEY=VALUE …]
   lmscale finetune --task classify --labels TRAIN.jsonl --eval-labels TEST.jsonl --workdir OUT
-      (--init-workdir RUN …) [--eval-every 500] [the flags above but --pairs, --temperature,
-      --proj-dim, --pool, --max-groups]
+      (--init-workdir RUN …) [--eval-every 500] [--windows 1] [the flags above but --pairs,
+      --temperature, --proj-dim, --pool, --max-groups]
   lmscale finetune --task name --labels DIR/train.jsonl --eval-labels DIR/test.jsonl
       --workdir OUT (--init-workdir RUN …) [the classify flags]
 
@@ -27,6 +27,9 @@ lmscale embed, lmscale eval-similarity --workdir OUT and lmscale export-hf --wor
 "label": "<class>"} objects; a masked-mean-pooled linear head learns the labels, and TEST's
 accuracy and macro-F1 are logged every --eval-every steps and after the last (OUT's
 classification_eval.json); lmscale classify --workdir OUT --labels FILE scores any file.
+--windows N reads a function longer than the model's sequence as up to N windows cut at
+instructions: each trains as an example of its label, and a function is scored by their mean
+log-probabilities (8 on provenance: docs/similarity.md).
 
 --task name: TRAIN and TEST are a naming task's files (lmscale naming-build: {"text", "name",
 "tokens": [sub-tokens]} per line); a masked-mean-pooled head of one sigmoid per name sub-token
@@ -62,7 +65,8 @@ FLAGS = {"steps": "train.steps", "batch_size": "train.batch_size",
          "pool": "finetune.pool", "freeze_layers": "finetune.freeze_layers",
          "dropout": "finetune.dropout", "seed": "train.seed",
          "checkpoint_every": "checkpoint.every", "log_every": "train.log_every",
-         "max_groups": "data.max_groups", "eval_every": "train.eval_every"}
+         "max_groups": "data.max_groups", "eval_every": "train.eval_every",
+         "windows": "finetune.windows"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -105,7 +109,9 @@ def parser() -> argparse.ArgumentParser:
       ("log_every", int, 1, 1 << 40, "steps per metrics row"),
       ("max_groups", int, 0, 1 << 40, "train on a seeded random subset of this many groups "
        "(0: all; learning curves)"),
-      ("eval_every", int, 1, 1 << 40, "(classify, name) steps between held-out scores")):
+      ("eval_every", int, 1, 1 << 40, "(classify, name) steps between held-out scores"),
+      ("windows", int, 1, 1 << 10, "(classify) read a longer function as up to this many "
+       "windows: train on each, score by their mean (default 1: its first window)")):
     names = dict.fromkeys([f"--{flag.replace('_', '-')}", f"--{flag}"])  # both spellings
     p.add_argument(*names, dest=flag, default=None, type=num(kind, lo, hi), help=what)
   p.add_argument("--pool", choices=["mean", "cls"], default=None,

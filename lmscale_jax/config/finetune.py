@@ -45,6 +45,10 @@ def get_config() -> ml_collections.ConfigDict:
                                  # library's names is that library's own (its namespace: xml,
                                  # g, sqlite) and not a target there: a new project's own never
                                  # is in training (docs/naming.md; 0: every sub-token a target)
+  c.finetune.windows = 1         # (classify) a function longer than the model's sequence is read
+                                 # as up to this many windows cut at instructions: each trains as
+                                 # an example, a function scores as their mean log-probabilities
+                                 # (provenance: docs/similarity.md); 1 = its first window only
   c.finetune.temperature = 0.05  # InfoNCE logits = cosine / temperature
   c.finetune.proj_dim = 128      # the projection head's output size
   c.finetune.pool = "mean"       # mean (non-pad tokens) | cls
@@ -84,7 +88,8 @@ _INTS = (("train.batch_size", 2), ("train.steps", 1), ("train.warmup_steps", 0),
          ("train.grad_accum_steps", 1),
          ("train.max_consecutive_nonfinite", 1), ("checkpoint.every", 1),
          ("checkpoint.keep", 1), ("finetune.proj_dim", 1), ("finetune.freeze_layers", 0),
-         ("init.step", -1), ("data.max_groups", 0), ("finetune.name_min_count", 1))
+         ("init.step", -1), ("data.max_groups", 0), ("finetune.name_min_count", 1),
+         ("finetune.windows", 1))
 _FLOATS = (("finetune.temperature", 0.0, 100.0, True, False),
            ("finetune.name_calibration", 0.0, 0.5, True, True),
            ("finetune.name_library_share", 0.0, 1.0, False, True),
@@ -129,6 +134,9 @@ def _check_task_inputs(config) -> None:
   f = config.finetune
   if f.task == "contrastive" and not config.data.pairs:
     raise ConfigError("data.pairs is empty: give the pairs file (--pairs FILE)")
+  if f.windows > 1 and f.task != "classify":
+    raise ConfigError(f"finetune.windows={f.windows}: only --task classify reads a function as "
+                      f"several windows; leave it at 1 for --task {f.task}")
   if f.task == "contrastive" and (f.labels or f.eval_labels):
     raise ConfigError("finetune.labels/eval_labels are the classification and naming tasks' "
                       "files: give --task classify or --task name with them, or leave them out")

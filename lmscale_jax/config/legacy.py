@@ -39,6 +39,8 @@ VALUES = {
     "finetune.name_calibration": 0.1,
     # A naming run from before library-own tokens were left out trained on every sub-token.
     "finetune.name_library_share": 0.0,
+    # A classification run from before windows read each function's first window only.
+    "finetune.windows": 1,
 }
 
 

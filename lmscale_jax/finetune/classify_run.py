@@ -81,7 +81,7 @@ def build_steps(config, cfg, num_classes: int, mesh=None, *,
   """The one train step (:func:`steps_lib.build_task_steps`) of the classification task, with
   every lever of ``config.train``. ``init``: (encoder params, rng) -> TrainState with a fresh
   head; ``train_step``: (state, {"ids", "label"}) -> (state, metrics); ``eval_step``:
-  (params, ids [B,S]) -> the predicted classes [B]."""
+  (params, ids [B,S]) -> the classes' log-probabilities [B,C]."""
   model = classifier_lib.SequenceClassifier(cfg, num_classes)
   optimizer, labels = finetune_state.optimizer(config)
 
@@ -91,7 +91,8 @@ def build_steps(config, cfg, num_classes: int, mesh=None, *,
                                 opt_state=optimizer.init(params))
 
   def predict(params, ids):
-    return jnp.argmax(model.apply({"params": params}, ids, deterministic=True), -1)
+    logits = model.apply({"params": params}, ids, deterministic=True)
+    return jax.nn.log_softmax(logits.astype(jnp.float32), -1)
 
   bert = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
   task = classification_task(model, labels, int(cfg.pad_id))
@@ -101,6 +102,24 @@ def build_steps(config, cfg, num_classes: int, mesh=None, *,
 
 
 # ----------------------------------------------------------------------------- scores
+def windows_of(run_config) -> int:
+  """How many windows the run reads a function as (``finetune.windows``; 1 in runs before it)."""
+  return int(run_config.finetune.get("windows", 1))
+
+
+def read_windows(model, examples: labels_lib.Examples,
+                 most: int) -> tuple[np.ndarray, np.ndarray]:
+  """ids [rows, S] of ``examples``, each read as up to ``most`` windows, and each row's
+  example (:func:`labels_lib.windowed`)."""
+  rows, owner = labels_lib.windowed(examples, model, most)
+  return labels_lib.encode_all(model, rows.texts)[0], owner
+
+
+def pooled_classes(log_probs: np.ndarray, owner: np.ndarray, count: int) -> np.ndarray:
+  """Each example's class: the best of its windows' mean log-probabilities."""
+  return np.argmax(labels_lib.pooled(log_probs, owner, count), -1)
+
+
 def report(test: labels_lib.Examples, names: list[str], predicted: np.ndarray,
            train: labels_lib.Examples | None = None) -> dict:
   """The scores of class ids ``predicted`` on ``test`` (and, given ``train``, the majority
@@ -180,15 +199,20 @@ class ClassifyFinetune(LabelledFinetune):
     if jax.process_index() == 0:
       classifier_lib.save_labels(self.workdir, inputs.names)
     self.steps = build_steps(self.config, self.model.cfg, len(inputs.names))
-    self.batches = labels_lib.LabelBatches(inputs.train, inputs.names, self.model, seed=t.seed,
+    self.windows = windows_of(self.config)
+    self.train_rows, _ = labels_lib.windowed(inputs.train, self.model, self.windows)
+    self.batches = labels_lib.LabelBatches(self.train_rows, inputs.names, self.model,
+                                           seed=t.seed,
                                            batch_size=t.batch_size,
                                            process_index=jax.process_index(),
                                            process_count=jax.process_count())
-    self.test_ids, _ = labels_lib.encode_all(self.model, inputs.test.texts)
+    self.test_ids, self.test_owner = read_windows(self.model, inputs.test, self.windows)
 
   def describe(self) -> str:
     i = self.inputs
-    return (f"{len(i.train)} examples of {len(i.names)} classes from {i.train.path}, "
+    read = (f" read as {len(self.train_rows)} windows (at most {self.windows} each; scored "
+            "by their mean)" if self.windows > 1 else "")
+    return (f"{len(i.train)} examples of {len(i.names)} classes from {i.train.path}{read}, "
             f"{len(i.test)} held out in {i.test.path}, head {self.model.cfg.hidden}→"
             f"{len(i.names)} (mean pooling)")
 
@@ -196,8 +220,9 @@ class ClassifyFinetune(LabelledFinetune):
     return ClassifyLog(self.config, self.workdir, start, checkpointer, self.batches, self.say)
 
   def evaluate(self, state) -> dict:
-    predicted = predict(self.steps, state.params, self.test_ids, self.config.train.batch_size,
+    log_probs = predict(self.steps, state.params, self.test_ids, self.config.train.batch_size,
                         self.model.special_ids["[PAD]"])
+    predicted = pooled_classes(log_probs, self.test_owner, len(self.inputs.test))
     scores = report(self.inputs.test, self.inputs.names, predicted, self.inputs.train)
     step = int(jax.device_get(state.step))
     if jax.process_index() == 0:

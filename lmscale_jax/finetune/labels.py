@@ -128,6 +128,29 @@ def encode_all(model: trained_model.TrainedModel, texts: list[str]) -> tuple[np.
   return ids, sum(e[1] for e in encoded)
 
 
+def windowed(examples: Examples, model: trained_model.TrainedModel,
+             most: int) -> tuple[Examples, np.ndarray]:
+  """``examples`` with each text read as up to ``most`` windows
+  (:func:`trained_model.text_windows`), each a row with its example's label, line and keys;
+  and each row's example. ``most`` 1: the examples as they are, each cut where the model cuts."""
+  if most <= 1:
+    return examples, np.arange(len(examples))
+  rows = [(i, w) for i, text in enumerate(examples.texts)
+          for w in trained_model.text_windows(model, text, most)]
+  owner = np.asarray([i for i, _ in rows], np.int64)
+  return dataclasses.replace(
+      examples, texts=[w for _, w in rows], labels=[examples.labels[i] for i in owner],
+      lines=[examples.lines[i] for i in owner], info=[examples.info[i] for i in owner]), owner
+
+
+def pooled(log_probs: np.ndarray, owner: np.ndarray, count: int) -> np.ndarray:
+  """Each of ``count`` examples' class log-probabilities [count, C], the mean of its rows'
+  (``owner``: each row's example, :func:`windowed`)."""
+  sums = np.zeros((count, log_probs.shape[1]), np.float64)
+  np.add.at(sums, owner, log_probs)
+  return sums / np.bincount(owner, minlength=count)[:, None]
+
+
 class LabelBatches(finetune_batches.StepBatches):
   """This process's rows of each step's batch: ``{"ids": int32 [B/P, seq_len], "label": int32
   [B/P]}`` (:class:`finetune_batches.StepBatches`)."""

@@ -209,6 +209,23 @@ def text_read(model: TrainedModel, text: str) -> str:
   return text[:enc.offsets[model.cfg.seq_len - 2][1]]  # ids[1 : seq_len - 1] are kept
 
 
+def text_windows(model: TrainedModel, text: str, most: int) -> list[str]:
+  """``text`` as up to ``most`` consecutive windows (at least one), each what :func:`encode`
+  keeps of the rest, cut back to its last whole instruction (``[NEXT]``) where one fits: a
+  function longer than the model's sequence, read whole (what reading all of it buys on
+  provenance: docs/similarity.md)."""
+  out, sep = [], f" {dataset.NEXT}"
+  while text.strip() and len(out) < most:
+    window = text_read(model, text)
+    cut = window.rfind(sep)
+    if len(window) < len(text) and cut > 0:
+      window = text[:cut]
+    out.append(window)
+    text = text[len(window):].lstrip()
+    text = text[len(dataset.NEXT):].lstrip() if text.startswith(dataset.NEXT) else text
+  return out or [text]
+
+
 def pad_batch(rows: list[np.ndarray], length: int, pad_id: int) -> np.ndarray:
   out = np.full((len(rows), length), pad_id, np.int32)
   for i, r in enumerate(rows):
