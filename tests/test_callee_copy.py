@@ -59,7 +59,10 @@ def test_candidates_are_the_models_tokens_then_the_called_ones_with_their_eviden
   rates = callee_copy.fit(CALLS, NAMES)
   tokens, x = callee_copy.candidates(["read", "gz"], [0.5, 0.2], rates, ["gz_close"])
   assert tokens == ["read", "gz", "close"] and x.shape == (3, len(callee_copy.FEATURES))
-  assert x[0].tolist() == [0.5, 0.0, 0.0, 0.0, 0.0, pytest.approx(np.log(3)), 1.0]
+  assert x[0][:7].tolist() == [0.5, 0.0, 0.0, 0.0, 0.0, pytest.approx(np.log(3)), 1.0]
+  # no file known: no share, not the namespace; read: not called, so its rate counts
+  assert x[0][7:10].tolist() == [0.0, pytest.approx(np.log(1e-3)), 0.0]
+  assert x[0][10] == pytest.approx(rates.rate("read"))
   assert x[1][:4].tolist() == [0.2, pytest.approx(np.log(0.25)), pytest.approx(2.5 / 3), 1.0]
   assert x[1][4] == pytest.approx(np.log(3))  # gz: 2 training callers
   assert x[2][[0, 2, 3, 6]].tolist() == [0.0, 0.5, 1.0, 0.0]  # close: never seen, not the model's
@@ -78,3 +81,36 @@ def test_a_gate_fitted_where_copying_pays_ranks_the_copied_token_first():
   assert callee_copy.gate_from_json(gate.as_json()) == gate
   with pytest.raises(ValueError, match="gate features"):
     callee_copy.gate_from_json({**gate.as_json(), "features": ["probability"]})
+
+
+def test_a_token_most_of_a_files_functions_call_is_a_candidate_for_each_of_them():
+  """callee_copy.file_shares: the file's namespace (here ``gz``, called by 3 of 10 functions)
+  joins every function's candidates, with its share; fewer than MIN_FILE_FUNCTIONS: none."""
+  rates = callee_copy.fit(CALLS, NAMES)
+  calls = [["gz_open"], ["gz_close"], ["gzread"], None, ["memcpy"]] + [[]] * 5
+  shares = callee_copy.file_shares(calls)
+  assert shares["gz"] == pytest.approx(0.2) and shares["open"] == pytest.approx(0.1)
+  assert callee_copy.file_shares(calls[:callee_copy.MIN_FILE_FUNCTIONS - 1]) is None
+  tokens, x = callee_copy.candidates(["read"], [0.5], rates, ["memcpy"], shares)
+  assert tokens[0] == "read" and {"gz", "open", "close", "memcpy"} <= set(tokens)
+  gz = x[tokens.index("gz")]
+  assert gz[[7, 9]].tolist() == [pytest.approx(0.2), 1.0] and gz[3] == 0.0  # not called here
+  by_file = callee_copy.shares_by_file(calls * 2, ["a"] * 10 + ["b"] * 10)
+  assert by_file[0] == by_file[19] == shares
+
+
+def test_a_gate_fitted_before_file_shares_scores_as_it_did():
+  """A run saved with the seven calls-only features reads them alone and adds no namespace
+  candidates, whatever shares it is given."""
+  rates = callee_copy.fit(CALLS, NAMES)
+  old = {"features": list(callee_copy.CALLS_ONLY), "weights": [1.0, 0.5, 2.0, 0.3, 0.1, -0.2,
+                                                             0.4], "bias": -1.0}
+  gate = callee_copy.gate_from_json(old)
+  assert not gate.reads_files and gate.as_json() == old
+  shares = callee_copy.file_shares([["zz_top"]] * 10)
+  got = callee_copy.gated([["read"]], [[0.5]], rates, [["gz_close"]], gate, 8, [shares])
+  assert callee_copy.gated([["read"]], [[0.5]], rates, [["gz_close"]], gate, 8) == got
+  assert "zz" not in got[0][0] and "gz" in got[0][0]
+  tokens, x = callee_copy.candidates(["read"], [0.5], rates, ["gz_close"])
+  want = 1 / (1 + np.exp(-(x[:, :7] @ np.asarray(old["weights"]) - 1.0)))
+  assert dict(zip(got[0][0], got[1][0])) == pytest.approx(dict(zip(tokens, want.tolist())))

@@ -68,18 +68,25 @@ def test_an_uploads_names_equal_the_name_commands(server, named, stripped, capsy
     assert (g["suggested"], g["tokens"]) == (w["suggested"], w["tokens"])
 
 
-def test_a_texts_names_equal_the_name_commands_for_its_function(server, named, stripped,
-                                                                capsys):
-  """One function's text, as /api/embed takes texts (the page sends a search's query texts)."""
+def test_one_functions_names_equal_the_name_commands_and_a_texts_the_namers(server, named,
+                                                                            stripped, capsys):
+  """One function of an upload (by address) is named as lmscale name --address names it, with
+  the namespace of the whole file (callee_copy.file_shares); its text alone, as /api/embed
+  takes texts (the page sends a search's query texts), as name_suggestions names that text."""
+  from lmscale_jax.inference import name_suggestions
+
   fn = elf_functions.functions(str(stripped[0]))[2]
   want = cli_names(named, stripped[0], capsys, "--address", hex(fn.address))["functions"]
-  status, got = post_json(server[0], "/api/name", {"texts": [fn.text]}, token=TOKEN)
-  assert status == 200 and got["k"] == 5, got
-  assert [(g["function"], g["address"], g["suggested"], g["tokens"]) for g in got["functions"]] \
-      == [(None, None, w["suggested"], w["tokens"]) for w in want]
   status, one = post_file(server[0], "/api/name", open(stripped[0], "rb").read(), "lib.so",
                           token=TOKEN, address=hex(fn.address))
-  assert status == 200 and one["functions"][0]["tokens"] == got["functions"][0]["tokens"], one
+  assert status == 200, one
+  assert [(g["suggested"], g["tokens"]) for g in one["functions"]] == \
+      [(w["suggested"], w["tokens"]) for w in want]
+  status, got = post_json(server[0], "/api/name", {"texts": [fn.text]}, token=TOKEN)
+  assert status == 200 and got["k"] == 5, got
+  mine = name_suggestions.suggest(name_suggestions.load(str(named)), [fn.text], 5)
+  assert [(g["function"], g["address"], g["suggested"], g["tokens"]) for g in got["functions"]] \
+      == [(None, None, m["suggested"], m["tokens"]) for m in mine]
 
 
 def test_bad_naming_requests_are_one_line(server, stripped):
@@ -99,6 +106,10 @@ def test_bad_naming_requests_are_one_line(server, stripped):
                  token=TOKEN), 400, "calls: expected a list of 2 (one per text)"),
       (post_json(server[0], "/api/name", {"texts": ["ret"], "calls": [[3]]}, token=TOKEN), 400,
        "calls[0]: expected a list of names or null"),
+      (post_json(server[0], "/api/name", {"texts": ["ret"], "file_shares": {"gz": 2}},
+                 token=TOKEN), 400, "file_shares['gz']: expected a number in [0, 1], got 2"),
+      (post_json(server[0], "/api/name", {"texts": ["ret"], "file_shares": [0.5]},
+                 token=TOKEN), 400, "file_shares: expected an object {sub-token: share"),
       (post_file(server[0], "/api/name", b"hello\n" * 50, "notes.txt", token=TOKEN), 400,
        "notes.txt: not an ELF file"),
       (post_file(server[0], "/api/name", so, "lib.so", token=TOKEN, address="0x1"), 404,

@@ -82,6 +82,15 @@ def functions(a) -> list:
   return found
 
 
+def file_shares(a, found: list, called: dict) -> dict | None:
+  """The namespace of the whole file (callee_copy.file_shares), whichever functions are named."""
+  from lmscale_jax.inference import callee_copy
+
+  every = found if a.function is None and a.address is None else functions(
+      argparse.Namespace(elf=a.elf, function=None, address=None))
+  return callee_copy.file_shares([called.get(f.address, []) for f in every])
+
+
 def suggest(a) -> dict:
   """Every wanted function's suggestions (inference/name_suggestions: the server's too)."""
   from lmscale_jax.inference import name_suggestions
@@ -93,7 +102,8 @@ def suggest(a) -> dict:
   called = call_names.called(a.elf, source="auto")  # the names a stripped file still shows
   calls = [called.get(f.address, []) for f in found]
   named = name_suggestions.suggest(namer, [f.text for f in found], a.top,
-                                   a.batch_size or name_suggestions.BATCH, calls)
+                                   a.batch_size or name_suggestions.BATCH, calls,
+                                   file_shares(a, found, called))
   return {"elf": os.path.abspath(a.elf), "model": a.workdir or a.hf, "step": namer.model.step,
           "rule": namer.rule, "functions": [
               {"function": f.name, "address": f"{f.address:#x}", **n, "calls": c}

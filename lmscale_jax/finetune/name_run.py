@@ -180,7 +180,8 @@ def scored(task: NamingTask, calibration, test) -> dict:
   (``calibration``: (tokens, probabilities)) and its held-out report (``report``) from the
   model's best tokens on the test file; where the task has calls, the better of that rule and
   the one reading them (:func:`with_calls`), and then ``without_calls``: the model's own rule
-  and held-out scores."""
+  and held-out scores, and ``without_model``: the calls' and namespace's alone
+  (:func:`without_model`)."""
   rule = choose_rule(*calibration, task.calibration)
   if task.copy is None:
     return report(task.test, task.tokens, rule, *test)
@@ -190,23 +191,46 @@ def scored(task: NamingTask, calibration, test) -> dict:
     alone = name_head.apply_rule(rule, *test)
     out["without_calls"] = {"rule": {k: v for k, v in rule.items() if k != "by_kind"},
                             **naming.score(alone, task.test.tokens)}
+    out["without_model"] = without_model(task)
   return out
+
+
+def file_of(info: dict) -> str:
+  """The file a labelled function comes from (its ``binary``, else its ``library``): the unit
+  whose functions' calls show a namespace (``callee_copy.file_shares``)."""
+  return str(info.get("binary") or info.get("library") or "")
+
+
+def file_shares(named: name_labels.Named) -> list:
+  return callee_copy.shares_by_file(named.calls, [file_of(i) for i in named.info])
 
 
 def with_calls(rule: dict, task: NamingTask, calibration, test):
   """The better, on the calibration slice, of ``rule`` (the model's tokens alone) and the rule
-  chosen on the model's tokens and the called names' scored by a gate fitted there
-  (``callee_copy.fit_gate``; that rule marked ``"calls": true`` and carrying its ``"gate"``)
-  → (the rule, the held-out tokens and scores it reads)."""
-  named = task.calibration
+  chosen on the model's tokens, the called names' and their file's namespace scored by a gate
+  fitted there (``callee_copy.fit_gate``; that rule marked ``"calls": true`` and carrying its
+  ``"gate"``) → (the rule, the held-out tokens and scores it reads)."""
+  named, test_named = task.calibration, task.test
   weights = naming.library_weights([i.get("library", "") for i in named.info])
-  gate = callee_copy.fit_gate(*calibration, task.copy, named.calls, named.tokens, weights)
-  gated = [callee_copy.gated(*best, task.copy, calls, gate, TOP)
-           for best, calls in ((calibration, named.calls), (test, task.test.calls))]
+  shares = [file_shares(n) for n in (named, test_named)]
+  gate = callee_copy.fit_gate(*calibration, task.copy, named.calls, named.tokens, weights,
+                              shares[0])
+  gated = [callee_copy.gated(*best, task.copy, n.calls, gate, TOP, sh)
+           for best, n, sh in ((calibration, named, shares[0]), (test, test_named, shares[1]))]
   both = choose_rule(*gated[0], named)
   if both["calibration_f1"] <= rule["calibration_f1"]:
     return rule, test
   return {**both, "calls": True, "gate": gate.as_json()}, gated[1]
+
+
+def without_model(task: NamingTask) -> dict:
+  """The same gate and rule choice with no model tokens (the called names and the file's
+  namespace alone): what the encoder's tokens add is the run's F1 less this one's."""
+  empty = [([[] for _ in range(len(n))], [[] for _ in range(len(n))])
+           for n in (task.calibration, task.test)]
+  rule, (names, probs) = with_calls({"calibration_f1": -1.0}, task, *empty)
+  return {"rule": {k: v for k, v in rule.items() if k not in ("by_kind", "gate")},
+          **naming.score(name_head.apply_rule(rule, names, probs), task.test.tokens)}
 
 
 class NameLog(base_run.FinetuneLog):

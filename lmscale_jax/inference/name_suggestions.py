@@ -95,27 +95,33 @@ def ranked(model: trained_model.TrainedModel, texts: list[str], top: int,
   return [[vocab[j] for j in row] for row in order.tolist()], np.take_along_axis(probs, order, 1)
 
 
-def joined(namer: Namer, best, best_p, calls: list | None, top: int):
+def joined(namer: Namer, best, best_p, calls: list | None, top: int, shares=None):
   """The model's best tokens joined with the called names' as the rule says: scored by its
-  gate, always (its threshold is on the gate's scale; no calls known reads as none), or, for a
-  run saved before gates, by the larger of probability and copy rate where calls are known."""
+  gate, always (its threshold is on the gate's scale; no calls known reads as none; ``shares``:
+  their file's :func:`callee_copy.file_shares`, one for all), or, for a run saved before gates,
+  by the larger of probability and copy rate where calls are known."""
   if namer.gate is not None:
     calls = calls if calls is not None else [None] * len(best)
-    return callee_copy.gated(best, best_p, namer.copy, calls, namer.gate, top)
+    return callee_copy.gated(best, best_p, namer.copy, calls, namer.gate, top,
+                             [shares] * len(best))
   if calls is None:
     return best, best_p
   return callee_copy.merged(best, best_p, namer.copy, calls, top)
 
 
 def suggest(namer: Namer, texts: list[str], top: int, batch_size: int = BATCH,
-            calls: list | None = None) -> list[dict]:
+            calls: list | None = None, shares: dict | None = None) -> list[dict]:
   """Per text: ``suggested`` (the rule's sub-tokens joined by "_", "" where it keeps none) and
   ``tokens``, the ``top`` best sub-tokens as [token, score rounded to 4 places]; ``calls``
   (each text's called names, or None per text or for all): where the rule reads them, the
-  model's tokens and the called names' are scored together (:func:`joined`)."""
+  model's tokens and the called names' are scored together (:func:`joined`), with the
+  namespace of their file (``shares``: :func:`callee_copy.file_shares` of the whole file's
+  functions; by default the texts given are taken as the file)."""
   best, best_p = ranked(namer.model, texts, max(top, name_head.TOP), batch_size)
   if namer.rule.get("calls"):
-    best, best_p = joined(namer, best, best_p, calls, max(top, name_head.TOP))
+    if shares is None and calls is not None:
+      shares = callee_copy.file_shares(calls)
+    best, best_p = joined(namer, best, best_p, calls, max(top, name_head.TOP), shares)
   named = name_head.apply_rule(namer.rule, best, best_p)
   return [{"suggested": "_".join(n),
            "tokens": [[t, round(float(p), 4)] for t, p in zip(b[:top], ps[:top])]}

@@ -222,7 +222,10 @@ def answers_of(served: Served, queries: list, k: int, vectors: np.ndarray, codes
     a["text"] = text
     a["results"] = [{**r, "sha256": served.sha256_of(r["binary"], r["function"], r["address"])}
                     for r in a["results"]]
-  return {"k": k, "warning": query.similarity_warning(served.model), "queries": answers}
+  out = {"k": k, "warning": query.similarity_warning(served.model), "queries": answers}
+  if queries and len(queries[0]) > 4:  # an upload's namespace, for /api/name (the page)
+    out["file_shares"] = queries[0][4]
+  return out
 
 
 def search_answers(served: Served, queries: list, k: int) -> dict:
@@ -239,7 +242,8 @@ async def batched_search(served: Served, batcher: Batcher, queries: list, k: int
 
 SEARCH_BODY = '{"text": "push rbp [NEXT] …", "k": 10} or multipart/form-data with a field file'
 NAME_BODY = ('{"texts": ["push rbp [NEXT] …", …], "k": 5} (optional "calls": per text, the '
-             'names it calls), {"text": "…", "k": 5} or multipart/form-data with a field file')
+             'names it calls; "file_shares": their file\'s, from /api/search), {"text": "…", '
+             '"k": 5} or multipart/form-data with a field file')
 
 
 async def search_queries(request: Request, served: Served, default_k: int = 10,
@@ -265,7 +269,8 @@ async def search_queries(request: Request, served: Served, default_k: int = 10,
   if texts and "texts" in doc:
     given = inputs.texts_of(doc, served.limits)
     calls = inputs.calls_of(doc, given) or [None] * len(given)
-    return [(None, None, t, c) for t, c in zip(given, calls)], k
+    shares = inputs.file_shares_of(doc)
+    return [(None, None, t, c, shares) for t, c in zip(given, calls)], k
   return inputs.text_queries(inputs.text_of(doc), served.limits), k
 
 
@@ -316,8 +321,10 @@ def names(served: Served, queries: list, k: int) -> dict:
   owner) for each query function, named and placed as /api/search names its queries."""
   namer = served.namer
   calls = [q[3] if len(q) > 3 else None for q in queries]
+  shares = queries[0][4] if len(queries[0]) > 4 else None  # the file's: an upload's, or sent
   named = name_suggestions.suggest(namer, [q[2] for q in queries], k,
-                                   calls=calls if any(c is not None for c in calls) else None)
+                                   calls=calls if any(c is not None for c in calls) else None,
+                                   shares=shares)
   return {"model": described(namer.model), "rule": namer.rule, "k": k, "functions": [
       {"function": q[0], "address": q[1], **n, **({"calls": c} if c is not None else {})}
       for q, n, c in zip(queries, named, calls)]}

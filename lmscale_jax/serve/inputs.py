@@ -10,6 +10,7 @@ import re
 import tempfile
 
 from lmscale_jax.errors import UserError
+from lmscale_jax.inference import callee_copy
 from lmscale_jax.prep.elf import call_names
 from lmscale_jax.search import index, listing, query
 from lmscale_jax.serve.guard import ApiError
@@ -102,6 +103,22 @@ def calls_of(doc: dict, texts: list[str]) -> list | None:
   return calls
 
 
+def file_shares_of(doc: dict) -> dict | None:
+  """/api/name's optional "file_shares": the texts' file's namespace as /api/search answers an
+  upload ({sub-token: share of the file's functions calling it, in [0, 1]}), or null."""
+  shares = doc.get("file_shares")
+  if shares is None:
+    return None
+  if not isinstance(shares, dict):
+    raise ApiError(400, "file_shares: expected an object {sub-token: share in [0, 1]} (an "
+                   "/api/search answer's) or null")
+  for token, share in shares.items():
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+      raise ApiError(400, f"file_shares[{token[:40]!r}]: expected a number in [0, 1], got "
+                     f"{repr(share)[:40]}")
+  return {t: float(v) for t, v in shares.items()}
+
+
 def shown_name(filename: str | None) -> str:
   """The upload's own file name (no directories), for its file on disk and its messages."""
   name = re.sub(r"[^A-Za-z0-9._+-]", "_", os.path.basename(filename or ""))[:100]
@@ -112,8 +129,8 @@ def elf_queries(data: bytes, filename: str | None, name: str | None, address: in
                 limits: Limits, calls: bool = False) -> list[tuple]:
   """(name, address, text) of the query functions of an uploaded ELF file, read from a copy in
   a private temp directory (mode 0700) deleted after; ``calls`` (a server with a naming
-  model): (name, address, text, calls), the names each calls that the file shows stripped
-  (prep/elf/call_names)."""
+  model): (name, address, text, calls, shares), the names each calls that the file shows
+  stripped (prep/elf/call_names) and the whole file's namespace (callee_copy.file_shares)."""
   shown = shown_name(filename)
   with tempfile.TemporaryDirectory(prefix="lmscale-serve-") as where:
     path = os.path.join(where, shown)
@@ -131,18 +148,21 @@ def elf_queries(data: bytes, filename: str | None, name: str | None, address: in
       log.warning("%s: extraction failed (%s)", shown, reason)
       log.debug("%s: extraction failed", shown, exc_info=True)
       raise ApiError(400, f"{shown}: unreadable ELF file ({reason})") from None
+    called = names_called(path, shown) if calls else None
+    # the namespace of the whole file, whichever functions are asked for (as lmscale name)
+    shares = (callee_copy.file_shares([called.get(f.address, []) for f in fns])
+              if calls else None)
     try:
       fns = query.pick(fns, shown, name, address)
     except UserError as e:
       raise ApiError(404, str(e)) from None
-    called = names_called(path, shown) if calls else None
   if len(fns) > limits.max_functions:
     raise ApiError(413, f"{shown}: {len(fns)} functions, over the server's limit of "
                    f"{limits.max_functions} per search (lmscale serve --max-functions); "
                    "pick one with the field function or address")
   if called is None:
     return [(f.name, f.address, f.text) for f in fns]
-  return [(f.name, f.address, f.text, called.get(f.address, [])) for f in fns]
+  return [(f.name, f.address, f.text, called.get(f.address, []), shares) for f in fns]
 
 
 def names_called(path: str, shown: str) -> dict:
