@@ -11,10 +11,11 @@ whose rate reaches a threshold: the baseline's chosen on training F1
 (benchmarks/naming_baselines.py).
 
 A naming run joins them to its model's tokens with a :class:`Gate` (finetune/name_run.with_calls):
-a logistic regression over each candidate token's model probability, copy rate and evidence
-(:data:`FEATURES`), fitted on the run's calibration slice. On the four 2,000-step runs of
-docs/naming.md it scored held-out F1 0.291-0.298 where the larger of probability and copy rate
-(:func:`merged`, the rule before it, still read for runs saved with it) scored 0.267-0.277.
+a logistic regression over each candidate token's model probability, copy rate, evidence and
+its file's namespace (:data:`FEATURES`, :func:`file_shares`), fitted on the run's calibration
+slice. On the four 2,000-step runs of docs/naming.md the larger of probability and copy rate
+(:func:`merged`, still read for runs saved with it) scored held-out F1 0.267-0.277, the gate
+over the calls 0.291-0.298, and with the file's namespace 0.305-0.333.
 """
 
 from __future__ import annotations
