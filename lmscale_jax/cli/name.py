@@ -85,9 +85,10 @@ def functions(a) -> list:
 def file_shares(a, found: list, called: dict) -> dict | None:
   """The namespace of the whole file (callee_copy.file_shares), whichever functions are named."""
   from lmscale_jax.inference import callee_copy
+  from lmscale_jax.prep.elf import elf_functions
 
-  every = found if a.function is None and a.address is None else functions(
-      argparse.Namespace(elf=a.elf, function=None, address=None))
+  whole = a.function is None and a.address is None
+  every = found if whole else elf_functions.functions(a.elf)
   return callee_copy.file_shares([called.get(f.address, []) for f in every])
 
 

@@ -185,13 +185,14 @@ def scored(task: NamingTask, calibration, test) -> dict:
   rule = choose_rule(*calibration, task.calibration)
   if task.copy is None:
     return report(task.test, task.tokens, rule, *test)
-  best, merged = with_calls(rule, task, calibration, test)
+  shares = [file_shares(n) for n in (task.calibration, task.test)]  # read once, used twice
+  best, merged = with_calls(rule, task, calibration, test, shares)
   out = report(task.test, task.tokens, best, *merged)
   if best.get("calls"):
     alone = name_head.apply_rule(rule, *test)
     out["without_calls"] = {"rule": {k: v for k, v in rule.items() if k != "by_kind"},
                             **naming.score(alone, task.test.tokens)}
-    out["without_model"] = without_model(task)
+    out["without_model"] = without_model(task, shares)
   return out
 
 
@@ -205,30 +206,36 @@ def file_shares(named: name_labels.Named) -> list:
   return callee_copy.shares_by_file(named.calls, [file_of(i) for i in named.info])
 
 
-def with_calls(rule: dict, task: NamingTask, calibration, test):
-  """The better, on the calibration slice, of ``rule`` (the model's tokens alone) and the rule
-  chosen on the model's tokens, the called names' and their file's namespace scored by a gate
-  fitted there (``callee_copy.fit_gate``; that rule marked ``"calls": true`` and carrying its
-  ``"gate"``) → (the rule, the held-out tokens and scores it reads)."""
-  named, test_named = task.calibration, task.test
+def gated_rule(task: NamingTask, calibration, test, shares: list):
+  """The rule chosen on the model's tokens (``calibration``, ``test``: (tokens, probabilities)),
+  the called names' and their file's namespace, scored by a gate fitted on the calibration slice
+  (``callee_copy.fit_gate``; the rule marked ``"calls": true`` and carrying its ``"gate"``;
+  ``shares``: :func:`file_shares` of the slice and of the test file) → (the rule, the held-out
+  tokens and scores it reads)."""
+  named = task.calibration
   weights = naming.library_weights([i.get("library", "") for i in named.info])
-  shares = [file_shares(n) for n in (named, test_named)]
   gate = callee_copy.fit_gate(*calibration, task.copy, named.calls, named.tokens, weights,
                               shares[0])
   gated = [callee_copy.gated(*best, task.copy, n.calls, gate, TOP, sh)
-           for best, n, sh in ((calibration, named, shares[0]), (test, test_named, shares[1]))]
-  both = choose_rule(*gated[0], named)
+           for best, n, sh in ((calibration, named, shares[0]), (test, task.test, shares[1]))]
+  return {**choose_rule(*gated[0], named), "calls": True, "gate": gate.as_json()}, gated[1]
+
+
+def with_calls(rule: dict, task: NamingTask, calibration, test, shares: list):
+  """The better, on the calibration slice, of ``rule`` (the model's tokens alone) and
+  :func:`gated_rule`'s → (the rule, the held-out tokens and scores it reads)."""
+  both, gated = gated_rule(task, calibration, test, shares)
   if both["calibration_f1"] <= rule["calibration_f1"]:
     return rule, test
-  return {**both, "calls": True, "gate": gate.as_json()}, gated[1]
+  return both, gated
 
 
-def without_model(task: NamingTask) -> dict:
-  """The same gate and rule choice with no model tokens (the called names and the file's
-  namespace alone): what the encoder's tokens add is the run's F1 less this one's."""
+def without_model(task: NamingTask, shares: list) -> dict:
+  """:func:`gated_rule` with no model tokens (the called names and the file's namespace
+  alone): what the encoder's tokens add is the run's F1 less this one's."""
   empty = [([[] for _ in range(len(n))], [[] for _ in range(len(n))])
            for n in (task.calibration, task.test)]
-  rule, (names, probs) = with_calls({"calibration_f1": -1.0}, task, *empty)
+  rule, (names, probs) = gated_rule(task, *empty, shares)
   return {"rule": {k: v for k, v in rule.items() if k not in ("by_kind", "gate")},
           **naming.score(name_head.apply_rule(rule, names, probs), task.test.tokens)}
 
