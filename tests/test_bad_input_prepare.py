@@ -135,6 +135,18 @@ def _wait_for(proc, path, timeout=120):
     time.sleep(0.01)
 
 
+def _held_after_first_chunk(proc, out):
+  """Waits for the run's first chunk, then holds it still (SIGSTOP: its whole group where it
+  leads one) before anything is sent to it. The run ends under a second after that chunk: a
+  signal sent after a scan of /proc on a loaded machine met the interpreter's exit once in 75
+  runs, with the default action back (exit -15), not the run. SIGCONT after sending lets it act."""
+  _wait_for(proc, out / output_dir.WORK / "corpus-00000.json")
+  leads = os.getpgid(proc.pid) == proc.pid
+  (os.killpg if leads else os.kill)(proc.pid, signal.SIGSTOP)
+  assert not (out / dataset.METADATA).exists(), "the run finished before it was held"
+  return lambda: (os.killpg if leads else os.kill)(proc.pid, signal.SIGCONT)
+
+
 def _bin_args(out, *inputs, workers=1):
   return ["--input", *inputs, "--output", out, "--seq-len", SEQ, "--vocab-size", 2000,
           "--val-fraction", 0.05, "--workers", workers, "--no-progress", "--chunk-mb", 0.3]
@@ -148,7 +160,7 @@ def test_resume_starts_afresh_when_inputs_change(tmp_path):
     shutil.copy(p, d)
   out = tmp_path / "out"
   proc = _start(_bin_args(out, d))
-  _wait_for(proc, out / output_dir.WORK / "corpus-00000.json")
+  _held_after_first_chunk(proc, out)
   proc.kill()
   proc.wait()
   for p in libs[3:5]:  # two more ELF files
@@ -277,8 +289,9 @@ def test_ctrl_c_is_one_line_exit_130_and_the_rerun_resumes(tmp_path):
   args = _bin_args(out, *libs, workers=2)
   proc = _start(args, start_new_session=True,  # its own process group, like a terminal's job
                 preexec_fn=_default_sigint)
-  _wait_for(proc, out / output_dir.WORK / "corpus-00000.json")
+  resume = _held_after_first_chunk(proc, out)
   os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the tool and its workers
+  resume()
   _, err = proc.communicate(timeout=60)
   assert proc.returncode == 130, err
   err = err.strip()
@@ -318,9 +331,10 @@ def test_a_run_killed_or_terminated_leaves_no_process_and_the_rerun_is_byte_iden
   args = _bin_args(out, *small_elves(), workers=2)
   proc = _start(args, start_new_session=True)  # its group: what the run started, and only that
   try:
-    _wait_for(proc, out / output_dir.WORK / "corpus-00000.json")
+    resume = _held_after_first_chunk(proc, out)
     assert len(alive_in_group(proc.pid)) >= 3  # the tool, its worker, the resource tracker
     SENDS[how](proc.pid)
+    resume()
     _, err = proc.communicate(timeout=60)
     assert wait_until_gone(proc.pid) == []
   finally:
@@ -348,13 +362,12 @@ def test_a_second_preparation_into_one_output_is_refused_naming_the_first(
   args = _bin_args(out, *small_elves(), workers=2)
   first = _start(args, start_new_session=True)
   try:
-    _wait_for(first, out / output_dir.WORK / "corpus-00000.json")
-    os.killpg(first.pid, signal.SIGSTOP)  # mid-run, for as long as the second tries
+    resume = _held_after_first_chunk(first, out)  # mid-run, for as long as the second tries
     for extra in ([], ["--overwrite"]):
       err = one_line(cli("prepare_binary.py", *args, *extra))
       assert f"output {str(out)!r} is in use by a single-node preparation (pid {first.pid} on " \
              f"host {socket.gethostname()}, since " in err and "choose another --output" in err
-    os.killpg(first.pid, signal.SIGCONT)
+    resume()
     _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
   finally:
