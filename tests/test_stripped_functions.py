@@ -20,7 +20,9 @@ from lmscale_jax.prep import prepare
 from lmscale_jax.prep.elf import eh_frame, elf_corpus, elf_functions
 
 pytestmark = pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("clang")
-                                     and shutil.which("strip")), reason="needs gcc, clang, strip")
+                                     and shutil.which("strip")),
+                                reason="needs gcc, clang and strip (apt-get install clang; "
+                                       "tools/test.sh installs it where it runs as root)")
 
 SOURCE = r"""
 #include <stdio.h>

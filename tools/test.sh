@@ -20,13 +20,19 @@ fi
 export LMSCALE_HF_PYTHON="$PWD/.venv-hf/bin/python"
 # The page's browser test (tests/test_serve_page.py) drives Debian's Chromium through Playwright,
 # in a venv of its own, .venv-browser (playwright only: its wheel carries its driver; the browser
-# is the system's, never `playwright install`'s download). Chromium is installed when missing
-# and this runs as root with apt-get; otherwise those tests skip, saying how to install it.
-if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "test: installing chromium (Debian's package) for the page's browser test, once" >&2
-  log="${TMPDIR:-/tmp}/lmscale-apt-chromium.log"
-  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
-    >"$log" 2>&1 || echo "test: apt-get install chromium failed ($log); the browser tests skip" >&2
+# is the system's, never `playwright install`'s download). The stripped-binary tests
+# (tests/test_stripped_functions.py) compile with gcc and clang, the two compilers of the
+# similarity corpora: a machine with gcc only (this project's machine image as it boots) skipped them all.
+# What is missing of the two is installed when this runs as root with apt-get (about a minute,
+# once); otherwise those tests skip, saying what they need.
+missing=()
+command -v chromium >/dev/null || missing+=(chromium)
+command -v clang >/dev/null || missing+=(clang)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "test: installing ${missing[*]} (Debian's packages) for the browser and stripped-binary tests, once" >&2
+  log="${TMPDIR:-/tmp}/lmscale-apt.log"
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"; } \
+    >"$log" 2>&1 || echo "test: apt-get install ${missing[*]} failed ($log); their tests skip" >&2
 fi
 if [ ! -f .venv-browser/.lmscale-installed ]; then
   "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')" -m venv .venv-browser
