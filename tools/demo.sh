@@ -21,7 +21,7 @@ export JAX_PLATFORMS=cpu
 # at 3% it holds 667 records, 20 distinct batches (measured 2026-12-04).
 if [ ! -f "$dir/data/metadata.json" ]; then
   .venv/bin/lmscale prepare binary --input /usr/lib/x86_64-linux-gnu /usr/bin \
-    --output "$dir/data" --seq-len 128 --vocab-size 4096 --val-fraction 0.03 \
+    --output "$dir/data" --seq-len 128 --val-fraction 0.03 \
     --max-input-bytes $(( ${DEMO_MB:-24} * 1000000 )) --overwrite
 fi
 .venv/bin/lmscale inspect-data "$dir/data" --verify

@@ -21,6 +21,7 @@ class PrepareOptions:
   output: str
   seq_len: int = 512
   vocab_size: int = 8192
+  vocab_size_given: bool = True   # asked for (--vocab-size): a smaller vocabulary is then said
   tokenizer: str = ""             # a given tokenizer.json; empty = train one
   tokenizer_model: str = "wordpiece"
   tokenizer_sample_mb: int = 64
@@ -40,7 +41,7 @@ class PrepareOptions:
 
   def output_params(self) -> dict:
     """Everything that determines the output bytes (a resume must match them)."""
-    skip = {"workers", "overwrite", "progress", "output"}
+    skip = {"workers", "overwrite", "progress", "output", "vocab_size_given"}
     d = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
     if d["compression"] == "zstd":  # the bytes of every run before the option: resumes match
       del d["compression"]
