@@ -22,14 +22,15 @@ export LMSCALE_HF_PYTHON="$PWD/.venv-hf/bin/python"
 # in a venv of its own, .venv-browser (playwright only: its wheel carries its driver; the browser
 # is the system's, never `playwright install`'s download). The stripped-binary tests
 # (tests/test_stripped_functions.py) compile with gcc and clang, the two compilers of the
-# similarity corpora: a machine with gcc only (this project's machine image as it boots) skipped them all.
-# What is missing of the two is installed when this runs as root with apt-get (about a minute,
-# once); otherwise those tests skip, saying what they need.
+# similarity corpora: on a machine with gcc only (this project's image as it boots) they all
+# skipped. What is missing of the two is installed when this runs as root with apt-get (about
+# a minute, once); otherwise those tests skip, saying what they need.
 missing=()
 command -v chromium >/dev/null || missing+=(chromium)
 command -v clang >/dev/null || missing+=(clang)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "test: installing ${missing[*]} (Debian's packages) for the browser and stripped-binary tests, once" >&2
+  echo "test: installing ${missing[*]} (Debian's packages) for the browser and" \
+    "stripped-binary tests, once" >&2
   log="${TMPDIR:-/tmp}/lmscale-apt.log"
   { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"; } \
     >"$log" 2>&1 || echo "test: apt-get install ${missing[*]} failed ($log); their tests skip" >&2

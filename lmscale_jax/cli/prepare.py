@@ -38,12 +38,6 @@ its stage's units; a rerun redoes only the units without a completion marker.
 """
 
 
-# A binary vocabulary is its corpus's distinct instruction words (store/tokenizer.py), about
-# 1,000-1,200 on this machine's libraries (24 MB: 1,058; 64 MB, the tokenizer's sample: 1,208),
-# so 8192 is only a ceiling; text's is BERT's.
-DEFAULT_VOCAB = {"binary": 8192, "text": 30522}
-
-
 def parser(kind: str) -> argparse.ArgumentParser:
   what = "ELF files or directories" if kind == "binary" else ".txt / .jsonl files"
   p = args.Parser(prog=f"lmscale prepare {kind}",
@@ -53,8 +47,8 @@ def parser(kind: str) -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=args.number(int, *prep_options.SEQ_LEN), default=512)
   p.add_argument("--vocab-size", type=args.number(int, 7, 65535), default=None,
                  help="tokenizer vocabulary to train, at most (<= 65535; default "
-                 f"{DEFAULT_VOCAB[kind]}; at least the 6 special tokens and the corpus's "
-                 "alphabet, BPE's 256 bytes: a smaller one is refused)")
+                 f"{prep_options.DEFAULT_VOCAB[kind]}; at least the 6 special tokens and the "
+                 "corpus's alphabet, BPE's 256 bytes: a smaller one is refused)")
   p.add_argument("--tokenizer", default="", metavar="tokenizer.json",
                  help="use this tokenizer instead of training one")
   p.add_argument("--tokenizer-model", choices=["wordpiece", "bpe"], default="wordpiece")
@@ -94,7 +88,7 @@ def parser(kind: str) -> argparse.ArgumentParser:
 def options(kind: str, a: argparse.Namespace) -> prep_options.PrepareOptions:
   return prep_options.PrepareOptions(
       kind=kind, inputs=a.input, output=a.output, seq_len=a.seq_len,
-      vocab_size=DEFAULT_VOCAB[kind] if a.vocab_size is None else a.vocab_size,
+      vocab_size=prep_options.DEFAULT_VOCAB[kind] if a.vocab_size is None else a.vocab_size,
       vocab_size_given=a.vocab_size is not None,
       tokenizer=a.tokenizer, tokenizer_model=a.tokenizer_model,
       tokenizer_sample_mb=a.tokenizer_sample_mb, workers=a.workers, compression=a.compression,

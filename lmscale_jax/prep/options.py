@@ -14,13 +14,20 @@ from lmscale_jax.store import dataset, file_io
 from lmscale_jax.store import tokenizer as toklib
 
 
+# --vocab-size when none is given: a ceiling, not a request (prepare.warn_small_vocabulary says
+# nothing of it). A binary vocabulary is its corpus's distinct instruction words
+# (store/tokenizer.py), about 1,000-1,200 on this machine's libraries (24 MB: 1,058; 64 MB, the
+# tokenizer's sample: 1,208); text's is BERT's.
+DEFAULT_VOCAB = {"binary": 8192, "text": 30522}
+
+
 @dataclasses.dataclass
 class PrepareOptions:
   kind: str                       # "binary" | "text"
   inputs: list
   output: str
   seq_len: int = 512
-  vocab_size: int = 8192
+  vocab_size: int = DEFAULT_VOCAB["binary"]
   vocab_size_given: bool = True   # asked for (--vocab-size): a smaller vocabulary is then said
   tokenizer: str = ""             # a given tokenizer.json; empty = train one
   tokenizer_model: str = "wordpiece"
