@@ -16,6 +16,9 @@ class _Hidden:
   def close(self) -> None:
     pass
 
+  def unpause(self) -> None:
+    pass
+
 
 def bar(shown: bool, **kwargs):
   """A tqdm bar updated by hand (``update``/``close``), or one that draws nothing."""
@@ -33,6 +36,18 @@ def over(items, shown: bool, **kwargs):
   from tqdm import tqdm
 
   return tqdm(items, **kwargs)
+
+
+def clocked_from_first(items, bar):
+  """``items`` as they come, ``bar``'s clock (its rate, its time left) started when the first
+  arrives: a pass's start-up (spawned workers, a first disassembly) is not its rate. The demo's
+  extract bar opened at "43:22:36" left, 496 bytes done in its first 3 s, for 12 s of work."""
+  items = iter(items)
+  for first in items:
+    bar.unpause()  # tqdm: the time since its last redraw, here its opening one, is not counted
+    yield first
+    break
+  yield from items
 
 
 def end_bars() -> None:

@@ -271,7 +271,8 @@ def extract(o: PrepareOptions, work: str, files: list[str], skipped: dict, secon
                      unit_scale=True, desc="extract")
   whole = None
   with input_errors():
-    results = itertools.chain.from_iterable(pmap(extract_files, batches(tasks, sizes)))
+    results = progress.clocked_from_first(
+        itertools.chain.from_iterable(pmap(extract_files, batches(tasks, sizes))), bar)
     for (i, args), (res, out) in zip(tasks, results):
       t0 = time.perf_counter()
       for stage, s in res.seconds.items():
