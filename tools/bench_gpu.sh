@@ -14,7 +14,9 @@
 # (the paper's recipe); 4. A/B variants while time remains (Hopper XLA flags, the earlier
 # cuDNN bias mask, rbg dropout); 5. the loader: a real 120M training run on a generated
 # dataset with data.autotune, its input-wait fraction; 6. lmscale max-batch for 350M on the
-# GPU; 7. lmscale index's embedding throughput (OUTDIR/index_throughput.json). Results: OUTDIR/gpu_check.json (the self-check's report),
+# GPU; 7. lmscale index's embedding throughput (OUTDIR/index_throughput.json); 8. lmscale
+# serve's dynamic batching against lmscale embed (OUTDIR/serve_batching.json).
+# Results: OUTDIR/gpu_check.json (the self-check's report),
 # OUTDIR/<date>-gpu-bench.jsonl (one object per measurement: system, model, batch, seq,
 # samples_per_sec, mfu, peak_mem_gb, device, …, the 350M step's top device ops
 # from its jax.profiler trace), OUTDIR/summary.{json,md} (the table, also on stdout),
@@ -268,6 +270,20 @@ if [ "$(left)" -gt 60 ]; then
     run index_throughput 150 "$PY" benchmarks/bench_search.py index --tiny-run "$WORK/tiny_run" \
       --elf $ELFS --out "$OUT/index_throughput.json"
   fi
+fi
+
+# --- 8. lmscale serve on the GPU: issue 56's batching goals, which a CPU cannot show (there a
+# pass of 32 rows costs more a row than one of 8, so batching saves nothing at half load, and
+# the model shares its core with HTTP): POST /api/embed of 1 and 8 texts, 50 clients and half
+# load, beside lmscale embed's throughput on the same functions (OUTDIR/serve_batching.json);
+# the tests' tiny model of step 7, an index of libz by it -------------------------------------
+LIBZ=/usr/lib/x86_64-linux-gnu/libz.so.1
+if [ "$(left)" -gt 120 ] && [ -d "$WORK/tiny_run/run" ] && [ -f "$LIBZ" ]; then
+  run serve_index 90 "$PY" -m lmscale_jax.cli.lmscale index --workdir "$WORK/tiny_run/run" \
+    --elf "$LIBZ" --output "$WORK/serve_index"
+  run serve_batching 240 "$PY" benchmarks/bench_serve.py --workdir "$WORK/tiny_run/run" \
+    --index "$WORK/serve_index" --elf "$LIBZ" --requests 0 --batch-texts 1 8 \
+    --batch-functions 2000 --out "$OUT/serve_batching.json"
 fi
 
 # --- table --------------------------------------------------------------------------------

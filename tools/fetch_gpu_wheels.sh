@@ -7,8 +7,14 @@
 # The image (see the device notes) has Python 3.12, jax/jaxlib (CUDA), flax, optax,
 # orbax-checkpoint, etils, absl-py, cloudpickle, protobuf, PyYAML, psutil, tokenizers, torch
 # and transformers; it lacks grain (+ portpicker), array-record, ml-collections and
-# tensorboardX (and pytest, for the GPU-only tests bench_gpu.sh runs). Wheels are fetched without dependencies, for that interpreter, at the
-# versions this repository is tested with; one version of each.
+# tensorboardX (and pytest, for the GPU-only tests bench_gpu.sh runs), and what lmscale index
+# and serve import (its 2026-11-17 package list has none of them): pyelftools and iced-x86 (the
+# ELF reader and decoder; capstone, the compiled pretokenizer's), FastAPI with starlette and
+# pydantic, uvicorn with httptools, python-multipart, orjson. Without those, bench_gpu.sh's
+# index, serve tests and serve benchmark would each stop at an import (6 MB of wheels). Not
+# faiss-cpu (25 MB): only an index of many functions searches through it. Wheels are fetched
+# without dependencies, for that interpreter, at the versions this repository is tested with;
+# one version of each.
 set -euo pipefail
 source "$(dirname "$0")/_no_arguments.sh" "$0" "$@"  # --help, or no arguments at all
 cd "$(dirname "$0")/.."
@@ -23,7 +29,10 @@ $PIP download -q --no-deps --only-binary=:all: --python-version "$PYVER" --imple
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux1_x86_64 --platform any -d .gpu/wheels \
   grain==0.2.18 array-record==0.8.6 ml-collections==1.1.0 tensorboardX==2.6.5 \
-  portpicker==1.6.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+  portpicker==1.6.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 \
+  pyelftools==0.33 iced-x86==1.21.0 capstone==5.0.9 fastapi==0.165.0 starlette==1.10.0 \
+  pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+  uvicorn==0.55.0 httptools==0.9.0 python-multipart==0.0.34 orjson==3.13.0
 for peer in ../shared/bench/peer_hf_bert.py /work/shared/bench/peer_hf_bert.py; do
   if [ -f "$peer" ]; then install -m 644 "$peer" .gpu/peer_hf_bert.py; break; fi
 done
